@@ -1,0 +1,35 @@
+# Two entry points a newcomer needs: `make serve` and `make test`.
+# Both create .venv on first use and are no-ops for set-up afterwards.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.radixmux-installed
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU build on machines without an NVIDIA driver:
+# an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install -q torch; \
+	else \
+		$(PIP) install -q torch==2.13.0; \
+	fi
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: setup
+	$(PY) launch.py $(ARGS)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/bench_radix.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,116 @@
+"""The physical KV arena: one byte buffer that every runner process maps.
+
+On CPU the buffer is a shared-memory file (``/dev/shm`` where it exists),
+created by the scheduler's side with mode 0600 and mapped ``MAP_SHARED`` by each
+runner, so K/V written by one process are read by another without copying.
+The interface is device-neutral: callers get torch tensors and never touch the
+file. A CUDA arena (one allocation shared through CUDA IPC) will implement the
+same ``ArenaSpec`` / ``KVArena.attach`` / ``view`` contract once a GPU can test it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+
+import msgspec
+import torch
+
+from radixmux.memory.layout import BlockGeometry
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Block sizes are kept a multiple of this so every dtype view is aligned.
+BLOCK_ALIGN = 4096
+
+
+class ArenaSpec(msgspec.Struct, frozen=True):
+    """What a process needs to map an existing arena (sent to runners)."""
+
+    path: str
+    num_blocks: int
+    block_bytes: int
+    device: str = "cpu"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+def default_arena_dir() -> str:
+    """Shared memory where the OS has it, else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class KVArena:
+    """A mapped arena. Create it once (``create``), attach from other processes."""
+
+    def __init__(self, spec: ArenaSpec, owner: bool) -> None:
+        if spec.device != "cpu":
+            raise NotImplementedError(
+                f"arena device {spec.device!r}: only 'cpu' (shared-memory file) is implemented"
+            )
+        self.spec = spec
+        self.owner = owner
+        flat = torch.from_file(spec.path, shared=True, size=spec.total_bytes, dtype=torch.uint8)
+        self.bytes = flat.view(spec.num_blocks, spec.block_bytes)
+
+    @classmethod
+    def create(
+        cls, num_blocks: int, block_bytes: int, directory: str | None = None
+    ) -> KVArena:
+        """Create a zero-filled arena file of ``num_blocks * block_bytes`` bytes."""
+        if num_blocks <= 0:
+            raise ValueError("an arena needs at least one block")
+        if block_bytes <= 0 or block_bytes % BLOCK_ALIGN:
+            raise ValueError(f"block_bytes must be a positive multiple of {BLOCK_ALIGN}")
+        directory = directory or default_arena_dir()
+        path = os.path.join(directory, f"radixmux-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, num_blocks * block_bytes)
+        finally:
+            os.close(fd)
+        return cls(ArenaSpec(path, num_blocks, block_bytes), owner=True)
+
+    @classmethod
+    def attach(cls, spec: ArenaSpec) -> KVArena:
+        """Map an arena another process created."""
+        if not os.path.exists(spec.path):
+            raise FileNotFoundError(f"KV arena {spec.path} does not exist (was it destroyed?)")
+        return cls(spec, owner=False)
+
+    def view(self, geometry: BlockGeometry) -> torch.Tensor:
+        """This arena seen with one model's layout.
+
+        Shape ``[num_blocks, num_layers, 2, slots_per_block, num_kv_heads,
+        head_dim]``; a strided view into the shared bytes (writes land in the
+        arena). Blocks the model does not own are visible too: the scheduler,
+        not the view, decides which slots a model may touch.
+        """
+        geometry.check()
+        if geometry.block_bytes != self.spec.block_bytes:
+            raise ValueError("geometry block size differs from the arena's")
+        lay = geometry.layout
+        used = geometry.slots_per_block * lay.bytes_per_token
+        typed = self.bytes[:, :used].view(_TORCH_DTYPES[lay.dtype])
+        return typed.view(
+            self.spec.num_blocks,
+            lay.num_layers,
+            2,
+            geometry.slots_per_block,
+            lay.num_kv_heads,
+            lay.head_dim,
+        )
+
+    def destroy(self) -> None:
+        """Remove the backing file (owner only); live mappings stay valid until dropped."""
+        if self.owner and os.path.exists(self.spec.path):
+            os.unlink(self.spec.path)
+
+    def __enter__(self) -> KVArena:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()

@@ -1,0 +1,75 @@
+"""Per-model KV layout: how one model's K/V for a token are laid out in the arena.
+
+The arena is cut into fixed-size blocks. A block owned by a model holds
+``slots_per_block`` token slots for it, stored as one array of shape
+``[num_layers, 2, slots_per_block, num_kv_heads, head_dim]`` (K is index 0 on
+the second axis, V index 1). Slot ``s`` of a model lives in block
+``s // slots_per_block`` at offset ``s % slots_per_block``.
+
+Keeping layers outermost inside a block means a runner reads one layer's K (or
+V) for many slots with a single gather over ``(block, offset)`` pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """The shape of one model's KV per token; equal layouts can share slots."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}; one of {sorted(DTYPE_SIZES)}")
+        if min(self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"KV layout dimensions must be positive: {self}")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take across every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    """How a layout is carved into the arena's blocks at a given page size."""
+
+    layout: KVLayout
+    block_bytes: int
+    page_size: int
+
+    @property
+    def slots_per_block(self) -> int:
+        """Whole pages of slots that fit in one block."""
+        pages = self.block_bytes // (self.layout.bytes_per_token * self.page_size)
+        return pages * self.page_size
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.slots_per_block // self.page_size
+
+    @property
+    def wasted_bytes_per_block(self) -> int:
+        """Tail of each block too small for another page of this layout."""
+        return self.block_bytes - self.slots_per_block * self.layout.bytes_per_token
+
+    def check(self) -> None:
+        if self.slots_per_block == 0:
+            raise ValueError(
+                f"a block of {self.block_bytes} bytes cannot hold one page of "
+                f"{self.page_size} tokens at {self.layout.bytes_per_token} bytes per token; "
+                "raise the block size or lower the page size"
+            )

@@ -1,0 +1,1 @@
+"""radixmux.model_runners"""
