@@ -57,9 +57,7 @@ class KVArena:
         self.bytes = flat.view(spec.num_blocks, spec.block_bytes)
 
     @classmethod
-    def create(
-        cls, num_blocks: int, block_bytes: int, directory: str | None = None
-    ) -> KVArena:
+    def create(cls, num_blocks: int, block_bytes: int, directory: str | None = None) -> KVArena:
         """Create a zero-filled arena file of ``num_blocks * block_bytes`` bytes."""
         if num_blocks <= 0:
             raise ValueError("an arena needs at least one block")

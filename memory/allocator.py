@@ -1,0 +1,279 @@
+"""The logical side of the KV arena: blocks, pages and slots, owned by the scheduler.
+
+The arena is ``num_blocks`` blocks of ``block_bytes`` each. A block is free
+(on the global free list) or owned by exactly one *pool*; a pool is the KV of
+one set of identical weights (the KV-share key), so replicas of a model share
+a pool. An owned block is carved into whole pages of that pool's token slots
+(see ``BlockGeometry``). The allocator hands out and takes back whole pages;
+when the last page of a block is freed the block goes back to the global
+free list, so memory moves to whichever model is hot.
+
+Everything here is metadata: no tensor is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixmux.memory.layout import BlockGeometry, KVLayout
+
+SlotArray = np.ndarray  # 1-D int64 slot ids of one pool
+
+
+@dataclass
+class _Pool:
+    key: str
+    geometry: BlockGeometry
+    floor_blocks: int
+    cap_blocks: int
+    # Free page indices (within the block) of blocks this pool owns; full
+    # blocks have an empty list. Dict order is the order blocks were taken.
+    free_pages: dict[int, list[int]] = field(default_factory=dict)
+    free_page_count: int = 0
+    page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """Memory one pool holds right now."""
+
+    key: str
+    blocks: int
+    used_slots: int
+    free_slots_in_blocks: int  # stranded in partly used blocks: fragmentation
+    bytes_per_token: int
+    slots_per_block: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_slots * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class ArenaUsage:
+    """Memory of the whole arena right now."""
+
+    num_blocks: int
+    block_bytes: int
+    free_blocks: int
+    pools: dict[str, PoolUsage]
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def fragmented_slots(self) -> int:
+        return sum(p.free_slots_in_blocks for p in self.pools.values())
+
+    @property
+    def fragmented_bytes(self) -> int:
+        return sum(p.free_slots_in_blocks * p.bytes_per_token for p in self.pools.values())
+
+
+class KVAllocator:
+    """Allocates token slots for pools out of one arena's blocks.
+
+    ``alloc`` returns ``None`` when there is no room, so the caller can evict
+    and retry. Requests are rounded up to whole pages (``page_size`` slots).
+    Per pool, an optional floor (bytes other pools may not take from it) and
+    cap (bytes it may not exceed) keep a cold model warm and a hot one bounded.
+    """
+
+    def __init__(self, num_blocks: int, block_bytes: int, page_size: int = 1) -> None:
+        if num_blocks <= 0 or block_bytes <= 0 or page_size <= 0:
+            raise ValueError("num_blocks, block_bytes and page_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.page_size = page_size
+        self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._block_owner: list[str | None] = [None] * num_blocks
+        self._block_used = np.zeros(num_blocks, dtype=np.int64)  # pages used by owner
+        self._pools: dict[str, _Pool] = {}
+
+    # ---- pools -------------------------------------------------------------
+    def register(
+        self,
+        key: str,
+        layout: KVLayout,
+        floor_bytes: int = 0,
+        cap_bytes: int | None = None,
+    ) -> BlockGeometry:
+        """Add a pool (idempotent for the same layout); returns its geometry."""
+        geometry = BlockGeometry(layout, self.block_bytes, self.page_size)
+        geometry.check()
+        if key in self._pools:
+            if self._pools[key].geometry != geometry:
+                raise ValueError(f"pool {key!r} already registered with another layout")
+            return geometry
+        floor_blocks = math.ceil(floor_bytes / self.block_bytes)
+        cap_blocks = self.num_blocks if cap_bytes is None else cap_bytes // self.block_bytes
+        if cap_blocks < floor_blocks:
+            raise ValueError(f"pool {key!r}: cap is below floor")
+        reserved = sum(p.floor_blocks for p in self._pools.values()) + floor_blocks
+        if reserved > self.num_blocks:
+            raise ValueError(f"pool floors need {reserved} blocks; the arena has {self.num_blocks}")
+        pages = self.num_blocks * geometry.pages_per_block
+        self._pools[key] = _Pool(
+            key, geometry, floor_blocks, cap_blocks, page_used=np.zeros(pages, dtype=bool)
+        )
+        return geometry
+
+    def geometry(self, key: str) -> BlockGeometry:
+        return self._pool(key).geometry
+
+    def _pool(self, key: str) -> _Pool:
+        try:
+            return self._pools[key]
+        except KeyError:
+            raise KeyError(f"unknown KV pool {key!r}") from None
+
+    # ---- allocation --------------------------------------------------------
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _blocks_available(self, pool: _Pool) -> int:
+        """Free blocks this pool may take: respects its cap and others' floors."""
+        owned = len(pool.free_pages)
+        reserved_for_others = sum(
+            max(0, p.floor_blocks - len(p.free_pages))
+            for p in self._pools.values()
+            if p is not pool
+        )
+        by_global = len(self._free_blocks) - reserved_for_others
+        return max(0, min(by_global, pool.cap_blocks - owned))
+
+    def free_slots_for(self, key: str) -> int:
+        """Slots an ``alloc`` for this pool could get right now."""
+        pool = self._pool(key)
+        pages = pool.free_page_count + self._blocks_available(pool) * pool.geometry.pages_per_block
+        return pages * self.page_size
+
+    def can_alloc(self, key: str, n_tokens: int) -> bool:
+        return self.free_slots_for(key) >= self.pages_for(n_tokens) * self.page_size
+
+    def alloc(self, key: str, n_tokens: int) -> SlotArray | None:
+        """``n_tokens`` rounded up to whole pages of slots, or None if no room."""
+        pool = self._pool(key)
+        need = self.pages_for(n_tokens)
+        if need == 0:
+            return np.zeros(0, dtype=np.int64)
+        ppb = pool.geometry.pages_per_block
+        short = need - pool.free_page_count
+        new_blocks = max(0, -(-short // ppb))
+        if new_blocks > self._blocks_available(pool):
+            return None
+        for _ in range(new_blocks):
+            block = self._free_blocks.pop()
+            self._block_owner[block] = key
+            pool.free_pages[block] = list(range(ppb - 1, -1, -1))
+            pool.free_page_count += ppb
+        pages = []
+        for block, free in pool.free_pages.items():
+            if not free:
+                continue
+            take = free[-need:] if need < len(free) else free[:]
+            del free[len(free) - len(take) :]
+            self._block_used[block] += len(take)
+            pages.append(block * ppb + np.asarray(take, dtype=np.int64))
+            need -= len(take)
+            if need == 0:
+                break
+        page_ids = np.concatenate(pages)
+        pool.free_page_count -= len(page_ids)
+        pool.page_used[page_ids] = True
+        return self._page_slots(page_ids)
+
+    def _page_slots(self, page_ids: np.ndarray) -> SlotArray:
+        p = self.page_size
+        if p == 1:
+            return page_ids
+        return (page_ids[:, None] * p + np.arange(p, dtype=np.int64)).ravel()
+
+    def free(self, key: str, slots: SlotArray) -> None:
+        """Return whole pages of slots; empty blocks go back to the arena."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return
+        pool = self._pool(key)
+        p = self.page_size
+        page_ids = np.unique(slots // p)
+        if page_ids.size * p != slots.size:
+            raise ValueError(f"free of {slots.size} slots is not whole distinct pages of {p}")
+        if page_ids[0] < 0 or page_ids[-1] >= pool.page_used.size:
+            raise ValueError("slot id out of the arena's range")
+        if not pool.page_used[page_ids].all():
+            raise ValueError(f"double free or foreign slots for pool {key!r}")
+        pool.page_used[page_ids] = False
+        ppb = pool.geometry.pages_per_block
+        blocks, first, counts = np.unique(page_ids // ppb, return_index=True, return_counts=True)
+        for block, start, count in zip(
+            blocks.tolist(), first.tolist(), counts.tolist(), strict=True
+        ):
+            self._block_used[block] -= count
+            if self._block_used[block] == 0:
+                pool.free_page_count -= len(pool.free_pages.pop(block))
+                self._block_owner[block] = None
+                self._free_blocks.append(block)
+            else:
+                pages = page_ids[start : start + count] - block * ppb
+                pool.free_pages[block].extend(pages.tolist())
+                pool.free_page_count += count
+
+    # ---- accounting ----------------------------------------------------------
+    def allocated_slots(self, key: str) -> SlotArray:
+        """Every slot currently allocated to this pool (for invariant checks)."""
+        pool = self._pool(key)
+        return self._page_slots(np.flatnonzero(pool.page_used).astype(np.int64))
+
+    def pool_usage(self, key: str) -> PoolUsage:
+        pool = self._pool(key)
+        geo = pool.geometry
+        blocks = len(pool.free_pages)
+        free_slots = pool.free_page_count * self.page_size
+        return PoolUsage(
+            key=key,
+            blocks=blocks,
+            used_slots=blocks * geo.slots_per_block - free_slots,
+            free_slots_in_blocks=free_slots,
+            bytes_per_token=geo.layout.bytes_per_token,
+            slots_per_block=geo.slots_per_block,
+        )
+
+    def usage(self) -> ArenaUsage:
+        return ArenaUsage(
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            free_blocks=len(self._free_blocks),
+            pools={k: self.pool_usage(k) for k in self._pools},
+        )
+
+    def check(self) -> None:
+        """Raise AssertionError if block and page bookkeeping disagree."""
+        assert len(set(self._free_blocks)) == len(self._free_blocks), "block freed twice"
+        for block in self._free_blocks:
+            assert self._block_owner[block] is None, f"free block {block} has an owner"
+            assert self._block_used[block] == 0, f"free block {block} has used pages"
+        owned = sum(len(p.free_pages) for p in self._pools.values())
+        assert owned + len(self._free_blocks) == self.num_blocks, "blocks lost or duplicated"
+        for pool in self._pools.values():
+            ppb = pool.geometry.pages_per_block
+            assert len(pool.free_pages) <= pool.cap_blocks, f"pool {pool.key} over its cap"
+            free_count = 0
+            for block, free in pool.free_pages.items():
+                assert self._block_owner[block] == pool.key, f"block {block} owner mismatch"
+                used = pool.page_used[block * ppb : (block + 1) * ppb]
+                assert len(set(free)) == len(free), f"page listed free twice in block {block}"
+                assert not used[free].any(), f"block {block}: a used page is on the free list"
+                assert int(used.sum()) == self._block_used[block] == ppb - len(free)
+                assert self._block_used[block] > 0, f"empty block {block} not returned"
+                free_count += len(free)
+            assert free_count == pool.free_page_count, f"pool {pool.key} free count drifted"
+            mask = np.ones(self.num_blocks, dtype=bool)
+            mask[list(pool.free_pages)] = False
+            assert not pool.page_used.reshape(self.num_blocks, ppb)[mask].any(), (
+                f"pool {pool.key} marks pages used in blocks it does not own"
+            )

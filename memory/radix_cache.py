@@ -1,0 +1,670 @@
+"""The unified radix tree: one prefix cache shared by every served model.
+
+Edges are token-id sequences (stored as packed int32 bytes, so comparing an
+edge is one ``memcmp``). Under the root there is one namespace per tokenizer
+compatibility group: models whose tokenizers are identical share paths. Each
+node holds, per *cache*, that cache's KV slot ids for the node's tokens, a lock
+count, the last access time and a hit count. A cache is the KV of one set of
+identical weights: replicas of a model share it, so a prefix one replica
+computed is a hit for the other.
+
+Per cache the cached entries are prefix-closed: if a node holds a cache's
+entry, so does its parent. So ``match`` walks down while the model has KV, and
+eviction only ever removes leaf-most entries of a cache.
+
+The tree is single-threaded by design (the scheduler's event loop owns it);
+requests hold ``CacheHandle`` locks on the path they use instead of mutexes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixmux.memory.allocator import KVAllocator
+from radixmux.memory.eviction import EntryFacts, get_policy
+from radixmux.memory.layout import KVLayout
+
+Tokens = Sequence[int] | np.ndarray | bytes
+EVICTION_REASONS = ("capacity", "invalidation", "flush")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A served model as the cache sees it.
+
+    ``group`` is the tokenizer fingerprint (compatibility group), ``kv_key`` the
+    weights fingerprint: models with equal ``kv_key`` share KV and a pool.
+    """
+
+    name: str
+    group: str
+    kv_key: str
+    layout: KVLayout
+    priority: float = 1.0
+    cost_per_token: float = 1.0
+    floor_bytes: int = 0
+    cap_bytes: int | None = None
+
+
+class _Entry:
+    __slots__ = ("child_refs", "hits", "last_access", "lock_ref", "slots")
+
+    def __init__(self, slots: np.ndarray, last_access: float) -> None:
+        self.slots = slots
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.hits = 0
+        self.child_refs = 0  # children holding an entry of the same cache
+
+
+class Node:
+    """A tree node: an edge of tokens and the caches that hold KV for it."""
+
+    __slots__ = ("children", "entries", "key", "parent")
+
+    def __init__(self, key: bytes, parent: Node | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.entries: dict[int, _Entry] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // 4
+
+
+@dataclass(frozen=True)
+class CacheHandle:
+    """A matched path for one cache: what a request locks and later inserts from."""
+
+    node: Node
+    cache_id: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix: its length, its slot ids, and a handle to lock."""
+
+    length: int
+    slots: np.ndarray
+    handle: CacheHandle
+
+
+@dataclass
+class ModelCounters:
+    """Match statistics of one model."""
+
+    matches: int = 0
+    hits: int = 0
+    misses: int = 0
+    tokens_queried: int = 0
+    tokens_matched: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tokens_matched / self.tokens_queried if self.tokens_queried else 0.0
+
+
+@dataclass
+class CacheStats:
+    """A snapshot of the cache's counters (feeds ``/metrics``)."""
+
+    per_model: dict[str, ModelCounters]
+    cached_tokens: dict[str, int]  # per model (replicas report their shared cache)
+    cached_bytes: dict[str, int]
+    nodes: int
+    evicted_tokens: dict[str, int]  # by reason
+    total: ModelCounters = field(default_factory=ModelCounters)
+
+
+@dataclass
+class _Cache:
+    pool: str
+    bytes_per_token: int
+    models: set[str]
+    cached_tokens: int = 0
+    leaves: set[Node] = field(default_factory=set)  # nodes whose entry has no child entry
+
+    @property
+    def orphaned(self) -> bool:
+        return not self.models
+
+
+def as_token_bytes(tokens: Tokens) -> bytes:
+    """Packed int32 bytes of a token sequence (the tree's edge format)."""
+    if isinstance(tokens, bytes):
+        return tokens
+    return np.asarray(tokens, dtype=np.int32).tobytes()
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """Number of leading int32 tokens two packed sequences share."""
+    n = min(len(a), len(b)) // 4
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    x = np.frombuffer(a, dtype=np.int32, count=n)
+    y = np.frombuffer(b, dtype=np.int32, count=n)
+    return int(np.argmin(x == y))
+
+
+class RadixCache:
+    """One radix tree over one KV allocator, shared by every registered model.
+
+    All lengths are in tokens. With ``page_size > 1`` matching and inserting
+    work in whole pages: a match stops at the last whole page, an insert must
+    be page-aligned.
+    """
+
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        eviction_policy: str = "lru",
+        half_life: float = 1000.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._page_bytes = 4 * self.page_size
+        self.eviction_policy = eviction_policy
+        self._score = get_policy(eviction_policy, half_life)
+        self._ticks = itertools.count(1)
+        self._clock = clock or (lambda: float(next(self._ticks)))
+        self._roots: dict[str, Node] = {}
+        self._models: dict[str, ModelSpec] = {}
+        self._model_cache: dict[str, int] = {}
+        self._kv_cache: dict[str, int] = {}  # kv_key -> current cache id
+        self._caches: dict[int, _Cache] = {}
+        self._next_cache = itertools.count()
+        self._counters: dict[str, ModelCounters] = {}
+        self._evicted: Counter[str] = Counter()
+        self._locks: Counter[tuple[Node, int]] = Counter()
+        self._nodes = 0
+
+    # ---- models ------------------------------------------------------------
+    def register_model(self, spec: ModelSpec) -> None:
+        """Add a model; one with the ``kv_key`` of another shares its cache."""
+        if spec.name in self._models:
+            raise ValueError(f"model {spec.name!r} is already registered")
+        geometry = self.allocator.register(
+            spec.kv_key, spec.layout, spec.floor_bytes, spec.cap_bytes
+        )
+        self._models[spec.name] = spec
+        self._roots.setdefault(spec.group, Node(b"", None))
+        cid = self._kv_cache.get(spec.kv_key)
+        if cid is None or self._caches[cid].orphaned:
+            cid = self._new_cache(spec.kv_key, geometry.layout.bytes_per_token)
+            self._kv_cache[spec.kv_key] = cid
+        self._caches[cid].models.add(spec.name)
+        self._model_cache[spec.name] = cid
+        self._counters[spec.name] = ModelCounters()
+
+    def _new_cache(self, pool: str, bytes_per_token: int) -> int:
+        cid = next(self._next_cache)
+        self._caches[cid] = _Cache(pool, bytes_per_token, set())
+        return cid
+
+    def model(self, name: str) -> ModelSpec:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise KeyError(f"unknown model {name!r}; registered: {sorted(self._models)}") from None
+
+    def pool_of(self, model: str) -> str:
+        """The allocator pool (KV-share key) that holds this model's slots."""
+        return self.model(model).kv_key
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    # ---- match ---------------------------------------------------------------
+    def match(self, model: str, tokens: Tokens) -> MatchResult:
+        """Longest prefix of ``tokens`` (whole pages) for which ``model`` has KV.
+
+        O(prefix length): one dict lookup and one edge compare per node. A match
+        ending inside an edge splits the node there, so the handle's path is
+        exactly the matched tokens. Updates access times, hit counts, counters.
+        """
+        spec = self.model(model)
+        cid = self._model_cache[model]
+        q = as_token_bytes(tokens)
+        limit = (len(q) // self._page_bytes) * self._page_bytes
+        now = self._clock()
+        node = self._roots[spec.group]
+        pos = 0
+        parts: list[np.ndarray] = []
+        while pos < limit:
+            child = node.children.get(q[pos : pos + self._page_bytes])
+            if child is None or cid not in child.entries:
+                break
+            klen = len(child.key)
+            partial = pos + klen > limit or q[pos : pos + klen] != child.key
+            if partial:
+                # The first page matched (it is the child's dict key), so the
+                # page-aligned common part is at least one page.
+                common = _common_tokens(child.key, q[pos:limit])
+                child = self._split(child, common - common % self.page_size)
+                klen = len(child.key)
+            entry = child.entries[cid]
+            entry.last_access = now
+            entry.hits += 1
+            parts.append(entry.slots)
+            pos += klen
+            node = child
+            if partial:
+                break
+        length = pos // 4
+        self._count_match(model, len(q) // 4, length)
+        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return MatchResult(length, slots, CacheHandle(node, cid, length))
+
+    def _count_match(self, model: str, queried: int, matched: int) -> None:
+        c = self._counters[model]
+        c.matches += 1
+        c.tokens_queried += queried
+        c.tokens_matched += matched
+        if matched:
+            c.hits += 1
+        else:
+            c.misses += 1
+
+    def _split(self, child: Node, ntok: int) -> Node:
+        """Cut ``child``'s edge after ``ntok`` tokens; returns the new upper node.
+
+        Every cache's entry splits with it; the upper part inherits lock counts
+        (every lock through the child passes through it), access time and hits.
+        """
+        parent = child.parent
+        assert parent is not None and 0 < ntok < child.num_tokens
+        cut = ntok * 4
+        upper = Node(child.key[:cut], parent)
+        parent.children[child.key[: self._page_bytes]] = upper
+        child.key = child.key[cut:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        for cid, entry in child.entries.items():
+            top = _Entry(entry.slots[:ntok].copy(), entry.last_access)
+            top.lock_ref = entry.lock_ref
+            top.hits = entry.hits
+            top.child_refs = 1
+            entry.slots = entry.slots[ntok:].copy()
+            upper.entries[cid] = top
+        self._nodes += 1
+        # Lock handles point at nodes, never at the part that moved up, so
+        # they stay valid: a handle on `child` still covers both halves.
+        return upper
+
+    # ---- lock ----------------------------------------------------------------
+    def lock(self, handle: CacheHandle) -> None:
+        """Protect every entry on the handle's path from eviction."""
+        node = handle.node
+        while node.parent is not None:
+            node.entries[handle.cache_id].lock_ref += 1
+            node = node.parent
+        self._locks[(handle.node, handle.cache_id)] += 1
+
+    def unlock(self, handle: CacheHandle) -> None:
+        """Release a ``lock``; entries of an invalidated model are freed at once."""
+        key = (handle.node, handle.cache_id)
+        if self._locks[key] <= 0:
+            raise ValueError("unlock of a handle that is not locked")
+        self._locks[key] -= 1
+        if not self._locks[key]:
+            del self._locks[key]
+        node = handle.node
+        while node.parent is not None:
+            node.entries[handle.cache_id].lock_ref -= 1
+            node = node.parent
+        cache = self._caches[handle.cache_id]
+        if cache.orphaned:
+            self._evict_from(handle.cache_id, "invalidation")
+
+    # ---- insert --------------------------------------------------------------
+    def insert(
+        self,
+        model: str,
+        tokens: Tokens,
+        slots: np.ndarray,
+        prefix: CacheHandle | None = None,
+    ) -> int:
+        """Cache ``tokens`` whose KV the caller wrote at ``slots``.
+
+        ``prefix`` is the handle of the caller's earlier match (its first
+        ``prefix.length`` slots belong to the tree already). Afterwards the
+        caller owns none of ``slots``: new ones are adopted by the tree, and
+        ones that duplicate KV the tree already holds are freed here. Returns
+        how many leading tokens were already cached for this model.
+        ``tokens`` must be whole pages.
+        """
+        spec = self.model(model)
+        q = as_token_bytes(tokens)
+        n = len(q) // 4
+        slots = np.asarray(slots, dtype=np.int64)
+        if n % self.page_size:
+            raise ValueError(f"insert of {n} tokens is not whole pages of {self.page_size}")
+        if len(slots) != n:
+            raise ValueError(f"{n} tokens but {len(slots)} slots")
+        owned = prefix.length if prefix is not None else 0
+        cid = prefix.cache_id if prefix is not None else self._model_cache[model]
+        if self._caches[cid].orphaned:
+            # The model was invalidated while this request ran: its KV is stale.
+            self.allocator.free(spec.kv_key, slots[owned:])
+            return n
+        now = self._clock()
+        node = self._roots[spec.group]
+        pos = 0
+        cached = 0
+        while pos < n:
+            b = pos * 4
+            child = node.children.get(q[b : b + self._page_bytes])
+            if child is None:
+                child = Node(q[b:], node)
+                node.children[q[b : b + self._page_bytes]] = child
+                self._nodes += 1
+            else:
+                common = _common_tokens(child.key, q[b:])
+                common -= common % self.page_size
+                if common < child.num_tokens:
+                    child = self._split(child, common)
+            klen = child.num_tokens
+            entry = child.entries.get(cid)
+            if entry is None:
+                self._add_entry(child, cid, slots[pos : pos + klen].copy(), now)
+            else:
+                entry.last_access = now
+                dup = slots[max(pos, owned) : pos + klen]
+                if dup.size:
+                    self.allocator.free(spec.kv_key, dup)
+                cached = pos + klen
+            node = child
+            pos += klen
+        return cached
+
+    def _add_entry(self, node: Node, cid: int, slots: np.ndarray, now: float) -> None:
+        node.entries[cid] = _Entry(slots, now)
+        cache = self._caches[cid]
+        cache.cached_tokens += len(slots)
+        cache.leaves.add(node)
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+            up = parent.entries[cid]
+            up.child_refs += 1
+            cache.leaves.discard(parent)
+
+    def _remove_entry(self, node: Node, cid: int, reason: str) -> int:
+        entry = node.entries.pop(cid)
+        assert entry.lock_ref == 0 and entry.child_refs == 0
+        cache = self._caches[cid]
+        self.allocator.free(cache.pool, entry.slots)
+        cache.cached_tokens -= len(entry.slots)
+        cache.leaves.discard(node)
+        self._evicted[reason] += len(entry.slots)
+        parent = node.parent
+        assert parent is not None
+        if parent.parent is not None:
+            up = parent.entries[cid]
+            up.child_refs -= 1
+            if up.child_refs == 0:
+                cache.leaves.add(parent)
+        if not node.entries:
+            assert not node.children
+            del parent.children[node.key[: self._page_bytes]]
+            self._nodes -= 1
+        return len(entry.slots)
+
+    # ---- eviction ------------------------------------------------------------
+    def _facts(self, node: Node, cid: int) -> EntryFacts:
+        entry = node.entries[cid]
+        cache = self._caches[cid]
+        specs = [self._models[m] for m in cache.models]
+        return EntryFacts(
+            last_access=entry.last_access,
+            hits=entry.hits,
+            tokens=len(entry.slots),
+            bytes_per_token=cache.bytes_per_token,
+            cost_per_token=max((s.cost_per_token for s in specs), default=1.0),
+            priority=max((s.priority for s in specs), default=1.0),
+            orphaned=cache.orphaned,
+        )
+
+    def _evict(
+        self,
+        caches: Iterable[int],
+        enough: Callable[[int, int], bool],
+        reason: str,
+        under: Node | None = None,
+    ) -> tuple[int, int]:
+        """Evict leaf entries of ``caches`` by policy until ``enough(tokens, bytes)``.
+
+        With ``under``, only entries in that node's subtree are candidates.
+        Returns (tokens, bytes) freed.
+        """
+        now = self._clock()
+        order = itertools.count()
+        heap: list[tuple[tuple[float, ...], int, Node, int]] = []
+
+        def push(node: Node, cid: int) -> None:
+            entry = node.entries[cid]
+            if entry.lock_ref or entry.child_refs:
+                return
+            if under is not None and not _is_under(node, under):
+                return
+            heapq.heappush(heap, (self._score(self._facts(node, cid), now), next(order), node, cid))
+
+        for cid in caches:
+            for node in list(self._caches[cid].leaves):
+                push(node, cid)
+        tokens = nbytes = 0
+        while heap and not enough(tokens, nbytes):
+            _, _, node, cid = heapq.heappop(heap)
+            parent = node.parent
+            freed = self._remove_entry(node, cid, reason)
+            tokens += freed
+            nbytes += freed * self._caches[cid].bytes_per_token
+            if parent is not None and parent.parent is not None and cid in parent.entries:
+                push(parent, cid)
+        return tokens, nbytes
+
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0, reason: str = "capacity") -> int:
+        """Free unlocked entries across all models, by policy, until at least
+        ``num_tokens`` tokens or ``num_bytes`` bytes are free. Returns tokens freed."""
+        if reason not in EVICTION_REASONS:
+            raise ValueError(f"unknown eviction reason {reason!r}")
+
+        def enough(t: int, b: int) -> bool:
+            return (num_tokens > 0 and t >= num_tokens) or (num_bytes > 0 and b >= num_bytes)
+
+        if num_tokens <= 0 and num_bytes <= 0:
+            return 0
+        return self._evict(list(self._caches), enough, reason)[0]
+
+    def evict_for(self, model: str, num_tokens: int) -> bool:
+        """Evict (by policy, across models) until ``num_tokens`` slots can be
+        allocated for ``model``. False if locked entries leave too little room."""
+        pool = self.pool_of(model)
+        while not self.allocator.can_alloc(pool, num_tokens):
+            short = self.allocator.pages_for(num_tokens) * self.page_size
+            short -= self.allocator.free_slots_for(pool)
+            if self.evict(num_tokens=max(short, self.page_size)) == 0:
+                return False
+        return True
+
+    def _evict_from(self, cid: int, reason: str, under: Node | None = None) -> int:
+        return self._evict([cid], lambda t, b: False, reason, under)[0]
+
+    # ---- invalidation ----------------------------------------------------------
+    def invalidate(self, model: str) -> int:
+        """Drop every cached entry of ``model`` (e.g. new weights); other models,
+        replicas included, keep theirs. Entries locked by running requests are
+        unmatchable from now on and freed when their last lock goes. Returns
+        tokens freed now."""
+        spec = self.model(model)
+        old = self._model_cache[model]
+        cache = self._caches[old]
+        cache.models.discard(model)
+        new = self._new_cache(spec.kv_key, cache.bytes_per_token)
+        self._caches[new].models.add(model)
+        self._model_cache[model] = new
+        if self._kv_cache[spec.kv_key] == old and cache.orphaned:
+            self._kv_cache[spec.kv_key] = new
+        return self._evict_from(old, "invalidation") if cache.orphaned else 0
+
+    def invalidate_prefix(self, group: str, tokens: Tokens) -> int:
+        """Drop every unlocked entry (all models of ``group``) whose path starts
+        with ``tokens``. Locked entries stay. Returns tokens freed."""
+        root = self._roots.get(group)
+        if root is None:
+            return 0
+        q = as_token_bytes(tokens)
+        node, pos = root, 0
+        while pos < len(q):
+            child = node.children.get(q[pos : pos + self._page_bytes])
+            if child is None:
+                if len(q) - pos >= self._page_bytes:
+                    return 0
+                # A partial first page: every child starting with it matches.
+                return sum(
+                    self._drop_subtree(c)
+                    for k, c in list(node.children.items())
+                    if k.startswith(q[pos:])
+                )
+            common = _common_tokens(child.key, q[pos:]) * 4
+            if common < min(len(child.key), len(q) - pos):
+                return 0
+            node, pos = child, pos + len(child.key)
+        return self._drop_subtree(node) if node is not root else self.flush("invalidation", group)
+
+    def _drop_subtree(self, top: Node, reason: str = "invalidation") -> int:
+        cids = {cid for n in _walk(top) for cid in n.entries}
+        return sum(self._evict_from(cid, reason, under=top) for cid in cids)
+
+    def flush(self, reason: str = "flush", group: str | None = None) -> int:
+        """Drop every unlocked entry (of one group, or all). Returns tokens freed."""
+        roots = [self._roots[group]] if group is not None else list(self._roots.values())
+        return sum(self._drop_subtree(r, reason) for r in roots)
+
+    # ---- statistics ------------------------------------------------------------
+    def cached_tokens(self, model: str) -> int:
+        return self._caches[self._model_cache[model]].cached_tokens
+
+    @property
+    def num_nodes(self) -> int:
+        return self._nodes
+
+    def stats(self) -> CacheStats:
+        per_model = {m: ModelCounters(**vars(c)) for m, c in self._counters.items()}
+        total = ModelCounters()
+        for c in per_model.values():
+            for k, v in vars(c).items():
+                setattr(total, k, getattr(total, k) + v)
+        cached = {m: self.cached_tokens(m) for m in self._models}
+        return CacheStats(
+            per_model=per_model,
+            cached_tokens=cached,
+            cached_bytes={
+                m: t * self._caches[self._model_cache[m]].bytes_per_token for m, t in cached.items()
+            },
+            nodes=self._nodes,
+            evicted_tokens={r: self._evicted[r] for r in EVICTION_REASONS},
+            total=total,
+        )
+
+    def python_bytes(self) -> int:
+        """Approximate Python heap the tree's nodes and entries take."""
+        total = 0
+        for root in self._roots.values():
+            for node in _walk(root):
+                total += sys.getsizeof(node) + sys.getsizeof(node.key)
+                total += sys.getsizeof(node.children) + sys.getsizeof(node.entries)
+                for entry in node.entries.values():
+                    total += sys.getsizeof(entry) + entry.slots.nbytes + 112
+        return total
+
+    # ---- invariants ------------------------------------------------------------
+    def check_invariants(self, held: Mapping[str, Iterable[np.ndarray]] | None = None) -> None:
+        """Raise AssertionError if the tree, its locks or the allocator disagree.
+
+        ``held`` maps a pool (``pool_of(model)``) to the slot arrays live
+        requests own outside the tree; when given, every allocated slot must
+        be exactly one of: in the tree, held by a request.
+        """
+        self.allocator.check()
+        expected_locks: Counter[tuple[int, int]] = Counter()
+        for (node, cid), count in self._locks.items():
+            n = node
+            while n.parent is not None:
+                expected_locks[(id(n), cid)] += count
+                n = n.parent
+        tree_slots: dict[str, list[np.ndarray]] = {}
+        tokens: Counter[int] = Counter()
+        leaves: dict[int, set[Node]] = {cid: set() for cid in self._caches}
+        nodes = 0
+        for root in self._roots.values():
+            assert not root.entries, "a root holds KV"
+            for node in _walk(root):
+                if node is root:
+                    continue
+                nodes += 1
+                parent = node.parent
+                assert (
+                    parent is not None and parent.children.get(node.key[: self._page_bytes]) is node
+                ), "parent/child links broken"
+                assert node.key and len(node.key) % self._page_bytes == 0, "edge not whole pages"
+                assert node.entries, "node with no entries left in the tree"
+                for cid, entry in node.entries.items():
+                    assert len(entry.slots) == node.num_tokens, "entry size != edge size"
+                    if parent.parent is not None:
+                        assert cid in parent.entries, "cache not prefix-closed"
+                    refs = sum(cid in c.entries for c in node.children.values())
+                    assert entry.child_refs == refs, "child_refs drifted"
+                    if refs == 0:
+                        leaves[cid].add(node)
+                    assert entry.lock_ref == expected_locks[(id(node), cid)], (
+                        f"lock count {entry.lock_ref} != live locks "
+                        f"{expected_locks[(id(node), cid)]}"
+                    )
+                    assert entry.lock_ref >= 0
+                    tree_slots.setdefault(self._caches[cid].pool, []).append(entry.slots)
+                    tokens[cid] += len(entry.slots)
+        assert nodes == self._nodes, f"node count {self._nodes} != {nodes}"
+        for cid, cache in self._caches.items():
+            assert cache.cached_tokens == tokens[cid], "cached token count drifted"
+            assert cache.leaves == leaves[cid], "leaf index drifted"
+        for pool in {s.kv_key for s in self._models.values()}:
+            in_tree = np.concatenate(tree_slots.get(pool, [np.zeros(0, np.int64)]))
+            assert len(np.unique(in_tree)) == len(in_tree), f"pool {pool}: slot in tree twice"
+            allocated = self.allocator.allocated_slots(pool)
+            assert np.isin(in_tree, allocated).all(), f"pool {pool}: tree holds a free slot"
+            if held is None:
+                continue
+            req = np.concatenate([np.zeros(0, np.int64), *map(np.asarray, held.get(pool, ()))])
+            both = np.concatenate([in_tree, req]).astype(np.int64)
+            assert len(np.unique(both)) == len(both), f"pool {pool}: slot owned twice"
+            assert np.array_equal(np.sort(both), allocated), (
+                f"pool {pool}: {len(allocated)} slots allocated but "
+                f"{len(in_tree)} in tree + {len(req)} held by requests"
+            )
+
+
+def _walk(root: Node) -> Iterable[Node]:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def _is_under(node: Node | None, top: Node) -> bool:
+    while node is not None:
+        if node is top:
+            return True
+        node = node.parent
+    return False

@@ -1,0 +1,114 @@
+"""The logical arena: blocks owned by one pool at a time, pages, floors and caps."""
+
+import numpy as np
+import pytest
+
+from radixmux.memory.allocator import KVAllocator
+from radixmux.memory.layout import KVLayout
+
+SMALL = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16)  # 256 B/token -> 16 per block
+BIG = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16)  # 1 KiB/token -> 4 per block
+
+
+def make(num_blocks: int = 8, page_size: int = 1) -> KVAllocator:
+    alloc = KVAllocator(num_blocks, 4096, page_size)
+    alloc.register("a", SMALL)
+    alloc.register("b", BIG)
+    return alloc
+
+
+def test_alloc_free_returns_block_to_global_list() -> None:
+    alloc = make()
+    s = alloc.alloc("a", 20)
+    assert s is not None and len(s) == 20 and len(np.unique(s)) == 20
+    assert alloc.usage().free_blocks == 6
+    assert alloc.pool_usage("a").free_slots_in_blocks == 12
+    alloc.check()
+    alloc.free("a", s[:10])
+    alloc.check()
+    alloc.free("a", s[10:])
+    alloc.check()
+    assert alloc.usage().free_blocks == 8
+    assert alloc.pool_usage("a").blocks == 0
+
+
+def test_memory_moves_between_models() -> None:
+    alloc = make(num_blocks=4)
+    a = alloc.alloc("a", 64)  # all four blocks
+    assert a is not None
+    assert alloc.alloc("b", 1) is None
+    alloc.free("a", a[:16])  # the first block taken, whole
+    alloc.check()
+    freed_blocks = alloc.usage().free_blocks
+    b = alloc.alloc("b", 4 * freed_blocks)
+    assert freed_blocks == 1 and b is not None
+    alloc.check()
+
+
+def test_slots_map_to_blocks_owned_by_one_pool() -> None:
+    alloc = make()
+    a = alloc.alloc("a", 16)
+    b = alloc.alloc("b", 4)
+    assert a is not None and b is not None
+    a_blocks = set((a // 16).tolist())
+    b_blocks = set((b // 4).tolist())
+    assert a_blocks.isdisjoint(b_blocks)
+
+
+def test_alloc_none_when_full_and_double_free_rejected() -> None:
+    alloc = make(num_blocks=1)
+    s = alloc.alloc("a", 16)
+    assert s is not None
+    assert alloc.alloc("a", 1) is None
+    assert not alloc.can_alloc("a", 1)
+    alloc.free("a", s[:1])
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free("a", s[:1])
+    with pytest.raises(KeyError):
+        alloc.alloc("zzz", 1)
+
+
+def test_pages_are_whole() -> None:
+    alloc = KVAllocator(4, 4096, page_size=4)
+    alloc.register("a", SMALL)
+    s = alloc.alloc("a", 5)
+    assert s is not None and len(s) == 8
+    pages = s.reshape(-1, 4)
+    assert (pages - pages[:, :1] == np.arange(4)).all()
+    assert (pages[:, 0] % 4 == 0).all()
+    with pytest.raises(ValueError, match="whole"):
+        alloc.free("a", s[:3])
+    alloc.free("a", s)
+    alloc.check()
+
+
+def test_floor_and_cap() -> None:
+    alloc = KVAllocator(4, 4096)
+    alloc.register("cold", SMALL, floor_bytes=4096)  # keeps one block
+    alloc.register("hot", BIG, cap_bytes=2 * 4096)  # at most two blocks
+    assert alloc.alloc("hot", 12) is None  # three blocks: over the cap
+    h = alloc.alloc("hot", 8)
+    assert h is not None
+    alloc.register("other", KVLayout(1, 1, 16))
+    # One block is left beside the cold floor; "other" may not take the floor's block.
+    assert alloc.alloc("other", 2 * (4096 // 128)) is None
+    assert alloc.alloc("other", 4096 // 128) is not None
+    assert alloc.alloc("cold", 16) is not None
+    alloc.check()
+
+
+def test_fragmentation_reports_stranded_slots() -> None:
+    alloc = make()
+    s = alloc.alloc("a", 32)
+    assert s is not None
+    alloc.free("a", s[::2])
+    usage = alloc.usage()
+    assert usage.fragmented_slots == 16
+    assert usage.fragmented_bytes == 16 * SMALL.bytes_per_token
+    assert usage.pools["a"].used_bytes == 16 * SMALL.bytes_per_token
+
+
+def test_register_conflicting_layout_rejected() -> None:
+    alloc = make()
+    with pytest.raises(ValueError, match="another layout"):
+        alloc.register("a", BIG)
