@@ -1,0 +1,98 @@
+"""Load a model for serving: by short name, from a local HF folder, or a GGUF file."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixmux.memory.layout import KVLayout
+from radixmux.model_runners import fetch
+from radixmux.model_runners.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from radixmux.model_runners.info import ModelInfo, eos_ids, sliding_windows
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and the ``ModelInfo`` describing them."""
+
+    model: Any
+    tokenizer: Any
+    info: ModelInfo
+    source: str
+    load_seconds: float
+
+
+def resolve(source: str) -> tuple[Path, str | None]:
+    """Map a model source to ``(folder, gguf_file_name_or_None)``.
+
+    A known short name is fetched (converted once) into the cache; a ``.gguf``
+    path is loaded directly (slow: de-quantised on every load).
+    """
+    if source in fetch.EMBEDDED:
+        return fetch.fetch(source, progress=False), None
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    raise FileNotFoundError(
+        f"model source {source!r} is neither a known short name "
+        f"({', '.join(sorted(fetch.EMBEDDED))}), a HF folder with config.json, nor a .gguf file"
+    )
+
+
+def kv_layout(config: Any, dtype: str) -> KVLayout:
+    """The arena layout one token of this model needs."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> ModelInfo:
+    """Build the ``ModelInfo`` (layout, limits, fingerprints) of a loaded model."""
+    config = model.config
+    return ModelInfo(
+        name=name,
+        architecture=type(model).__name__,
+        layout=kv_layout(config, dtype),
+        context_length=int(getattr(config, "max_position_embeddings", 0) or 0),
+        sliding_windows=sliding_windows(config),
+        vocab_size=int(config.vocab_size),
+        eos_token_ids=eos_ids(config, getattr(model, "generation_config", None), tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",
+        kv_share_key=weights_fingerprint(model),
+        has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        dtype=dtype,
+        device=device,
+    )
+
+
+def load_model(
+    source: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    name: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: one of {sorted(DTYPES)}")
+    t0 = time.perf_counter()
+    folder, gguf = resolve(source)
+    extra = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=DTYPES[dtype], attn_implementation=attn_implementation, **extra
+    )
+    model.to(device).eval()
+    info = describe(model, tokenizer, name or source, dtype, device)
+    return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

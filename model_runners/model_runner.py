@@ -1,0 +1,207 @@
+"""Runs one ``ForwardBatch`` through a transformers model with KV in the arena."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixmux.model_runners.loader import LoadedModel
+from radixmux.model_runners.paged_attention import (
+    ATTN_NAME,
+    ExtendSeq,
+    PagedBatch,
+    paged_batch,
+)
+from radixmux.model_runners.protocol import (
+    ForwardBatch,
+    ForwardResult,
+    SeqInput,
+    SeqOutput,
+    unpack_ids,
+)
+from radixmux.model_runners.sampling import sample
+
+
+class BatchError(ValueError):
+    """A ForwardBatch that cannot be run as given (reported back, never fatal)."""
+
+
+@dataclass
+class _Seq:
+    tokens: np.ndarray
+    slots: np.ndarray
+    start_pos: int
+    output_ids: np.ndarray
+
+
+class ModelRunner:
+    """A loaded model bound to its view of the KV arena.
+
+    ``kv`` is ``KVArena.view(geometry)`` for this model's layout: ``[blocks,
+    layers, 2, slots_per_block, kv_heads, head_dim]``.
+    """
+
+    def __init__(self, loaded: LoadedModel, kv: torch.Tensor) -> None:
+        layout = loaded.info.layout
+        expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+        got = (kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
+        if got != expect:
+            raise ValueError(f"arena view {tuple(kv.shape)} does not match layout {layout}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.info = loaded.info
+        self.kv = kv
+        self.slots_per_block = kv.shape[3]
+        self.num_slots = kv.shape[0] * self.slots_per_block
+        self.device = next(self.model.parameters()).device
+        self.model.config._attn_implementation = ATTN_NAME
+        for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = ATTN_NAME
+
+    # ---- validation -------------------------------------------------------
+    def _decode(self, seq: SeqInput) -> _Seq:
+        tokens = unpack_ids(seq.new_tokens)
+        slots = unpack_ids(seq.slots)
+        n = len(tokens)
+        if n == 0:
+            raise BatchError(f"{seq.rid}: no new tokens")
+        if len(slots) < n:
+            raise BatchError(f"{seq.rid}: {len(slots)} slots for {n} new tokens")
+        if seq.start_pos < len(slots) - n:
+            raise BatchError(f"{seq.rid}: start_pos {seq.start_pos} before the cached prefix")
+        if slots.min() < 0 or slots.max() >= self.num_slots:
+            raise BatchError(f"{seq.rid}: slot ids outside [0, {self.num_slots})")
+        if tokens.min() < 0 or tokens.max() >= self.info.vocab_size:
+            raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")
+        if len(np.unique(slots)) != len(slots):
+            raise BatchError(f"{seq.rid}: repeated slot ids")
+        return _Seq(tokens, slots, seq.start_pos, unpack_ids(seq.output_ids))
+
+    # ---- batch preparation -----------------------------------------------
+    def _paged_batch(self, seqs: list[_Seq]) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+        spb = self.slots_per_block
+        lens = [len(s.tokens) for s in seqs]
+        row0 = np.concatenate([[0], np.cumsum(lens)])
+        input_ids = np.concatenate([s.tokens for s in seqs])
+        positions = np.concatenate(
+            [np.arange(s.start_pos, s.start_pos + len(s.tokens)) for s in seqs]
+        )
+        new_slots = np.concatenate([s.slots[-len(s.tokens) :] for s in seqs])
+
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        lmax = max((len(seqs[i].slots) for i in dec), default=0)
+        dec_slots = np.zeros((len(dec), lmax), dtype=np.int64)
+        dec_kpos = np.full((len(dec), lmax), -1, dtype=np.int64)
+        for r, i in enumerate(dec):
+            s = seqs[i]
+            L = len(s.slots)
+            dec_slots[r, lmax - L :] = s.slots
+            # Context keys end at the new token: positions end-L+1 .. end.
+            dec_kpos[r, lmax - L :] = np.arange(s.start_pos - L + 1, s.start_pos + 1)
+        dec_slots_t = torch.from_numpy(dec_slots)
+
+        extends = []
+        for i, n in enumerate(lens):
+            if n == 1:
+                continue
+            s = seqs[i]
+            slots = torch.from_numpy(s.slots)
+            end = s.start_pos + n
+            extends.append(
+                ExtendSeq(
+                    start=int(row0[i]),
+                    end=int(row0[i + 1]),
+                    blk=slots // spb,
+                    off=slots % spb,
+                    k_pos=torch.arange(end - len(s.slots), end),
+                    q_pos=torch.arange(s.start_pos, end),
+                )
+            )
+        new_slots_t = torch.from_numpy(new_slots)
+        batch = PagedBatch(
+            kv=self.kv,
+            write_blk=new_slots_t // spb,
+            write_off=new_slots_t % spb,
+            dec_rows=torch.as_tensor(row0[dec], dtype=torch.int64),
+            dec_blk=dec_slots_t // spb,
+            dec_off=dec_slots_t % spb,
+            dec_k_pos=torch.from_numpy(dec_kpos),
+            dec_q_pos=torch.as_tensor(positions[row0[dec]], dtype=torch.int64)
+            if dec
+            else torch.empty(0, dtype=torch.int64),
+            extends=extends,
+        )
+        return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
+
+    # ---- forward ------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, seqs: list[SeqInput], rows: list[int] | None = None) -> torch.Tensor:
+        """Run the batch; return float32 logits ``[len(rows), vocab]`` at each
+        listed sequence's last new token (default: every sequence)."""
+        decoded = [self._decode(s) for s in seqs]
+        return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)
+
+    def _logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
+        batch, input_ids, positions = self._paged_batch(seqs)
+        ends = np.cumsum([len(s.tokens) for s in seqs]) - 1
+        keep = torch.as_tensor(ends[rows], dtype=torch.int64)
+        with paged_batch(batch):
+            out = self.model(
+                input_ids=input_ids[None].to(self.device),
+                position_ids=positions[None].to(self.device),
+                use_cache=False,
+                logits_to_keep=keep.to(self.device),
+            )
+        return out.logits[0].float().cpu()
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ForwardResult:
+        """Run one ForwardBatch and sample; a bad batch gives ``error`` set, never raises."""
+        t0 = time.perf_counter()
+        try:
+            seqs = [self._decode(s) for s in fb.seqs]
+            if not seqs:
+                raise BatchError("empty batch")
+            rows = [i for i, s in enumerate(fb.seqs) if s.sample]
+            logits = self._logits(seqs, rows)
+        except BatchError as exc:
+            return ForwardResult(fb.batch_id, error=str(exc))
+        t1 = time.perf_counter()
+        params = [fb.seqs[i].params for i in rows]
+        outs = [seqs[i].output_ids for i in rows]
+        picked = sample(logits, params, outs) if rows else None
+        outputs = []
+        by_row = {r: j for j, r in enumerate(rows)}
+        eos = set(self.info.eos_token_ids)
+        for i, s in enumerate(fb.seqs):
+            j = by_row.get(i)
+            if j is None or picked is None:
+                outputs.append(SeqOutput(s.rid, -1))
+                continue
+            token = int(picked.tokens[j])
+            p = s.params
+            finish = None
+            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+                finish = "stop"
+            elif len(seqs[i].output_ids) + 1 >= p.max_new_tokens:
+                finish = "length"
+            lp = float(picked.logprobs[j]) if picked.logprobs is not None and p.logprobs else None
+            top = None
+            if p.top_logprobs and picked.top_ids is not None:
+                ids = picked.top_ids[j, : p.top_logprobs].tolist()
+                vals = picked.top_logprobs[j, : p.top_logprobs].tolist()
+                top = list(zip(ids, vals, strict=True))
+            outputs.append(SeqOutput(s.rid, token, lp, top, finish))
+        t2 = time.perf_counter()
+        return ForwardResult(
+            fb.batch_id,
+            outputs,
+            forward_ms=(t1 - t0) * 1e3,
+            sample_ms=(t2 - t1) * 1e3,
+            num_tokens=sum(len(s.tokens) for s in seqs),
+        )

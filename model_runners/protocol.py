@@ -1,0 +1,124 @@
+"""Messages between the scheduler and a runner process (msgpack over ZeroMQ).
+
+Token and slot arrays travel as packed little-endian int32 bytes
+(:func:`pack_ids` / :func:`unpack_ids`); K/V never travel, they live in the arena.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from radixmux.model_runners.info import ModelInfo
+
+
+def pack_ids(ids: object) -> bytes:
+    """A sequence of ints as packed int32 bytes."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    """Packed int32 bytes back to an int64 array."""
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to pick a sequence's next token. Defaults mean greedy, no penalties.
+
+    ``temperature <= 0`` or ``top_k == 1`` is greedy. ``top_k = 0``, ``top_p =
+    1``, ``min_p = 0`` switch those filters off. Penalties apply over the
+    sequence's ``output_ids``. ``seed`` makes sampling reproducible: the same
+    seed, step and logits give the same token, whatever else is in the batch.
+    ``logprobs`` asks for the chosen token's log-probability and the
+    ``top_logprobs`` most likely alternatives.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    max_new_tokens: int = 128
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class SeqInput(msgspec.Struct, frozen=True):
+    """One sequence's part of a forward pass.
+
+    ``slots`` lists the arena slot of every context token, oldest first
+    (cached prefix then the new tokens); the last ``len(new_tokens)`` are where
+    the new tokens' K/V are written. ``start_pos`` is the position of the first
+    new token (normally ``len(slots) - len(new_tokens)``; larger when the
+    scheduler has dropped keys no layer can see any more). ``sample`` is False
+    for a prefill chunk that is not the prompt's last.
+    """
+
+    rid: str
+    new_tokens: bytes
+    slots: bytes
+    start_pos: int
+    sample: bool = True
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    output_ids: bytes = b""
+
+
+class ForwardBatch(msgspec.Struct, tag="forward", frozen=True):
+    """A ragged batch: any mix of prefill chunks and single-token decodes."""
+
+    batch_id: int
+    seqs: list[SeqInput]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """Asks the runner to exit cleanly."""
+
+
+class SeqOutput(msgspec.Struct, frozen=True):
+    """The sampled token of one sequence (``token_id == -1`` when not sampled).
+
+    ``finish_reason`` is ``"stop"`` (a stop / EOS token), ``"length"``
+    (``max_new_tokens`` reached with this token) or ``None``.
+    """
+
+    rid: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+class ForwardResult(msgspec.Struct, tag="result", frozen=True):
+    """The runner's answer to one ``ForwardBatch`` (outputs in batch order)."""
+
+    batch_id: int
+    outputs: list[SeqOutput] = msgspec.field(default_factory=list)
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    num_tokens: int = 0
+    error: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    """First message a runner sends once its model is loaded and the arena mapped."""
+
+    info: ModelInfo
+    pid: int
+    load_seconds: float
+    threads: int
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """Sent instead of ``Ready`` when start-up fails (then the runner exits)."""
+
+    error: str
+    pid: int
+
+
+RunnerRequest = ForwardBatch | Shutdown
+RunnerReply = Ready | Failed | ForwardResult

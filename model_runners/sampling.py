@@ -1,0 +1,136 @@
+"""Next-token sampling for a batch, vectorised over sequences.
+
+Order of operations (as in Hugging Face's logits processors): penalties,
+then temperature, top-k, top-p, min-p, then a draw. Log-probabilities are
+reported from the penalised distribution before temperature and filters, so
+they describe the model rather than the sampler settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixmux.model_runners.protocol import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class Sampled:
+    """Tokens for each row, plus log-probabilities where any row asked."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] chosen token's logprob
+    top_ids: torch.Tensor | None  # [B, n] most likely ids
+    top_logprobs: torch.Tensor | None  # [B, n]
+
+
+def _column(params: Sequence[SamplingParams], attr: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Sequence[np.ndarray]
+) -> torch.Tensor:
+    """Repetition (divide positive / multiply negative logits), frequency and presence penalties.
+
+    Every penalty counts the tokens in each row's ``output_ids``.
+    """
+    rep = _column(params, "repetition_penalty", torch.float32)
+    freq = _column(params, "frequency_penalty", torch.float32)
+    pres = _column(params, "presence_penalty", torch.float32)
+    active = (rep != 1) | (freq != 0) | (pres != 0)
+    longest = max((len(o) for o in output_ids), default=0)
+    if not bool(active.any()) or longest == 0:
+        return logits
+    rows, vocab = logits.shape
+    # Pad with an extra "vocab" column that is dropped after counting.
+    ids = np.full((rows, longest), vocab, dtype=np.int64)
+    for i, out in enumerate(output_ids):
+        if active[i]:
+            ids[i, : len(out)] = out
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.float32)
+    counts.scatter_add_(1, torch.from_numpy(ids), torch.ones(rows, longest))
+    counts = counts[:, :vocab]
+    present = counts > 0
+    penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+    logits = torch.where(present, penalised, logits)
+    return logits - freq[:, None] * counts - pres[:, None] * present.float()
+
+
+def _exponential_noise(
+    shape: tuple[int, int], params: Sequence[SamplingParams], steps: Sequence[int]
+) -> torch.Tensor:
+    # Drawing argmax(p / E) with E ~ Exp(1) picks index i with probability p_i.
+    noise = torch.empty(shape).exponential_()
+    for row, (p, step) in enumerate(zip(params, steps, strict=True)):
+        if p.seed is not None:
+            # A generator per seeded row keyed by (seed, step): the draw does not
+            # depend on what else is in the batch or on earlier requests.
+            g = torch.Generator().manual_seed((p.seed * _SEED_MIX + step) % (2**63))
+            noise[row] = torch.empty(shape[1]).exponential_(generator=g)
+    return noise
+
+
+def _filtered_draw(
+    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row."""
+    rows, vocab = logits.shape
+    temp = _column(params, "temperature", torch.float32)
+    top_k = _column(params, "top_k", torch.int64)
+    top_p = _column(params, "top_p", torch.float32)
+    min_p = _column(params, "min_p", torch.float32)
+    x = logits / temp[:, None]
+    filtered = bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any())
+    if not filtered:
+        noise = _exponential_noise((rows, vocab), params, steps)
+        return (x.softmax(-1) / noise).argmax(-1)
+    # Work in sorted order so all three filters are cumulative masks.
+    xs, order = x.sort(-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)
+    xs = xs.masked_fill(ranks >= k[:, None], float("-inf"))
+    ps = xs.softmax(-1)
+    # Keep a token while the mass strictly before it is below top_p (keeps >= 1).
+    xs = xs.masked_fill((ps.cumsum(-1) - ps) >= top_p[:, None], float("-inf"))
+    ps = xs.softmax(-1)
+    xs = xs.masked_fill(ps < min_p[:, None] * ps[:, :1], float("-inf"))
+    noise = _exponential_noise((rows, vocab), params, steps)
+    pick = (xs.softmax(-1) / noise).argmax(-1)
+    return order.gather(1, pick[:, None])[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[np.ndarray],
+) -> Sampled:
+    """Pick one token per row of ``logits`` ``[B, vocab]``.
+
+    ``output_ids[i]`` are the tokens row ``i`` generated so far (penalties,
+    and the step that keys a seeded draw).
+    """
+    logits = apply_penalties(logits.float(), params, output_ids)
+    tokens = logits.argmax(-1)
+    greedy = (_column(params, "temperature", torch.float32) <= 0) | (
+        _column(params, "top_k", torch.int64) == 1
+    )
+    if not bool(greedy.all()):
+        rows = (~greedy).nonzero()[:, 0]
+        sub = [params[i] for i in rows.tolist()]
+        steps = [len(output_ids[i]) for i in rows.tolist()]
+        tokens[rows] = _filtered_draw(logits[rows], sub, steps)
+
+    logprobs = top_ids = top_lp = None
+    if any(p.logprobs or p.top_logprobs for p in params):
+        lp = logits.log_softmax(-1)
+        logprobs = lp.gather(1, tokens[:, None])[:, 0]
+        n = max(p.top_logprobs for p in params)
+        if n:
+            top_lp, top_ids = lp.topk(n, dim=-1)
+    return Sampled(tokens, logprobs, top_ids, top_lp)

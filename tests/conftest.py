@@ -1,0 +1,161 @@
+"""Shared fixtures for the model-runner tests: arenas, tiny models, real models."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from radixmux.memory.arena import KVArena
+from radixmux.memory.layout import BlockGeometry
+from radixmux.model_runners.loader import LoadedModel, describe
+from radixmux.model_runners.model_runner import ModelRunner
+from radixmux.model_runners.protocol import SeqInput, pack_ids
+
+# Two cores shared with other work: one thread per test process.
+torch.set_num_threads(1)
+
+BLOCK_BYTES = 64 * 1024
+
+
+def tiny_config(kind: str, **overrides: object):
+    """A small random-weight config of one architecture family."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    if kind == "llama":
+        cfg = LlamaConfig(**{**common, **overrides})
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**{**common, "use_sliding_window": False, **overrides})
+    elif kind == "mistral":
+        cfg = MistralConfig(**{**common, "sliding_window": None, **overrides})
+    elif kind == "gemma3":
+        gemma = dict(
+            head_dim=16,
+            sliding_window=512,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        )
+        cfg = Gemma3TextConfig(**{**common, **gemma, **overrides})
+    else:
+        raise ValueError(kind)
+    return cfg
+
+
+def tiny_model(kind: str, seed: int = 0, dtype: str = "float32", **overrides: object):
+    """A random-weight causal LM wrapped as a ``LoadedModel`` (no tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(kind, **overrides)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    # Random init leaves some norms at exactly zero/one; perturb every weight so
+    # each layer matters to the output.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return LoadedModel(model, None, describe(model, None, kind, dtype, "cpu"), kind, 0.0)
+
+
+@contextlib.contextmanager
+def plain_attention(model) -> Iterator[None]:
+    """Temporarily run ``model`` with transformers' own SDPA attention."""
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = old
+
+
+@torch.inference_mode()
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of a plain transformers forward over ``ids`` (all positions)."""
+    with plain_attention(model):
+        out = model(input_ids=torch.tensor([ids]), use_cache=False)
+    return out.logits[0].float()
+
+
+class Sequences:
+    """Drives a runner the way the scheduler will: per-sequence ids and slots."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.pool = SlotPool(runner.num_slots, seed)
+        self.ids: dict[str, list[int]] = {}
+        self.slots: dict[str, list[int]] = {}
+
+    def step(self, work: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Append ``work[rid]`` to each sequence in one batch; logits at each last token."""
+        batch = []
+        for rid, new in work.items():
+            ids = self.ids.setdefault(rid, [])
+            slots = self.slots.setdefault(rid, [])
+            start = len(ids)
+            ids += new
+            slots += self.pool.take(len(new))
+            batch.append(seq(rid, new, list(slots), start))
+        logits = self.runner.logits(batch)
+        return {rid: logits[i] for i, rid in enumerate(work)}
+
+
+class SlotPool:
+    """Hands out arena slots in a shuffled order, so sequences straddle blocks."""
+
+    def __init__(self, num_slots: int, seed: int = 0) -> None:
+        self.free = list(np.random.default_rng(seed).permutation(num_slots))
+
+    def take(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        assert len(taken) == n, "test arena too small"
+        return [int(s) for s in taken]
+
+
+@pytest.fixture
+def arena() -> Iterator[KVArena]:
+    a = KVArena.create(num_blocks=64, block_bytes=BLOCK_BYTES)
+    try:
+        yield a
+    finally:
+        a.destroy()
+
+
+def make_runner(loaded: LoadedModel, arena: KVArena, page_size: int = 1) -> ModelRunner:
+    """Bind a loaded model to ``arena`` with its own layout."""
+    geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, page_size)
+    return ModelRunner(loaded, arena.view(geometry))
+
+
+def seq(
+    rid: str, new: list[int], slots: list[int], start: int, sample: bool = True, **kw
+) -> SeqInput:
+    """A SeqInput from plain lists."""
+    return SeqInput(rid, pack_ids(new), pack_ids(slots), start, sample, **kw)
+
+
+@pytest.fixture(scope="session")
+def real_models():
+    """Both embedded models, fetched once (converted into the cache) and loaded float32."""
+    from radixmux.model_runners.loader import load_model
+
+    models = {}
+    for name in ("smollm2", "gemma3-270m"):
+        models[name] = load_model(name, dtype="float32")
+    return models
+
+
+def pytest_configure(config) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
