@@ -1,0 +1,118 @@
+"""Sampling: greedy, temperature, top-k/p, min-p, penalties, seeds, logprobs, stops."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import SlotPool, make_runner, seq, tiny_model
+
+from radixmux.model_runners.protocol import ForwardBatch, SamplingParams
+from radixmux.model_runners.sampling import apply_penalties, sample
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def draw(logits, params, outs=None):
+    rows = logits.shape[0]
+    return sample(logits, [params] * rows, outs or [EMPTY] * rows)
+
+
+def test_greedy_and_top_k_one_pick_argmax():
+    logits = torch.randn(64, 500)
+    assert torch.equal(draw(logits, SamplingParams()).tokens, logits.argmax(-1))
+    hot = SamplingParams(temperature=1.5, top_k=1)
+    assert torch.equal(draw(logits, hot).tokens, logits.argmax(-1))
+
+
+def test_temperature_draws_follow_softmax():
+    base = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    tokens = draw(base.repeat(20000, 1), SamplingParams(temperature=1.0)).tokens
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert (freq - base.softmax(-1)).abs().max() < 0.015
+    # A low temperature sharpens towards the argmax.
+    cold = draw(base.repeat(20000, 1), SamplingParams(temperature=0.3)).tokens
+    assert (cold == 0).float().mean() > 0.95 > freq[0]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    base = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+    probs = base.softmax(-1)
+    many = base.repeat(5000, 1)
+    k2 = draw(many, SamplingParams(temperature=1.0, top_k=2)).tokens
+    assert set(k2.tolist()) == {0, 1}
+    # top_p: smallest prefix whose mass reaches p.
+    p = float(probs[:2].sum()) + 0.01
+    tp = draw(many, SamplingParams(temperature=1.0, top_p=p)).tokens
+    assert set(tp.tolist()) == {0, 1, 2}
+    mp = draw(many, SamplingParams(temperature=1.0, min_p=0.5)).tokens
+    allowed = set((probs >= 0.5 * probs.max()).nonzero()[:, 0].tolist())
+    assert set(mp.tolist()) == allowed and len(allowed) < 6
+
+
+def test_seed_is_deterministic_and_batch_independent():
+    logits = torch.randn(1, 1000)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = [int(draw(logits, seeded).tokens[0]) for _ in range(3)]
+    assert len(set(alone)) == 1
+    # The same request inside a batch of other (unseeded) requests.
+    mixed = torch.cat([torch.randn(5, 1000), logits])
+    params = [SamplingParams(temperature=1.0)] * 5 + [seeded]
+    in_batch = sample(mixed, params, [EMPTY] * 6).tokens[-1]
+    assert int(in_batch) == alone[0]
+    # Other seeds (or steps) give other draws across many tries.
+    flat = torch.zeros(1, 1000)
+    picks = {int(draw(flat, SamplingParams(temperature=1.0, seed=s)).tokens[0]) for s in range(20)}
+    assert len(picks) > 10
+    steps = {
+        int(sample(flat, [seeded], [np.zeros(n, dtype=np.int64)]).tokens[0]) for n in range(20)
+    }
+    assert len(steps) > 10
+
+
+def test_penalties():
+    logits = torch.tensor([[4.0, 3.0, -1.0, 0.5]])
+    outs = [np.array([0, 0, 2])]
+    rep = apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], outs)
+    assert torch.allclose(rep, torch.tensor([[2.0, 3.0, -2.0, 0.5]]))
+    freq = apply_penalties(logits, [SamplingParams(frequency_penalty=1.5)], outs)
+    assert torch.allclose(freq, torch.tensor([[1.0, 3.0, -2.5, 0.5]]))
+    pres = apply_penalties(logits, [SamplingParams(presence_penalty=1.5)], outs)
+    assert torch.allclose(pres, torch.tensor([[2.5, 3.0, -2.5, 0.5]]))
+    # Greedy picks change accordingly; rows without penalties are untouched.
+    both = torch.cat([logits, logits])
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams()]
+    assert sample(both, params, [outs[0], outs[0]]).tokens.tolist() == [1, 0]
+
+
+def test_logprobs_and_top_logprobs():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(logprobs=True, top_logprobs=4)] * 3
+    out = sample(logits, params, [EMPTY] * 3)
+    lp = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs, lp.max(-1).values)
+    assert torch.equal(out.top_ids, lp.topk(4).indices)
+
+
+def test_stop_tokens_and_max_new_tokens(arena):
+    loaded = tiny_model("llama", seed=3)
+    runner = make_runner(loaded, arena)
+    pool = SlotPool(runner.num_slots)
+    ids = torch.randint(0, 211, (10,)).tolist()
+    slots = pool.take(10)
+    first = runner.forward(ForwardBatch(1, [seq("a", ids, slots, 0)])).outputs[0]
+    stop = SamplingParams(stop_token_ids=[first.token_id])
+    length = SamplingParams(max_new_tokens=3)
+    res = runner.forward(
+        ForwardBatch(
+            2,
+            [
+                seq("stop", ids, slots, 0, params=stop),
+                seq("len", ids, slots, 0, params=length, output_ids=b"\x01\x00\x00\x00" * 2),
+                seq("more", ids, slots, 0, params=length, output_ids=b"\x01\x00\x00\x00"),
+                seq("quiet", ids, slots, 0, sample=False),
+            ],
+        )
+    )
+    reasons = [o.finish_reason for o in res.outputs]
+    assert reasons == ["stop", "length", None, None]
+    assert res.outputs[3].token_id == -1 and res.outputs[0].token_id == first.token_id
