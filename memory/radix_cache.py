@@ -518,29 +518,31 @@ class RadixCache:
         return self._evict_from(old, "invalidation") if cache.orphaned else 0
 
     def invalidate_prefix(self, group: str, tokens: Tokens) -> int:
-        """Drop every unlocked entry (all models of ``group``) whose path starts
-        with ``tokens``. Locked entries stay. Returns tokens freed."""
+        """Drop every unlocked entry (all models of ``group``) holding KV of
+        ``tokens`` or of any extension of it. KV is dropped in whole pages, so
+        with ``page_size > 1`` the page holding the first token of the last
+        partial page goes too. Locked entries stay. Returns tokens freed."""
         root = self._roots.get(group)
+        q = as_token_bytes(tokens)
+        n = len(q) // 4
         if root is None:
             return 0
-        q = as_token_bytes(tokens)
+        if n == 0:
+            return self.flush("invalidation", group)
+        cut = (n - 1) // self.page_size * self.page_size
         node, pos = root, 0
-        while pos < len(q):
-            child = node.children.get(q[pos : pos + self._page_bytes])
+        while pos < cut:
+            child = node.children.get(q[pos * 4 : (pos + self.page_size) * 4])
             if child is None:
-                if len(q) - pos >= self._page_bytes:
-                    return 0
-                # A partial first page: every child starting with it matches.
-                return sum(
-                    self._drop_subtree(c)
-                    for k, c in list(node.children.items())
-                    if k.startswith(q[pos:])
-                )
-            common = _common_tokens(child.key, q[pos:]) * 4
-            if common < min(len(child.key), len(q) - pos):
                 return 0
-            node, pos = child, pos + len(child.key)
-        return self._drop_subtree(node) if node is not root else self.flush("invalidation", group)
+            if _common_tokens(child.key, q[pos * 4 : cut * 4]) < min(child.num_tokens, cut - pos):
+                return 0
+            if child.num_tokens > cut - pos:
+                child = self._split(child, cut - pos)
+            node, pos = child, pos + child.num_tokens
+        rest = q[cut * 4 :]
+        hit = [c for k, c in node.children.items() if k.startswith(rest)]
+        return sum(self._drop_subtree(c) for c in hit)
 
     def _drop_subtree(self, top: Node, reason: str = "invalidation") -> int:
         cids = {cid for n in _walk(top) for cid in n.entries}
@@ -587,6 +589,31 @@ class RadixCache:
                 for entry in node.entries.values():
                     total += sys.getsizeof(entry) + entry.slots.nbytes + 112
         return total
+
+    def cache_id(self, model: str) -> int:
+        """The cache ``model`` reads and writes now (changes on ``invalidate``)."""
+        self.model(model)
+        return self._model_cache[model]
+
+    def dump(self) -> dict[int, dict[tuple[tuple[int, ...], int], int]]:
+        """Every cached token as ``{cache_id: {(page path, position): slot id}}``.
+
+        A token's key is the token path up to the end of its page and its
+        position, so tokens of different pages never collide (tests, debugging).
+        """
+        out: dict[int, dict[tuple[tuple[int, ...], int], int]] = {}
+        p = self.page_size
+        for root in self._roots.values():
+            stack: list[tuple[Node, tuple[int, ...]]] = [(root, ())]
+            while stack:
+                node, path = stack.pop()
+                toks = tuple(np.frombuffer(node.key, dtype=np.int32).tolist())
+                for cid, entry in node.entries.items():
+                    table = out.setdefault(cid, {})
+                    for j, slot in enumerate(entry.slots.tolist()):
+                        table[(path + toks[: (j // p + 1) * p], len(path) + j)] = slot
+                stack.extend((c, path + toks) for c in node.children.values())
+        return out
 
     # ---- invariants ------------------------------------------------------------
     def check_invariants(self, held: Mapping[str, Iterable[np.ndarray]] | None = None) -> None:
