@@ -29,8 +29,9 @@ class _Pool:
     geometry: BlockGeometry
     floor_blocks: int
     cap_blocks: int
-    # Free page indices (within the block) of blocks this pool owns; full
-    # blocks have an empty list. Dict order is the order blocks were taken.
+    blocks: set[int] = field(default_factory=set)
+    # Free page indices (within the block) of owned blocks that have any, so
+    # an alloc never walks past full blocks.
     free_pages: dict[int, list[int]] = field(default_factory=dict)
     free_page_count: int = 0
     page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
@@ -137,9 +138,9 @@ class KVAllocator:
 
     def _blocks_available(self, pool: _Pool) -> int:
         """Free blocks this pool may take: respects its cap and others' floors."""
-        owned = len(pool.free_pages)
+        owned = len(pool.blocks)
         reserved_for_others = sum(
-            max(0, p.floor_blocks - len(p.free_pages))
+            max(0, p.floor_blocks - len(p.blocks))
             for p in self._pools.values()
             if p is not pool
         )
@@ -169,19 +170,23 @@ class KVAllocator:
         for _ in range(new_blocks):
             block = self._free_blocks.pop()
             self._block_owner[block] = key
+            pool.blocks.add(block)
             pool.free_pages[block] = list(range(ppb - 1, -1, -1))
             pool.free_page_count += ppb
         pages = []
+        emptied = []
         for block, free in pool.free_pages.items():
-            if not free:
-                continue
             take = free[-need:] if need < len(free) else free[:]
             del free[len(free) - len(take) :]
+            if not free:
+                emptied.append(block)
             self._block_used[block] += len(take)
             pages.append(block * ppb + np.asarray(take, dtype=np.int64))
             need -= len(take)
             if need == 0:
                 break
+        for block in emptied:
+            del pool.free_pages[block]
         page_ids = np.concatenate(pages)
         pool.free_page_count -= len(page_ids)
         pool.page_used[page_ids] = True
@@ -215,12 +220,13 @@ class KVAllocator:
         ):
             self._block_used[block] -= count
             if self._block_used[block] == 0:
-                pool.free_page_count -= len(pool.free_pages.pop(block))
+                pool.free_page_count -= len(pool.free_pages.pop(block, ()))
+                pool.blocks.remove(block)
                 self._block_owner[block] = None
                 self._free_blocks.append(block)
             else:
                 pages = page_ids[start : start + count] - block * ppb
-                pool.free_pages[block].extend(pages.tolist())
+                pool.free_pages.setdefault(block, []).extend(pages.tolist())
                 pool.free_page_count += count
 
     # ---- accounting ----------------------------------------------------------
@@ -232,7 +238,7 @@ class KVAllocator:
     def pool_usage(self, key: str) -> PoolUsage:
         pool = self._pool(key)
         geo = pool.geometry
-        blocks = len(pool.free_pages)
+        blocks = len(pool.blocks)
         free_slots = pool.free_page_count * self.page_size
         return PoolUsage(
             key=key,
@@ -257,13 +263,16 @@ class KVAllocator:
         for block in self._free_blocks:
             assert self._block_owner[block] is None, f"free block {block} has an owner"
             assert self._block_used[block] == 0, f"free block {block} has used pages"
-        owned = sum(len(p.free_pages) for p in self._pools.values())
+        owned = sum(len(p.blocks) for p in self._pools.values())
         assert owned + len(self._free_blocks) == self.num_blocks, "blocks lost or duplicated"
         for pool in self._pools.values():
             ppb = pool.geometry.pages_per_block
-            assert len(pool.free_pages) <= pool.cap_blocks, f"pool {pool.key} over its cap"
+            assert len(pool.blocks) <= pool.cap_blocks, f"pool {pool.key} over its cap"
+            assert set(pool.free_pages) <= pool.blocks, "free pages listed for a foreign block"
+            assert all(pool.free_pages.values()), "a full block kept on the free-page index"
             free_count = 0
-            for block, free in pool.free_pages.items():
+            for block in pool.blocks:
+                free = pool.free_pages.get(block, [])
                 assert self._block_owner[block] == pool.key, f"block {block} owner mismatch"
                 used = pool.page_used[block * ppb : (block + 1) * ppb]
                 assert len(set(free)) == len(free), f"page listed free twice in block {block}"
@@ -273,7 +282,7 @@ class KVAllocator:
                 free_count += len(free)
             assert free_count == pool.free_page_count, f"pool {pool.key} free count drifted"
             mask = np.ones(self.num_blocks, dtype=bool)
-            mask[list(pool.free_pages)] = False
+            mask[list(pool.blocks)] = False
             assert not pool.page_used.reshape(self.num_blocks, ppb)[mask].any(), (
                 f"pool {pool.key} marks pages used in blocks it does not own"
             )

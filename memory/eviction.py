@@ -19,55 +19,47 @@ while its tail stays.
   (a logical tick per match/insert by default); it halves the value every
   ``half_life`` ticks (recency).
 - ``priority`` is the model's ``--model-priority``.
-Entries of an invalidated (orphaned) model always score lowest.
+
+Because ``age = now - last_access`` and ``now`` is the same for every entry
+at one eviction, ordering by ``log2(value)`` equals ordering by
+``log2(priority * (1 + hits) * cost / bytes) + last_access / half_life``: a key
+that does not change while the entry is untouched, so the tree can keep its
+candidates in one persistent heap instead of re-scoring every leaf per call.
+Entries of an invalidated (orphaned) model always sort first.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "lfu", "weighted")
 
-
-@dataclass(frozen=True)
-class EntryFacts:
-    """What a policy may look at for one candidate entry."""
-
-    last_access: float
-    hits: int
-    tokens: int
-    bytes_per_token: int
-    cost_per_token: float
-    priority: float
-    orphaned: bool
+# (orphaned, last_access, hits, weight) -> sort key; weight is
+# priority * cost_per_token / bytes_per_token of the entry's cache.
+KeyFn = Callable[[bool, float, int, float], tuple[float, ...]]
 
 
-ScoreFn = Callable[[EntryFacts, float], tuple[float, ...]]
+def _lru(orphaned: bool, last_access: float, hits: int, weight: float) -> tuple[float, ...]:
+    return (0.0 if orphaned else 1.0, last_access)
 
 
-def _lru(f: EntryFacts, now: float) -> tuple[float, ...]:
-    return (0.0 if f.orphaned else 1.0, f.last_access)
+def _lfu(orphaned: bool, last_access: float, hits: int, weight: float) -> tuple[float, ...]:
+    return (0.0 if orphaned else 1.0, float(hits), last_access)
 
 
-def _lfu(f: EntryFacts, now: float) -> tuple[float, ...]:
-    return (0.0 if f.orphaned else 1.0, float(f.hits), f.last_access)
-
-
-def make_weighted(half_life: float) -> ScoreFn:
+def make_weighted(half_life: float) -> KeyFn:
     """The ``weighted`` policy with a recency half-life in clock ticks."""
 
-    def score(f: EntryFacts, now: float) -> tuple[float, ...]:
-        if f.orphaned:
-            return (0.0, f.last_access)
-        decay = 0.5 ** (max(0.0, now - f.last_access) / half_life)
-        value = f.priority * (1 + f.hits) * f.cost_per_token / f.bytes_per_token * decay
-        return (1.0, value, f.last_access)
+    def key(orphaned: bool, last_access: float, hits: int, weight: float) -> tuple[float, ...]:
+        if orphaned:
+            return (0.0, last_access)
+        return (1.0, math.log2(weight * (1 + hits)) + last_access / half_life)
 
-    return score
+    return key
 
 
-def get_policy(name: str, half_life: float = 1000.0) -> ScoreFn:
+def get_policy(name: str, half_life: float = 1000.0) -> KeyFn:
     """The sort-key function of a policy by name (``lru``, ``lfu``, ``weighted``)."""
     if name == "lru":
         return _lru

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixmux.memory.allocator import KVAllocator
-from radixmux.memory.eviction import EntryFacts, get_policy
+from radixmux.memory.eviction import get_policy
 from radixmux.memory.layout import KVLayout
 
 Tokens = Sequence[int] | np.ndarray | bytes
@@ -132,6 +132,7 @@ class _Cache:
     models: set[str]
     cached_tokens: int = 0
     leaves: set[Node] = field(default_factory=set)  # nodes whose entry has no child entry
+    weight: float = 1.0  # priority * cost_per_token / bytes_per_token (weighted policy)
 
     @property
     def orphaned(self) -> bool:
@@ -174,7 +175,13 @@ class RadixCache:
         self.page_size = allocator.page_size
         self._page_bytes = 4 * self.page_size
         self.eviction_policy = eviction_policy
-        self._score = get_policy(eviction_policy, half_life)
+        self._policy_key = get_policy(eviction_policy, half_life)
+        # Eviction candidates: (key, seq, node, cache id, entry). Lazy: an item
+        # is checked when it reaches the top (entry gone, locked, no longer a
+        # leaf or touched since: dropped or re-pushed), so the hot paths only
+        # push when an entry becomes an unlocked leaf.
+        self._heap: list[tuple[tuple[float, ...], int, Node, int, _Entry]] = []
+        self._seq = itertools.count()
         self._ticks = itertools.count(1)
         self._clock = clock or (lambda: float(next(self._ticks)))
         self._roots: dict[str, Node] = {}
@@ -205,6 +212,14 @@ class RadixCache:
         self._caches[cid].models.add(spec.name)
         self._model_cache[spec.name] = cid
         self._counters[spec.name] = ModelCounters()
+        self._reweigh(cid)
+
+    def _reweigh(self, cid: int) -> None:
+        cache = self._caches[cid]
+        specs = [self._models[m] for m in cache.models]
+        if specs:
+            best = max(s.priority * s.cost_per_token for s in specs)
+            cache.weight = best / cache.bytes_per_token
 
     def _new_cache(self, pool: str, bytes_per_token: int) -> int:
         cid = next(self._next_cache)
@@ -319,13 +334,16 @@ class RadixCache:
         self._locks[key] -= 1
         if not self._locks[key]:
             del self._locks[key]
+        cid = handle.cache_id
         node = handle.node
         while node.parent is not None:
-            node.entries[handle.cache_id].lock_ref -= 1
+            entry = node.entries[cid]
+            entry.lock_ref -= 1
+            if not entry.lock_ref and not entry.child_refs:
+                self._offer(node, cid, entry)
             node = node.parent
-        cache = self._caches[handle.cache_id]
-        if cache.orphaned:
-            self._evict_from(handle.cache_id, "invalidation")
+        if self._caches[cid].orphaned:
+            self._drop_all([cid], "invalidation")
 
     # ---- insert --------------------------------------------------------------
     def insert(
@@ -389,7 +407,8 @@ class RadixCache:
         return cached
 
     def _add_entry(self, node: Node, cid: int, slots: np.ndarray, now: float) -> None:
-        node.entries[cid] = _Entry(slots, now)
+        entry = node.entries[cid] = _Entry(slots, now)
+        self._offer(node, cid, entry)
         cache = self._caches[cid]
         cache.cached_tokens += len(slots)
         cache.leaves.add(node)
@@ -414,6 +433,8 @@ class RadixCache:
             up.child_refs -= 1
             if up.child_refs == 0:
                 cache.leaves.add(parent)
+                if not up.lock_ref:
+                    self._offer(parent, cid, up)
         if not node.entries:
             assert not node.children
             del parent.children[node.key[: self._page_bytes]]
@@ -421,70 +442,49 @@ class RadixCache:
         return len(entry.slots)
 
     # ---- eviction ------------------------------------------------------------
-    def _facts(self, node: Node, cid: int) -> EntryFacts:
-        entry = node.entries[cid]
+    def _key(self, cid: int, entry: _Entry) -> tuple[float, ...]:
         cache = self._caches[cid]
-        specs = [self._models[m] for m in cache.models]
-        return EntryFacts(
-            last_access=entry.last_access,
-            hits=entry.hits,
-            tokens=len(entry.slots),
-            bytes_per_token=cache.bytes_per_token,
-            cost_per_token=max((s.cost_per_token for s in specs), default=1.0),
-            priority=max((s.priority for s in specs), default=1.0),
-            orphaned=cache.orphaned,
-        )
+        return self._policy_key(cache.orphaned, entry.last_access, entry.hits, cache.weight)
 
-    def _evict(
-        self,
-        caches: Iterable[int],
-        enough: Callable[[int, int], bool],
-        reason: str,
-        under: Node | None = None,
-    ) -> tuple[int, int]:
-        """Evict leaf entries of ``caches`` by policy until ``enough(tokens, bytes)``.
+    def _offer(self, node: Node, cid: int, entry: _Entry) -> None:
+        """Make a new unlocked leaf entry an eviction candidate."""
+        heapq.heappush(self._heap, (self._key(cid, entry), next(self._seq), node, cid, entry))
 
-        With ``under``, only entries in that node's subtree are candidates.
-        Returns (tokens, bytes) freed.
-        """
-        now = self._clock()
-        order = itertools.count()
-        heap: list[tuple[tuple[float, ...], int, Node, int]] = []
+    def _compact_heap(self) -> None:
+        """Rebuild the candidate heap when stale items outnumber live ones."""
+        self._heap = [
+            (self._key(cid, node.entries[cid]), next(self._seq), node, cid, node.entries[cid])
+            for cid, cache in self._caches.items()
+            for node in cache.leaves
+            if not node.entries[cid].lock_ref
+        ]
+        heapq.heapify(self._heap)
 
-        def push(node: Node, cid: int) -> None:
-            entry = node.entries[cid]
-            if entry.lock_ref or entry.child_refs:
-                return
-            if under is not None and not _is_under(node, under):
-                return
-            heapq.heappush(heap, (self._score(self._facts(node, cid), now), next(order), node, cid))
-
-        for cid in caches:
-            for node in list(self._caches[cid].leaves):
-                push(node, cid)
-        tokens = nbytes = 0
-        while heap and not enough(tokens, nbytes):
-            _, _, node, cid = heapq.heappop(heap)
-            parent = node.parent
-            freed = self._remove_entry(node, cid, reason)
-            tokens += freed
-            nbytes += freed * self._caches[cid].bytes_per_token
-            if parent is not None and parent.parent is not None and cid in parent.entries:
-                push(parent, cid)
-        return tokens, nbytes
-
-    def evict(self, num_tokens: int = 0, num_bytes: int = 0, reason: str = "capacity") -> int:
-        """Free unlocked entries across all models, by policy, until at least
-        ``num_tokens`` tokens or ``num_bytes`` bytes are free. Returns tokens freed."""
-        if reason not in EVICTION_REASONS:
-            raise ValueError(f"unknown eviction reason {reason!r}")
-
-        def enough(t: int, b: int) -> bool:
-            return (num_tokens > 0 and t >= num_tokens) or (num_bytes > 0 and b >= num_bytes)
-
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
+        """Free unlocked leaf entries across all models, lowest policy key
+        first, until at least ``num_tokens`` tokens or ``num_bytes`` bytes are
+        free. Returns tokens freed (less only if everything left is locked)."""
         if num_tokens <= 0 and num_bytes <= 0:
             return 0
-        return self._evict(list(self._caches), enough, reason)[0]
+        live = sum(len(c.leaves) for c in self._caches.values())
+        if len(self._heap) > 2 * live + 64:
+            self._compact_heap()
+        heap = self._heap
+        tokens = nbytes = 0
+        while heap and tokens < (num_tokens or 1 << 62) and nbytes < (num_bytes or 1 << 62):
+            key, _, node, cid, entry = heap[0]
+            if node.entries.get(cid) is not entry or entry.lock_ref or entry.child_refs:
+                heapq.heappop(heap)
+                continue
+            current = self._key(cid, entry)
+            if current != key:  # touched since it was pushed
+                heapq.heapreplace(heap, (current, next(self._seq), node, cid, entry))
+                continue
+            heapq.heappop(heap)
+            freed = self._remove_entry(node, cid, "capacity")
+            tokens += freed
+            nbytes += freed * self._caches[cid].bytes_per_token
+        return tokens
 
     def evict_for(self, model: str, num_tokens: int) -> bool:
         """Evict (by policy, across models) until ``num_tokens`` slots can be
@@ -497,8 +497,31 @@ class RadixCache:
                 return False
         return True
 
-    def _evict_from(self, cid: int, reason: str, under: Node | None = None) -> int:
-        return self._evict([cid], lambda t, b: False, reason, under)[0]
+    def _drop_all(self, cids: Iterable[int], reason: str, under: Node | None = None) -> int:
+        """Free every unlocked entry of ``cids`` (in ``under``'s subtree if given),
+        leaves first. Order does not matter: everything eligible goes."""
+        stack = [
+            (node, cid)
+            for cid in cids
+            for node in self._caches[cid].leaves
+            if under is None or _is_under(node, under)
+        ]
+        freed = 0
+        while stack:
+            node, cid = stack.pop()
+            entry = node.entries[cid]
+            if entry.lock_ref or entry.child_refs:
+                continue
+            parent = node.parent
+            freed += self._remove_entry(node, cid, reason)
+            if (
+                parent is not None
+                and parent.parent is not None
+                and cid in parent.entries
+                and (under is None or _is_under(parent, under))
+            ):
+                stack.append((parent, cid))
+        return freed
 
     # ---- invalidation ----------------------------------------------------------
     def invalidate(self, model: str) -> int:
@@ -515,7 +538,9 @@ class RadixCache:
         self._model_cache[model] = new
         if self._kv_cache[spec.kv_key] == old and cache.orphaned:
             self._kv_cache[spec.kv_key] = new
-        return self._evict_from(old, "invalidation") if cache.orphaned else 0
+        self._reweigh(old)
+        self._reweigh(new)
+        return self._drop_all([old], "invalidation") if cache.orphaned else 0
 
     def invalidate_prefix(self, group: str, tokens: Tokens) -> int:
         """Drop every unlocked entry (all models of ``group``) holding KV of
@@ -546,7 +571,7 @@ class RadixCache:
 
     def _drop_subtree(self, top: Node, reason: str = "invalidation") -> int:
         cids = {cid for n in _walk(top) for cid in n.entries}
-        return sum(self._evict_from(cid, reason, under=top) for cid in cids)
+        return self._drop_all(cids, reason, under=top)
 
     def flush(self, reason: str = "flush", group: str | None = None) -> int:
         """Drop every unlocked entry (of one group, or all). Returns tokens freed."""
@@ -662,9 +687,13 @@ class RadixCache:
                     tree_slots.setdefault(self._caches[cid].pool, []).append(entry.slots)
                     tokens[cid] += len(entry.slots)
         assert nodes == self._nodes, f"node count {self._nodes} != {nodes}"
+        offered = {id(item[4]) for item in self._heap}
         for cid, cache in self._caches.items():
             assert cache.cached_tokens == tokens[cid], "cached token count drifted"
             assert cache.leaves == leaves[cid], "leaf index drifted"
+            for node in cache.leaves:
+                entry = node.entries[cid]
+                assert entry.lock_ref or id(entry) in offered, "unlocked leaf not evictable"
         for pool in {s.kv_key for s in self._models.values()}:
             in_tree = np.concatenate(tree_slots.get(pool, [np.zeros(0, np.int64)]))
             assert len(np.unique(in_tree)) == len(in_tree), f"pool {pool}: slot in tree twice"

@@ -208,13 +208,15 @@ def test_invalidate_prefix_and_flush() -> None:
     serve(cache, "b", [1, 2, 5])
     serve(cache, "a", [7, 8])
     serve(cache, "c", [1, 2, 3])
-    assert cache.invalidate_prefix("g1", [1, 2]) == 4 + 3
+    # Position 1 onwards of every g1 path starting [1, 2]: a's [2,3,4], b's [2,5].
+    assert cache.invalidate_prefix("g1", [1, 2]) == 3 + 2
+    assert cache.match("a", [1, 2, 3, 4]).length == 1
     assert cache.match("a", [7, 8]).length == 2
     assert cache.match("c", [1, 2, 3]).length == 3
     assert cache.invalidate_prefix("g1", [9]) == 0
-    assert cache.flush() == 5
+    assert cache.flush() == 1 + 1 + 2 + 3
     assert cache.num_nodes == 0
-    assert cache.stats().evicted_tokens["flush"] == 5
+    assert cache.stats().evicted_tokens["flush"] == 7
     cache.check_invariants(held={})
 
 
