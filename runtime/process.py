@@ -1,0 +1,93 @@
+"""What every runtime process shares: its start-up context, logging, lifecycle.
+
+The launcher starts each process as ``python -m radixmux.runtime.<module>
+'<ProcessContext JSON>'``. A process sets up logging, does its start-up work,
+then reports ``ProcessReady`` (or ``ProcessFailed`` with the reason) to the
+launcher's socket. Processes die with their parent (Linux PDEATHSIG), so a
+killed launcher never leaves orphans behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from radixmux.memory.arena import ArenaSpec
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import Endpoints, socket
+from radixmux.runtime.server_args import ServerArgs
+
+
+class ProcessContext(msgspec.Struct, frozen=True):
+    """Everything a runtime process is started with."""
+
+    name: str  # e.g. "scheduler", "tokenizer-0", "front"
+    args: ServerArgs
+    endpoints: Endpoints
+    served: list[P.ServedModel] = msgspec.field(default_factory=list)
+    arena: ArenaSpec | None = None
+
+
+def setup_logging(level: str, name: str) -> logging.Logger:
+    """One line per event: time, level, process name, message."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s [{name}] %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    return logging.getLogger(f"radixmux.{name}")
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.ProcessFailed) -> None:
+    """Tell the launcher this process is up (or why it is not)."""
+    sock = socket(ctx, zmq.PUSH, endpoints.launcher, bind=False)
+    sock.send(P.encode(msg))
+    sock.close(linger=2000)
+
+
+def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:
+    """Entry point of a runtime process module: decode argv, run ``main``, exit.
+
+    ``main`` reports ready itself once started; an exception before or after
+    is reported as ``ProcessFailed`` and ends the process with code 1.
+    """
+    die_with_parent()
+    ctx_msg = msgspec.json.decode(sys.argv[1], type=ProcessContext)
+    log = setup_logging(ctx_msg.args.log_level, ctx_msg.name)
+    zctx = zmq.Context()
+    code = 1
+    try:
+        code = main(ctx_msg, zctx)
+    except KeyboardInterrupt:
+        code = 0
+    except Exception as exc:
+        log.error("fatal: %s\n%s", exc, traceback.format_exc())
+        report(zctx, ctx_msg.endpoints, P.ProcessFailed(ctx_msg.name, os.getpid(), str(exc)))
+    finally:
+        zctx.destroy(linger=500)
+    sys.exit(code)
+
+
+def spawn(module: str, context: ProcessContext) -> subprocess.Popen:
+    """Start ``radixmux.runtime.<module>`` (or a full dotted module) with ``context``."""
+    full = module if "." in module else f"radixmux.runtime.{module}"
+    payload = msgspec.json.encode(context).decode()
+    return subprocess.Popen([sys.executable, "-m", full, payload])

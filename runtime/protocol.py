@@ -1,0 +1,236 @@
+"""Messages between the runtime's processes (msgpack over ZeroMQ).
+
+Data flow (see DESIGN.md)::
+
+    front --GenerateRequest--> tokenizer worker --TokenizedRequest--> scheduler
+    scheduler --TokenBatch--> detokenizer --TextBatch--> front
+    tokenizer worker / scheduler --RequestError--> front   (rejected requests)
+    front --AbortRequest / ControlRequest--> scheduler --ControlReply--> front
+    every process --ProcessReady / ProcessFailed--> launcher
+    launcher --RunnerDied / ShutdownProcess--> scheduler
+
+Every message is a tagged ``msgspec.Struct``; one socket carries a union of
+them, decoded with :func:`decoder`. Token ids of a whole prompt travel as packed
+int32 bytes; the few ids a step adds travel as plain lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixmux.model_runners.info import ModelInfo
+from radixmux.model_runners.protocol import SamplingParams, pack_ids, unpack_ids
+
+__all__ = ["SamplingParams", "pack_ids", "unpack_ids"]
+
+
+# ---- models ---------------------------------------------------------------------
+class ServedModel(msgspec.Struct, frozen=True):
+    """A model as every process sees it once its runners are up."""
+
+    name: str  # the served name clients use
+    folder: str  # local HF folder (tokenizer, config, chat template)
+    info: ModelInfo
+    replicas: int = 1
+    priority: float = 1.0
+
+
+# ---- requests -------------------------------------------------------------------
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
+    """A request as the front accepted it (text, ids or chat messages)."""
+
+    rid: str
+    model: str
+    params: SamplingParams
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stream: bool = False
+    skip_special_tokens: bool = True
+    arrival: float = 0.0  # time.time() when the front received it
+
+
+class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
+    """A request ready to schedule: prompt ids (packed int32) and sampling."""
+
+    rid: str
+    model: str
+    input_ids: bytes
+    params: SamplingParams
+    stop: list[str] = msgspec.field(default_factory=list)
+    skip_special_tokens: bool = True
+    arrival: float = 0.0
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    """Stop a request now and free its KV (client gone, stop string, timeout)."""
+
+    rid: str
+    reason: str = "abort"
+
+
+class RequestError(msgspec.Struct, tag="error", frozen=True):
+    """A request that ends in an error before or during generation.
+
+    ``status`` is the HTTP status the front answers with; ``param`` names the
+    offending field where there is one.
+    """
+
+    rid: str
+    status: int
+    message: str
+    param: str | None = None
+
+
+# ---- outputs --------------------------------------------------------------------
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+class RequestOutput(msgspec.Struct, frozen=True):
+    """What one scheduler step produced for one request.
+
+    ``finish_reason``: ``"stop"`` (EOS / stop token), ``"length"``, ``"abort"``
+    or ``"error"`` (then ``error`` and ``status`` say why), None while running.
+    ``stop`` and ``skip_special_tokens`` are set on a request's first output so
+    the detokenizer learns them.
+    """
+
+    rid: str
+    model: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    status: int = 200
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+
+
+class TokenBatch(msgspec.Struct, tag="tokens", frozen=True):
+    outputs: list[RequestOutput]
+
+
+class TextOutput(msgspec.Struct, frozen=True):
+    """A text delta for one request (what the front streams)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    status: int = 200
+
+
+class TextBatch(msgspec.Struct, tag="text", frozen=True):
+    outputs: list[TextOutput]
+
+
+# ---- control --------------------------------------------------------------------
+class ControlRequest(msgspec.Struct, tag="control", frozen=True):
+    """Operations the front asks of the scheduler: ``stats``, ``flush_cache``,
+    ``invalidate`` (``model`` required)."""
+
+    req_id: str
+    op: str
+    model: str | None = None
+
+
+class ModelStatus(msgspec.Struct, frozen=True):
+    """One served model's health, load and cache figures."""
+
+    name: str
+    up: bool
+    error: str | None
+    waiting: int
+    running: int
+    replicas_up: int
+    cache_hits: int
+    cache_misses: int
+    tokens_queried: int
+    tokens_matched: int
+    cached_tokens: int
+    arena_bytes: int
+
+
+class SchedulerStats(msgspec.Struct, frozen=True):
+    """Everything ``/metrics`` and ``/get_server_info`` report from the scheduler."""
+
+    models: list[ModelStatus]
+    evicted_tokens: dict[str, int]
+    arena_total_bytes: int
+    arena_free_bytes: int
+    arena_fragmented_bytes: int
+    tree_nodes: int
+    steps: int
+
+
+class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):
+    req_id: str
+    ok: bool
+    message: str = ""
+    stats: SchedulerStats | None = None
+
+
+# ---- lifecycle ------------------------------------------------------------------
+class ProcessReady(msgspec.Struct, tag="process_ready", frozen=True):
+    """A process is up; the scheduler's carries the served models."""
+
+    name: str
+    pid: int
+    models: list[ServedModel] = msgspec.field(default_factory=list)
+
+
+class ProcessFailed(msgspec.Struct, tag="process_failed", frozen=True):
+    name: str
+    pid: int
+    error: str
+
+
+class RunnerDied(msgspec.Struct, tag="runner_died", frozen=True):
+    """The launcher saw a runner process exit; its model's requests fail."""
+
+    runner_id: str
+    exitcode: int
+
+
+class ShutdownProcess(msgspec.Struct, tag="shutdown_process", frozen=True):
+    """Ask a process to exit cleanly."""
+
+
+# Unions, one per receiving socket.
+TokenizerInbox = GenerateRequest | ShutdownProcess
+SchedulerInbox = TokenizedRequest | AbortRequest | ControlRequest | RunnerDied | ShutdownProcess
+DetokenizerInbox = TokenBatch | ShutdownProcess
+FrontInbox = TextBatch | RequestError | ControlReply
+LauncherInbox = ProcessReady | ProcessFailed
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """One message as msgpack bytes."""
+    return _encoder.encode(msg)
+
+
+def decoder(union: Any) -> msgspec.msgpack.Decoder:
+    """A decoder for one socket's message union."""
+    return msgspec.msgpack.Decoder(union)

@@ -1,0 +1,191 @@
+"""One flag set for the whole runtime: command line, Python API and docs.
+
+Flag names follow SGLang where one exists. ``ServerArgs`` is a msgspec Struct
+so every process receives the same parsed flags as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import msgspec
+
+from radixmux.memory.eviction import EVICTION_POLICIES
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+KV_PARTITIONS = ("unified", "static")
+DTYPES = ("float32", "bfloat16")
+DEFAULT_MODEL = "smollm2"
+
+
+class ModelArg(msgspec.Struct, frozen=True):
+    """One ``--model`` flag: ``SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]``."""
+
+    source: str
+    name: str
+    dtype: str | None = None
+    priority: float = 1.0
+    replicas: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> ModelArg:
+        source, *opts = [p.strip() for p in text.split(",")]
+        if not source:
+            raise ValueError(f"--model {text!r}: empty model source")
+        fields: dict[str, str] = {}
+        for opt in opts:
+            key, sep, value = opt.partition("=")
+            if not sep or key not in ("name", "dtype", "priority", "replicas"):
+                raise ValueError(
+                    f"--model {text!r}: bad option {opt!r}; use name=, dtype=, priority=, replicas="
+                )
+            fields[key] = value
+        name = fields.get("name") or _default_name(source)
+        dtype = fields.get("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"--model {text!r}: dtype must be one of {DTYPES}")
+        try:
+            priority = float(fields.get("priority", 1.0))
+            replicas = int(fields.get("replicas", 1))
+        except ValueError:
+            raise ValueError(
+                f"--model {text!r}: priority must be a number, replicas an int"
+            ) from None
+        if priority <= 0 or replicas < 1:
+            raise ValueError(f"--model {text!r}: priority must be > 0 and replicas >= 1")
+        return cls(source, name, dtype, priority, replicas)
+
+
+def _default_name(source: str) -> str:
+    stem = source.rstrip("/").rsplit("/", 1)[-1]
+    return stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
+
+
+class ServerArgs(msgspec.Struct, kw_only=True):
+    """Every runtime setting; see ``python launch.py --help``."""
+
+    models: list[ModelArg] = msgspec.field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    kv_cache_bytes: int = 2 << 30
+    kv_block_bytes: int = 2 << 20
+    page_size: int = 1
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    kv_partition: str = "unified"
+    max_queued_requests: int = 1024
+    tokenizer_workers: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    log_level: str = "info"
+    chat_template: str | None = None
+    max_request_bytes: int = 1 << 20
+    runner_threads: int = 0
+    zmq_endpoint: str | None = None
+    runtime_dir: str | None = None
+    check_invariants: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("kv_partition", self.kv_partition, KV_PARTITIONS)
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, ("cpu", "cuda"))
+        for name in (
+            "page_size",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "max_queued_requests",
+            "tokenizer_workers",
+            "kv_cache_bytes",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.schedule_conservativeness < 0:
+            raise ValueError("--schedule-conservativeness must be >= 0")
+        if not self.models:
+            self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique: {names}")
+
+
+def _one_of(flag: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"--{flag.replace('_', '-')} {value!r}: choose one of {list(choices)}")
+
+
+# (flag, type, help) in the order `--help` shows them; defaults come from ServerArgs.
+_FLAGS: list[tuple[str, type, str]] = [
+    ("host", str, "address to bind the HTTP server (127.0.0.1: this machine only)"),
+    ("port", int, "HTTP port"),
+    ("api-key", str, "require 'Authorization: Bearer KEY' on every request"),
+    ("schedule-policy", str, f"order of waiting requests within a model {SCHEDULE_POLICIES}"),
+    ("eviction-policy", str, f"which cached KV goes first under pressure {EVICTION_POLICIES}"),
+    ("kv-cache-bytes", int, "size of the one KV arena shared by every model"),
+    ("kv-block-bytes", int, "arena block size (a block belongs to one model at a time)"),
+    ("page-size", int, "tokens per KV page: matching and allocation granularity"),
+    ("max-running-requests", int, "most requests decoding at once, per model instance"),
+    ("chunked-prefill-size", int, "most prompt tokens one forward pass prefills"),
+    ("schedule-conservativeness", float, "reserve KV for future decode tokens (x max_tokens)"),
+    ("kv-partition", str, f"{KV_PARTITIONS}: static gives each model a fixed share"),
+    ("max-queued-requests", int, "waiting requests per model before 429"),
+    ("tokenizer-workers", int, "tokenizer processes"),
+    ("device", str, "cpu or cuda"),
+    ("dtype", str, f"model and KV dtype {DTYPES} (per model: --model ...,dtype=)"),
+    ("log-level", str, "debug, info, warning, error"),
+    ("chat-template", str, "Jinja chat template file for models that have none"),
+    ("max-request-bytes", int, "largest HTTP body accepted (413 above)"),
+    ("runner-threads", int, "torch threads per runner (0: cores divided among runners)"),
+    ("zmq-endpoint", str, "ZeroMQ endpoint for the Python client (default: in the runtime dir)"),
+    ("runtime-dir", str, "where private sockets live (default: a new 0700 temp dir)"),
+    ("seed", int, "base random seed"),
+]
+_SWITCHES: list[tuple[str, str]] = [
+    ("disable-radix-cache", "no prefix cache: every prompt is prefilled in full"),
+    ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``launch.py`` argument parser."""
+    defaults = ServerArgs(models=[ModelArg("x", "x")])
+    parser = argparse.ArgumentParser(
+        prog="launch.py",
+        description="Serve several LLMs side by side over one unified radix cache.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]",
+        help="a short name (smollm2, gemma3-270m), HF folder or GGUF file; repeat to serve "
+        f"several (default: {DEFAULT_MODEL})",
+    )
+    for flag, typ, help_text in _FLAGS:
+        default = getattr(defaults, flag.replace("-", "_"))
+        parser.add_argument(f"--{flag}", type=typ, default=default, help=help_text)
+    for flag, help_text in _SWITCHES:
+        parser.add_argument(f"--{flag}", action="store_true", help=help_text)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """Parse a command line into ``ServerArgs``; bad values exit with a clear message."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    values = vars(ns)
+    try:
+        values["models"] = [ModelArg.parse(m) for m in values.pop("model")]
+        return ServerArgs(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
