@@ -1,0 +1,66 @@
+"""Tiny random-weight models saved as real HF folders, for fast runtime tests.
+
+Each folder pairs a small random Llama (fast on CPU) with a real tokenizer
+taken from an embedded model, so the whole serving path (tokenizer workers,
+chat templates, detokenizer, runners) runs for real in seconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tokenizer_source(name: str = "smollm2") -> Path:
+    """The converted folder of an embedded model (fetched once if needed)."""
+    from radixmux.model_runners.fetch import fetch
+
+    return fetch(name, progress=False)
+
+
+def make_tiny_model_dir(
+    path: Path,
+    seed: int = 0,
+    chat_template: bool = True,
+    layers: int = 2,
+    hidden: int = 64,
+    context: int = 2048,
+) -> Path:
+    """A random tiny Llama with SmolLM2's tokenizer at ``path`` (idempotent).
+
+    ``chat_template=False`` drops the template, as for a base model.
+    Different ``seed`` values give different weights (so different KV-share keys).
+    """
+    if (path / "model.safetensors").exists():
+        return path
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = tokenizer_source("smollm2")
+    path.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and (chat_template or name != "chat_template.jinja"):
+            shutil.copy(src / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
