@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.loader import LoadedModel
 from radixmux.model_runners.paged_attention import (
     ATTN_NAME,
@@ -54,8 +55,9 @@ class ModelRunner:
         self.model = loaded.model
         self.info = loaded.info
         self.kv = kv
-        self.slots_per_block = kv.shape[3]
-        self.num_slots = kv.shape[0] * self.slots_per_block
+        self.store = KVStore(kv)
+        self.slots_per_block = self.store.slots_per_block
+        self.num_slots = self.store.num_slots
         self.device = next(self.model.parameters()).device
         self.model.config._attn_implementation = ATTN_NAME
         for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
@@ -84,7 +86,7 @@ class ModelRunner:
 
     # ---- batch preparation -----------------------------------------------
     def _paged_batch(self, seqs: list[_Seq]) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
-        spb = self.slots_per_block
+        store = self.store
         lens = [len(s.tokens) for s in seqs]
         row0 = np.concatenate([[0], np.cumsum(lens)])
         input_ids = np.concatenate([s.tokens for s in seqs])
@@ -103,7 +105,6 @@ class ModelRunner:
             dec_slots[r, lmax - L :] = s.slots
             # Context keys end at the new token: positions end-L+1 .. end.
             dec_kpos[r, lmax - L :] = np.arange(s.start_pos - L + 1, s.start_pos + 1)
-        dec_slots_t = torch.from_numpy(dec_slots)
 
         extends = []
         for i, n in enumerate(lens):
@@ -116,20 +117,16 @@ class ModelRunner:
                 ExtendSeq(
                     start=int(row0[i]),
                     end=int(row0[i + 1]),
-                    blk=slots // spb,
-                    off=slots % spb,
+                    addr=store.address(slots),
                     k_pos=torch.arange(end - len(s.slots), end),
                     q_pos=torch.arange(s.start_pos, end),
                 )
             )
-        new_slots_t = torch.from_numpy(new_slots)
         batch = PagedBatch(
-            kv=self.kv,
-            write_blk=new_slots_t // spb,
-            write_off=new_slots_t % spb,
+            store=store,
+            write_addr=store.address(torch.from_numpy(new_slots)),
             dec_rows=torch.as_tensor(row0[dec], dtype=torch.int64),
-            dec_blk=dec_slots_t // spb,
-            dec_off=dec_slots_t % spb,
+            dec_addr=store.address(torch.from_numpy(dec_slots)),
             dec_k_pos=torch.from_numpy(dec_kpos),
             dec_q_pos=torch.as_tensor(positions[row0[dec]], dtype=torch.int64)
             if dec

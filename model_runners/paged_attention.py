@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from radixmux.model_runners.kv_store import KVStore
+
 ATTN_NAME = "radixmux_paged"
 
 
@@ -39,8 +41,7 @@ class ExtendSeq:
 
     start: int
     end: int
-    blk: torch.Tensor  # [L] arena block of each context slot
-    off: torch.Tensor  # [L] offset inside the block
+    addr: torch.Tensor  # KVStore addresses of the L context slots (last axis)
     k_pos: torch.Tensor  # [L] position of each context token
     q_pos: torch.Tensor  # [n] positions of the new tokens
     masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
@@ -65,12 +66,10 @@ class ExtendSeq:
 class PagedBatch:
     """Per-forward metadata shared by every layer."""
 
-    kv: torch.Tensor  # arena view [blocks, layers, 2, slots_per_block, kv_heads, head_dim]
-    write_blk: torch.Tensor  # [T] where each new token's K/V go
-    write_off: torch.Tensor
+    store: KVStore
+    write_addr: torch.Tensor  # [T] where each new token's K/V go
     dec_rows: torch.Tensor  # [Bd] packed row of each decoding sequence
-    dec_blk: torch.Tensor  # [Bd, Lmax] context slots, right-aligned (padding on the left)
-    dec_off: torch.Tensor
+    dec_addr: torch.Tensor  # [Bd, Lmax] context slots, right-aligned (padding on the left)
     dec_k_pos: torch.Tensor  # [Bd, Lmax]; padding columns hold -1
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
@@ -79,7 +78,7 @@ class PagedBatch:
     def dec_mask(self, window: int | None) -> tuple[int, torch.Tensor]:
         """(first column to read, ``[Bd, 1, 1, L]`` mask) of the decode group for a window."""
         if window not in self.dec_masks:
-            lmax = self.dec_blk.shape[1]
+            lmax = self.dec_k_pos.shape[1]
             # Right alignment puts every sequence's newest keys in the last
             # columns, so a window only needs the last ``window`` of them.
             first = max(0, lmax - window) if window is not None else 0
@@ -145,12 +144,8 @@ def paged_attention_forward(
     if batch is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside a paged_batch() context")
     layer = module.layer_idx
-    k_cache = batch.kv[:, layer, 0]
-    v_cache = batch.kv[:, layer, 1]
-    k_cache.index_put_((batch.write_blk, batch.write_off), key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_put_(
-        (batch.write_blk, batch.write_off), value[0].transpose(0, 1).to(v_cache.dtype)
-    )
+    store = batch.store
+    store.write(layer, batch.write_addr, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     _num_tokens, heads, head_dim = q.shape
@@ -161,9 +156,9 @@ def paged_attention_forward(
     if batch.dec_rows.numel():
         first, mask = batch.dec_mask(sliding_window)
         bd = batch.dec_rows.shape[0]
-        blk, off = batch.dec_blk[:, first:], batch.dec_off[:, first:]
-        kd = k_cache[blk, off].to(q.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
-        vd = v_cache[blk, off].to(q.dtype).transpose(1, 2)
+        kd, vd = store.gather(layer, batch.dec_addr[..., first:])
+        kd = kd.to(q.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
+        vd = vd.to(q.dtype).transpose(1, 2)
         # Grouped-query attention without repeating K/V: the G query heads of
         # one KV head become G query rows against that head.
         qd = q[batch.dec_rows].view(bd, kv_heads, group, head_dim)
@@ -173,11 +168,14 @@ def paged_attention_forward(
     for seq in batch.extends:
         first, mask = seq.mask(sliding_window)
         n = seq.end - seq.start
-        ke = k_cache[seq.blk[first:], seq.off[first:]].to(q.dtype).transpose(0, 1)  # [KVH, L, D]
-        ve = v_cache[seq.blk[first:], seq.off[first:]].to(q.dtype).transpose(0, 1)
+        ke, ve = store.gather(layer, seq.addr[..., first:])
+        ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
+        ve = ve.to(q.dtype).transpose(0, 1)
         qe = q[seq.start : seq.end].view(n, kv_heads, group, head_dim)
-        qe = qe.permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
-        oe = _attend(qe, ke, ve, mask.repeat(group, 1), scaling, softcap)
+        qe = qe.permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, head_dim)
+        # 4-D inputs: torch's CPU flash kernel only takes those (3x faster than
+        # the math fallback a 3-D call gets).
+        oe = _attend(qe, ke[None], ve[None], mask.repeat(group, 1)[None, None], scaling, softcap)
         oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[seq.start : seq.end] = oe.reshape(n, heads, head_dim)
     return out.unsqueeze(0), None

@@ -102,3 +102,28 @@ def test_cached_prefix_served_from_arena(kind, arena):
     runner.kv[blk, :, 0, off] += 5.0
     bad = runner.logits([seq("third", ids[29:], prefix_slots + tail_slots, 29)])[0]
     assert (bad - ref).abs().max() > 1e-3
+
+
+def test_fast_and_fallback_kv_store_agree():
+    """Row-grid gathers (block size a multiple of the K row) and (block, offset)
+    gathers give the same logits; both paths are exercised."""
+    from radixmux.memory.arena import KVArena
+
+    loaded = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    row_bytes = 3 * 16 * 4
+    results = {}
+    for block in (64 * 1024, 3 * 64 * 1024):
+        with KVArena.create(num_blocks=16, block_bytes=block) as a:
+            runner = make_runner(loaded, a)
+            results[runner.store.fast] = Sequences(runner, seed=4)
+            assert runner.store.fast == (block % row_bytes == 0)
+    assert set(results) == {True, False}
+    g = torch.Generator().manual_seed(5)
+    work = {
+        f"s{i}": torch.randint(0, 211, (n,), generator=g).tolist() for i, n in enumerate([9, 1, 30])
+    }
+    got = {fast: d.step(work) for fast, d in results.items()}
+    for rid in work:
+        assert torch.allclose(got[True][rid], got[False][rid], atol=1e-5)
+        ref = reference_logits(loaded.model, results[True].ids[rid])[-1]
+        assert (got[True][rid] - ref).abs().max() < TOL

@@ -1,0 +1,77 @@
+"""Reading and writing one model's K/V in the arena by slot id.
+
+The arena view is ``[blocks, layers, 2, slots_per_block, kv_heads, head_dim]``
+with blocks a fixed byte stride apart. One slot's K (or V) in one layer is a
+contiguous row of ``kv_heads * head_dim`` elements. When the block size is a
+multiple of that row size, every such row of one (layer, K|V) pair sits on a
+single regular 2-D grid of rows, so gathering a sequence's context is one
+``index_select`` of whole rows (about 8x faster on CPU than indexing the 4-D
+view by ``(block, offset)`` pairs). Otherwise the store falls back to
+``(block, offset)`` indexing; both give identical results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    """Slot-addressed access to one model's view of the arena."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        blocks, layers, _, spb, heads, dim = kv.shape
+        self.slots_per_block = spb
+        self.num_slots = blocks * spb
+        self.row = heads * dim
+        self.head_shape = (heads, dim)
+        block_elems = kv.stride(0)
+        self.fast = block_elems % self.row == 0 and kv.stride(3) == self.row
+        self.rows_per_block = block_elems // self.row if self.fast else 0
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(layers):
+            pair = []
+            for c in (0, 1):
+                if self.fast:
+                    base = kv[0, layer, c]
+                    n_rows = (blocks - 1) * self.rows_per_block + spb
+                    pair.append(
+                        torch.as_strided(
+                            base, (n_rows, self.row), (self.row, 1), base.storage_offset()
+                        )
+                    )
+                else:
+                    pair.append(kv[:, layer, c].flatten(2))  # [blocks, spb, row]
+            self._views.append((pair[0], pair[1]))
+
+    def address(self, slots: torch.Tensor) -> torch.Tensor:
+        """Precomputed addresses of ``slots`` (any shape), reused by every layer."""
+        blk, off = slots // self.slots_per_block, slots % self.slots_per_block
+        if self.fast:
+            return blk * self.rows_per_block + off
+        return torch.stack([blk, off])
+
+    def write(self, layer: int, addr: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at the 1-D addresses ``addr``."""
+        kc, vc = self._views[layer]
+        k = k.reshape(-1, self.row).to(kc.dtype)
+        v = v.reshape(-1, self.row).to(vc.dtype)
+        if self.fast:
+            kc.index_copy_(0, addr, k)
+            vc.index_copy_(0, addr, v)
+        else:
+            kc.index_put_((addr[0], addr[1]), k)
+            vc.index_put_((addr[0], addr[1]), v)
+
+    def gather(self, layer: int, addr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``addr`` (shape ``S``), each ``[*S, kv_heads, head_dim]``."""
+        kc, vc = self._views[layer]
+        if self.fast:
+            shape = addr.shape
+            flat = addr.reshape(-1)
+            k = kc.index_select(0, flat).view(*shape, *self.head_shape)
+            v = vc.index_select(0, flat).view(*shape, *self.head_shape)
+            return k, v
+        k = kc[addr[0], addr[1]]
+        v = vc[addr[0], addr[1]]
+        return k.view(*k.shape[:-1], *self.head_shape), v.view(*v.shape[:-1], *self.head_shape)
