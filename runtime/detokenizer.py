@@ -1,0 +1,223 @@
+"""Detokenizer: token ids from the scheduler in, UTF-8-safe text deltas out.
+
+Binds PULL on ``endpoints.detokenizer`` (``TokenBatch`` from the scheduler) and
+PUSHes one ``TextBatch`` per ``TokenBatch`` to the front. Per request it keeps
+an :class:`IncrementalText` that
+
+* decodes incrementally with the prefix/read offsets SGLang and vLLM use:
+  decode the window of tokens since the last emission, with and without the
+  newest ones, and emit only the difference, and only once it no longer ends in
+  an incomplete multi-byte character (U+FFFD). Concatenated deltas equal
+  ``tokenizer.decode(all ids)``;
+* applies stop strings: text is emitted up to the first stop string found, the
+  request is finished with ``finish_reason="stop"`` / ``matched_stop``, later
+  outputs for it are dropped and the scheduler is asked to abort it (so its KV
+  is freed at once). A tail that could still grow into a stop string is held
+  back until it cannot.
+
+A request's state ends with its last output (``finish_reason`` or ``error``
+set), so nothing leaks. Bad outputs fail their request, never the process.
+
+Run as ``python -m radixmux.runtime.detokenizer '<ProcessContext JSON>'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+import zmq
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import socket
+from radixmux.runtime.process import ProcessContext, report, run_process
+from radixmux.runtime.tokenizer_worker import load_tokenizer
+
+log = logging.getLogger("radixmux.detokenizer")
+
+# Requests finished here by a stop string whose later outputs are still being
+# dropped; bounded in case the scheduler never sends their final output.
+MAX_STOPPED = 65536
+
+
+class IncrementalText:
+    """Incremental detokenization and stop-string matching for one request."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window (context for the new tokens)
+        self.read_offset = 0  # tokens before this are already in ``text``
+        self.text = ""  # stable decoded text so far
+        self.sent = 0  # characters of ``text`` already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: list[int], final: bool = False) -> tuple[str, str | None]:
+        """Append ``new_ids``; return ``(text delta, matched stop string or None)``.
+
+        ``final`` flushes everything, including an incomplete character and a
+        held-back tail.
+        """
+        self.ids.extend(new_ids)
+        if len(self.ids) > self.read_offset:
+            # Decoding the window with its context keeps tokenizers that drop
+            # or merge leading spaces consistent with a decode of the whole.
+            before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            after = self._decode(self.ids[self.prefix_offset :])
+            if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+                self.text += after[len(before) :]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+        matched = self._find_stop()
+        if matched is not None:
+            index, stop = matched
+            delta = self.text[self.sent : max(self.sent, index)]
+            self.sent = len(self.text)
+            return delta, stop
+        end = len(self.text) if final else len(self.text) - self._held_tail()
+        delta = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return delta, None
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        """The earliest stop string in the text not yet emitted."""
+        if not self.stop:
+            return None
+        # Held-back tails guarantee no match starts before ``sent``; the
+        # overlap only guards that reasoning.
+        start = max(0, self.sent - self.max_stop + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _held_tail(self) -> int:
+        """Length of the longest unsent suffix that is a proper prefix of a stop string."""
+        for k in range(min(self.max_stop - 1, len(self.text) - self.sent), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+
+class Detokenizer:
+    """Every live request's :class:`IncrementalText`, keyed by rid."""
+
+    def __init__(self, tokenizers: dict[str, Any]) -> None:
+        self.tokenizers = tokenizers  # served model name -> tokenizer
+        self.live: dict[str, IncrementalText] = {}
+        self.stopped: OrderedDict[str, None] = OrderedDict()
+
+    def process(self, batch: P.TokenBatch) -> tuple[list[P.TextOutput], list[str]]:
+        """Text outputs for a batch, and the rids a stop string just finished."""
+        outputs: list[P.TextOutput] = []
+        stopped: list[str] = []
+        for out in batch.outputs:
+            if out.rid in self.stopped:
+                # Already finished by a stop string; the scheduler's last word
+                # (its abort) ends our memory of it.
+                if out.finish_reason is not None or out.error is not None:
+                    del self.stopped[out.rid]
+                continue
+            try:
+                text, finish, matched = self._step(out)
+            except Exception as exc:  # a bad output fails its request only
+                log.exception("rid=%s detokenization failed", out.rid)
+                self.live.pop(out.rid, None)
+                outputs.append(_text_output(out, "", "error", None, f"detokenization: {exc}", 500))
+                continue
+            if matched is not None and out.finish_reason is None:
+                stopped.append(out.rid)
+                self.stopped[out.rid] = None
+                while len(self.stopped) > MAX_STOPPED:
+                    self.stopped.popitem(last=False)
+            outputs.append(_text_output(out, text, finish, matched, out.error, out.status))
+        return outputs, stopped
+
+    def _step(self, out: P.RequestOutput) -> tuple[str, str | None, str | None]:
+        state = self.live.get(out.rid)
+        if state is None:
+            tokenizer = self.tokenizers.get(out.model)
+            if tokenizer is None:
+                raise KeyError(f"no tokenizer for model {out.model!r}")
+            state = IncrementalText(tokenizer, out.stop or [], out.skip_special_tokens)
+            self.live[out.rid] = state
+        final = out.finish_reason is not None or out.error is not None
+        text, matched = state.add(out.new_token_ids, final)
+        finish = "stop" if matched is not None else out.finish_reason
+        if finish is not None or out.error is not None:
+            del self.live[out.rid]
+        return text, finish, matched
+
+
+def _text_output(
+    out: P.RequestOutput,
+    text: str,
+    finish: str | None,
+    matched: str | None,
+    error: str | None,
+    status: int,
+) -> P.TextOutput:
+    return P.TextOutput(
+        rid=out.rid,
+        text=text,
+        token_ids=out.new_token_ids,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+        finish_reason=finish,
+        matched_stop=matched,
+        logprobs=out.logprobs,
+        error=error,
+        status=status,
+    )
+
+
+def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
+    """Load tokenizers, bind the inbox, report ready, then detokenize until shutdown."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: clean exit 0
+    by_folder: dict[str, Any] = {}
+    tokenizers: dict[str, Any] = {}
+    for m in pctx.served:
+        if m.folder not in by_folder:
+            by_folder[m.folder] = load_tokenizer(m.folder)
+        tokenizers[m.name] = by_folder[m.folder]
+    eps = pctx.endpoints
+    inbox = socket(zctx, zmq.PULL, eps.detokenizer, bind=True)
+    to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
+    to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
+    decoder = P.decoder(P.DetokenizerInbox)
+    detok = Detokenizer(tokenizers)
+    report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
+    log.info("ready: %s", ", ".join(tokenizers))
+    while True:
+        raw = inbox.recv()
+        try:
+            msg = decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
+            continue
+        if isinstance(msg, P.ShutdownProcess):
+            log.info("shutdown requested (%d requests live)", len(detok.live))
+            return 0
+        outputs, stopped = detok.process(msg)
+        for rid in stopped:
+            log.debug("rid=%s stop string matched; aborting", rid)
+            to_scheduler.send(P.encode(P.AbortRequest(rid, reason="stop")))
+        if outputs:
+            to_front.send(P.encode(P.TextBatch(outputs)))
+
+
+if __name__ == "__main__":
+    run_process(main)

@@ -1,0 +1,211 @@
+"""Tokenizer worker: text, ids or chat messages in; validated prompt ids out.
+
+One of ``--tokenizer-workers`` processes. It PULLs ``GenerateRequest`` from the
+front (whose PUSH socket round-robins between workers), turns each into prompt
+ids with its model's own tokenizer and chat template, checks them, and PUSHes a
+``TokenizedRequest`` to the scheduler. A request it rejects goes straight back
+to the front as a ``RequestError`` (status 400/404/500, ``param`` naming the
+field). Bad input never ends the process: every request is handled in its own
+``try``.
+
+Run as ``python -m radixmux.runtime.tokenizer_worker '<ProcessContext JSON>'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import socket
+from radixmux.runtime.process import ProcessContext, report, run_process
+
+log = logging.getLogger("radixmux.tokenizer")
+
+
+class RejectedRequest(Exception):
+    """A request the worker refuses; becomes a ``RequestError`` for the front."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def load_tokenizer(folder: str) -> Any:
+    """The HF tokenizer of a served model's folder (or of a ``.gguf`` file)."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class ModelTokenizer:
+    """One served model's tokenizer, chat template and limits."""
+
+    model: P.ServedModel
+    tokenizer: Any
+    chat_template: str | None
+
+    def encode_prompt(self, req: P.GenerateRequest) -> list[int]:
+        """The request's prompt ids, from whichever of its three forms it carries."""
+        given = [f for f in ("prompt", "input_ids", "messages") if getattr(req, f) is not None]
+        if len(given) != 1:
+            raise RejectedRequest(
+                400,
+                "a request needs exactly one of prompt, input_ids or messages"
+                + (f" (got {', '.join(given)})" if given else ""),
+                given[-1] if given else "prompt",
+            )
+        if req.messages is not None:
+            return self._encode_chat(req.messages)
+        if req.input_ids is not None:
+            return self._check_ids(req.input_ids)
+        if not req.prompt:
+            raise RejectedRequest(400, "the prompt is empty", "prompt")
+        # Text prompts get the tokenizer's own special tokens (e.g. BOS), as
+        # transformers' ``tokenizer(text)`` does.
+        return list(self.tokenizer(req.prompt).input_ids)
+
+    def _encode_chat(self, messages: list[P.ChatMessage]) -> list[int]:
+        if self.chat_template is None:
+            raise RejectedRequest(
+                400,
+                f"model {self.model.name!r} has no chat template (it is a base model); "
+                "send a plain prompt, or start the server with --chat-template FILE",
+                "messages",
+            )
+        if not messages:
+            raise RejectedRequest(400, "messages is empty", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:  # the template's own raise_exception(), bad roles, ...
+            raise RejectedRequest(400, f"chat template failed: {exc}", "messages") from exc
+        # The rendered template already holds every special token it wants.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.model.info.vocab_size
+        for i, tok in enumerate(ids):
+            if not 0 <= tok < vocab:
+                raise RejectedRequest(
+                    400,
+                    f"input_ids[{i}] = {tok} is outside the vocabulary [0, {vocab})",
+                    "input_ids",
+                )
+        return ids
+
+    def check_length(self, ids: list[int], params: P.SamplingParams) -> None:
+        """Reject empty prompts and prompts that leave no room for ``max_tokens``."""
+        if not ids:
+            raise RejectedRequest(400, "the prompt is empty (no tokens)", "prompt")
+        limit = self.model.info.context_length
+        need = len(ids) + params.max_new_tokens
+        if limit and need > limit:
+            raise RejectedRequest(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_new_tokens}) = {need} "
+                f"exceeds the context length of {self.model.name!r} ({limit} tokens)",
+                "max_tokens",
+            )
+
+
+def load_models(
+    served: list[P.ServedModel], chat_template_file: str | None
+) -> dict[str, ModelTokenizer]:
+    """Every served model's tokenizer (loaded once per folder) and chat template.
+
+    ``--chat-template`` overrides every model's own template (as in SGLang) and
+    gives one to models that have none.
+    """
+    override = Path(chat_template_file).read_text() if chat_template_file else None
+    by_folder: dict[str, Any] = {}
+    models: dict[str, ModelTokenizer] = {}
+    for m in served:
+        if m.folder not in by_folder:
+            by_folder[m.folder] = load_tokenizer(m.folder)
+        tok = by_folder[m.folder]
+        template = override or getattr(tok, "chat_template", None) or None
+        models[m.name] = ModelTokenizer(m, tok, template)
+    return models
+
+
+def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.TokenizedRequest:
+    """Turn one request into a ``TokenizedRequest`` or raise ``RejectedRequest``."""
+    mt = models.get(req.model)
+    if mt is None:
+        raise RejectedRequest(
+            404, f"model {req.model!r} is not served; served: {', '.join(sorted(models))}", "model"
+        )
+    ids = mt.encode_prompt(req)
+    mt.check_length(ids, req.params)
+    return P.TokenizedRequest(
+        rid=req.rid,
+        model=req.model,
+        input_ids=P.pack_ids(ids),
+        params=req.params,
+        stop=list(req.stop),
+        skip_special_tokens=req.skip_special_tokens,
+        arrival=req.arrival,
+    )
+
+
+def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
+    """Load tokenizers, report ready, then serve requests until shutdown."""
+    # SIGTERM from the launcher is a normal stop: leave through run_process's
+    # KeyboardInterrupt path with exit code 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    models = load_models(pctx.served, pctx.args.chat_template)
+    eps = pctx.endpoints
+    inbox = socket(zctx, zmq.PULL, eps.tokenizer, bind=False)
+    to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
+    to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
+    decoder = P.decoder(P.TokenizerInbox)
+    report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
+    log.info(
+        "ready: %s",
+        ", ".join(f"{n} (chat={m.chat_template is not None})" for n, m in models.items()),
+    )
+    while True:
+        raw = inbox.recv()
+        try:
+            msg = decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
+            continue
+        if isinstance(msg, P.ShutdownProcess):
+            log.info("shutdown requested")
+            return 0
+        try:
+            out = tokenize(models, msg)
+        except RejectedRequest as exc:
+            log.info("rid=%s rejected %d: %s", msg.rid, exc.status, exc.message)
+            to_front.send(P.encode(P.RequestError(msg.rid, exc.status, exc.message, exc.param)))
+            continue
+        except Exception as exc:  # a tokenizer bug must fail the request, not the worker
+            log.exception("rid=%s tokenization failed", msg.rid)
+            err = P.RequestError(msg.rid, 500, f"tokenization failed: {type(exc).__name__}: {exc}")
+            to_front.send(P.encode(err))
+            continue
+        log.debug("rid=%s model=%s %d prompt tokens", msg.rid, msg.model, len(out.input_ids) // 4)
+        to_scheduler.send(P.encode(out))
+
+
+if __name__ == "__main__":
+    run_process(main)
