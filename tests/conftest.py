@@ -24,7 +24,14 @@ BLOCK_BYTES = 64 * 1024
 
 def tiny_config(kind: str, **overrides: object):
     """A small random-weight config of one architecture family."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=211,
@@ -39,6 +46,17 @@ def tiny_config(kind: str, **overrides: object):
         cfg = LlamaConfig(**{**common, **overrides})
     elif kind == "qwen2":
         cfg = Qwen2Config(**{**common, "use_sliding_window": False, **overrides})
+    elif kind == "qwen3":  # q/k RMS norms before rotary
+        cfg = Qwen3Config(**{**common, "head_dim": 16, **overrides})
+    elif kind == "gemma2":  # attention and final logit soft-capping
+        gemma2 = dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            sliding_window=512,
+        )
+        cfg = Gemma2Config(**{**common, **gemma2, **overrides})
     elif kind == "mistral":
         cfg = MistralConfig(**{**common, "sliding_window": None, **overrides})
     elif kind == "gemma3":
@@ -60,21 +78,28 @@ def tiny_model(kind: str, seed: int = 0, dtype: str = "float32", **overrides: ob
 
     torch.manual_seed(seed)
     cfg = tiny_config(kind, **overrides)
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    cfg._attn_implementation = _plain_impl(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     # Random init leaves some norms at exactly zero/one; perturb every weight so
     # each layer matters to the output.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+    # Same seed, same weights in every dtype (cast after init).
+    model.to(getattr(torch, dtype))
     return LoadedModel(model, None, describe(model, None, kind, dtype, "cpu"), kind, 0.0)
+
+
+def _plain_impl(config) -> str:
+    # transformers refuses SDPA where it cannot soft-cap scores (Gemma 2).
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 @contextlib.contextmanager
 def plain_attention(model) -> Iterator[None]:
-    """Temporarily run ``model`` with transformers' own SDPA attention."""
+    """Temporarily run ``model`` with transformers' own attention (SDPA or eager)."""
     old = model.config._attn_implementation
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = _plain_impl(model.config)
     try:
         yield
     finally:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import Sequences, SlotPool, make_runner, reference_logits, seq, tiny_model
 
-ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"]
 TOL = 1e-4
 
 
@@ -56,6 +56,7 @@ def test_ragged_chunked_prefill_and_decode(kind, arena):
 
 
 SLIDING = {
+    "gemma2": dict(sliding_window=4),
     "gemma3": dict(sliding_window=4),
     "qwen2": dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "mistral": dict(sliding_window=5),
@@ -127,3 +128,30 @@ def test_fast_and_fallback_kv_store_agree():
         assert torch.allclose(got[True][rid], got[False][rid], atol=1e-5)
         ref = reference_logits(loaded.model, results[True].ids[rid])[-1]
         assert (got[True][rid] - ref).abs().max() < TOL
+
+
+def test_soft_capping_is_applied(arena):
+    """Gemma 2 caps attention scores and final logits; both show in the output."""
+    loaded = tiny_model("gemma2")
+    runner = make_runner(loaded, arena)
+    ids = torch.randint(0, 211, (20,)).tolist()
+    got = runner.logits([seq("a", ids, SlotPool(runner.num_slots).take(20), 0)])[0]
+    assert got.abs().max() <= 3.0 + 1e-5  # final_logit_softcapping = 3
+    assert (got - reference_logits(loaded.model, ids)[-1]).abs().max() < TOL
+
+
+def test_bfloat16_close_to_float32(arena):
+    """A bfloat16 runner (bf16 KV in the arena) tracks the float32 model."""
+    loaded32 = tiny_model("llama", seed=7)
+    loaded16 = tiny_model("llama", seed=7, dtype="bfloat16")
+    assert loaded16.info.layout.dtype == "bfloat16"
+    assert loaded16.info.kv_share_key != loaded32.info.kv_share_key
+    runner = make_runner(loaded16, arena)
+    assert runner.kv.dtype == torch.bfloat16
+    ids = torch.randint(0, 211, (25,)).tolist()
+    driver = Sequences(runner)
+    got = driver.step({"a": ids[:20]})["a"]
+    got = driver.step({"a": ids[20:21]})["a"]
+    ref = reference_logits(loaded32.model, ids[:21])[-1]
+    assert (got - ref).abs().max() < 0.05
+    assert int(got.argmax()) == int(ref.argmax())

