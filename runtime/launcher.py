@@ -1,0 +1,355 @@
+"""The launcher: start every runtime process in order, watch them, stop them all.
+
+Start order (each step waits for the ready messages it needs):
+
+1. resolve every ``--model`` source to a local folder (fetching short names);
+2. create the private runtime dir, the KV arena, and bind the launcher inbox;
+3. start the scheduler and one runner per model replica; wait for the
+   scheduler's ``ProcessReady`` (it waits for every runner's ``Ready``), which
+   carries the served models;
+4. start the detokenizer, the tokenizer workers and the front; wait for each.
+
+A process that reports ``ProcessFailed`` or exits during start-up stops the
+launch with a ``LaunchError`` naming it and why; everything already started is
+stopped first. While serving, a runner that exits is reported to the scheduler
+(``RunnerDied``: its model's requests fail, the others keep serving); a core
+process that exits ends the server. ``stop()`` shuts down in reverse data-flow
+order (front, tokenizer workers, scheduler and runners, detokenizer) and leaves
+no process, socket or arena file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from radixmux.memory.arena import KVArena
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.runtime.process import ProcessContext, spawn
+from radixmux.runtime.server_args import ServerArgs
+
+log = logging.getLogger("radixmux.launcher")
+
+SCHEDULER_READY_TIMEOUT_S = 900.0  # runners load weights (and may convert) first
+READY_TIMEOUT_S = 120.0
+POLL_MS = 250  # monitoring cadence: no busy loop
+FAILED_GRACE_S = 2.0  # after a child exits, how long to wait for the reason it reports
+GRACEFUL_S = 10.0  # ShutdownProcess / SIGTERM, then this long before escalating
+KILL_WAIT_S = 3.0
+
+
+class LaunchError(RuntimeError):
+    """The server could not start; the message names the process and why."""
+
+
+@dataclass
+class Child:
+    """One started process."""
+
+    name: str  # "scheduler", "runner smollm2#0", "tokenizer-0", ...
+    proc: subprocess.Popen
+    runner_id: str | None = None  # set for runners: their death is not fatal
+
+
+def resolve_source(source: str) -> str:
+    """A ``--model`` source as a local path: a HF folder or a ``.gguf`` file."""
+    from radixmux.model_runners import fetch, loader
+
+    if source in fetch.EMBEDDED:
+        try:
+            return str(fetch.fetch(source, progress=True))
+        except fetch.FetchError as exc:
+            raise LaunchError(f"--model {source}: {exc}") from None
+        except Exception as exc:  # a failed conversion: say so without a traceback
+            raise LaunchError(
+                f"--model {source}: fetch failed: {type(exc).__name__}: {exc}"
+            ) from None
+    try:
+        folder, gguf = loader.resolve(source)
+    except (FileNotFoundError, OSError) as exc:
+        raise LaunchError(f"--model {source}: {exc}") from None
+    return str(folder / gguf) if gguf else str(folder.resolve())
+
+
+def resolve_models(args: ServerArgs) -> ServerArgs:
+    """``args`` with every model source replaced by its local folder (or .gguf file)."""
+    models = [msgspec.structs.replace(m, source=resolve_source(m.source)) for m in args.models]
+    return msgspec.structs.replace(args, models=models)
+
+
+class Launcher:
+    """Starts, monitors and stops one runtime (see the module docstring)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.endpoints: Endpoints | None = None
+        self.served: list[P.ServedModel] = []
+        self.children: list[Child] = []
+        self.exit_code = 0
+        self._arena: KVArena | None = None
+        self._runtime_dir: str | None = None
+        self._own_dir = False
+        self._zctx: zmq.Context | None = None
+        self._inbox: zmq.Socket | None = None
+        self._to_scheduler: zmq.Socket | None = None
+        self._to_detokenizer: zmq.Socket | None = None
+        self._ready: dict[str, P.ProcessReady] = {}
+        self._stop_requested = threading.Event()
+        self._started = False
+        self._stopped = False
+
+    # ---- start -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything; return once all processes are ready, else raise ``LaunchError``."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # KeyboardInterrupt during start-up cleans up too
+            raise
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        args = self.args = resolve_models(self.args)
+        self._own_dir = args.runtime_dir is None or not os.path.exists(args.runtime_dir)
+        self._runtime_dir = make_runtime_dir(args.runtime_dir)
+        eps = self.endpoints = Endpoints.in_dir(self._runtime_dir, args.zmq_endpoint)
+        try:
+            self._arena = KVArena.create(
+                args.kv_cache_bytes // args.kv_block_bytes, args.kv_block_bytes
+            )
+        except (ValueError, OSError) as exc:
+            raise LaunchError(
+                f"KV arena: {exc} (check --kv-cache-bytes / --kv-block-bytes)"
+            ) from None
+        self._zctx = zmq.Context()
+        self._inbox = socket(self._zctx, zmq.PULL, eps.launcher, bind=True)
+        self._to_scheduler = socket(self._zctx, zmq.PUSH, eps.scheduler, bind=False)
+        self._to_detokenizer = socket(self._zctx, zmq.PUSH, eps.detokenizer, bind=False)
+        spec = self._arena.spec
+        log.info(
+            "runtime dir %s, arena %s (%d MiB)",
+            self._runtime_dir,
+            spec.path,
+            spec.total_bytes >> 20,
+        )
+
+        self._spawn(
+            "radixmux.scheduler.scheduler", ProcessContext("scheduler", args, eps, arena=spec)
+        )
+        self._spawn_runners()
+        self._wait_ready(["scheduler"], SCHEDULER_READY_TIMEOUT_S)
+        self.served = self._ready["scheduler"].models
+
+        names = ["detokenizer", *(f"tokenizer-{i}" for i in range(args.tokenizer_workers)), "front"]
+        for name in names:
+            module = "tokenizer_worker" if name.startswith("tokenizer-") else name
+            self._spawn(
+                module, ProcessContext(name, args, eps, served=self.served, arena=spec), name
+            )
+        self._wait_ready(names, READY_TIMEOUT_S)
+        self._started = True
+        log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
+
+    def _spawn(self, module: str, ctx: ProcessContext, name: str | None = None) -> None:
+        name = name or ctx.name
+        self.children.append(Child(name, spawn(module, ctx)))
+        log.info("started %s (pid %d)", name, self.children[-1].proc.pid)
+
+    def _spawn_runners(self) -> None:
+        from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
+
+        args = self.args
+        total = sum(m.replicas for m in args.models)
+        for m in args.models:
+            for i in range(m.replicas):
+                rid = f"{m.name}#{i}"
+                config = RunnerConfig(
+                    model=m.source,
+                    arena=self._arena.spec,
+                    endpoint=self.endpoints.runners,
+                    runner_id=rid,
+                    name=m.name,
+                    dtype=m.dtype or args.dtype,
+                    device=args.device,
+                    page_size=args.page_size,
+                    threads=args.runner_threads,
+                    num_runners=total,
+                )
+                self.children.append(Child(f"runner {rid}", spawn_runner(config), runner_id=rid))
+                log.info(
+                    "started runner %s (pid %d) for %s", rid, self.children[-1].proc.pid, m.source
+                )
+
+    def _wait_ready(self, names: list[str], timeout: float) -> None:
+        """Wait for ``ProcessReady`` from each of ``names``; fail fast on any failure."""
+        deadline = time.monotonic() + timeout
+        while any(n not in self._ready for n in names):
+            if time.monotonic() > deadline:
+                missing = [n for n in names if n not in self._ready]
+                raise LaunchError(f"{', '.join(missing)} not ready after {timeout:.0f}s")
+            self._receive(POLL_MS)
+            dead = next((c for c in self.children if c.proc.poll() is not None), None)
+            if dead is not None:
+                # The process (or the scheduler, for a runner) usually reports
+                # why just before the exit: give that message a moment to land.
+                end = time.monotonic() + FAILED_GRACE_S
+                while time.monotonic() < end:
+                    self._receive(100)
+                raise LaunchError(
+                    f"{dead.name} exited with code {dead.proc.returncode} during start-up"
+                )
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Handle launcher messages arriving within ``timeout_ms``."""
+        if not self._inbox.poll(timeout_ms):
+            return
+        decoder = P.decoder(P.LauncherInbox)
+        while True:
+            try:
+                msg = decoder.decode(self._inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except msgspec.DecodeError as exc:
+                log.warning("dropped a malformed launcher message: %s", exc)
+                continue
+            if isinstance(msg, P.ProcessFailed):
+                if self._started or self._stopped:
+                    log.error("%s (pid %d) failed: %s", msg.name, msg.pid, msg.error)
+                    continue
+                raise LaunchError(f"{msg.name} failed to start: {msg.error}")
+            log.info("%s ready (pid %d)", msg.name, msg.pid)
+            self._ready[msg.name] = msg
+
+    # ---- serve -------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Make ``wait()`` return (safe from signal handlers and other threads)."""
+        self._stop_requested.set()
+
+    def wait(self) -> int:
+        """Monitor the processes until ``request_stop()`` or a core process dies.
+
+        Returns the exit code for the server: 0 when asked to stop, 1 when a
+        core process died.
+        """
+        while not self._stop_requested.is_set():
+            try:
+                self._receive(POLL_MS)
+            except LaunchError as exc:  # a late failure report: logged, the exit decides
+                log.error("%s", exc)
+            for child in list(self.children):
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if child.runner_id is not None:
+                    log.error("%s exited with code %d; its model's requests fail", child.name, code)
+                    self.children.remove(child)
+                    with contextlib.suppress(zmq.ZMQError):
+                        msg = P.RunnerDied(child.runner_id, code)
+                        self._to_scheduler.send(P.encode(msg), zmq.NOBLOCK)
+                    continue
+                log.error("core process %s exited with code %d; shutting down", child.name, code)
+                self.exit_code = 1
+                return 1
+        return 0
+
+    # ---- stop --------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop every process in order and remove the arena and runtime dir (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        t0 = time.monotonic()
+        by_kind = {
+            "front": [c for c in self.children if c.name == "front"],
+            "tokenizers": [c for c in self.children if c.name.startswith("tokenizer-")],
+            "scheduler": [c for c in self.children if c.name == "scheduler"],
+            "runners": [c for c in self.children if c.runner_id is not None],
+            "detokenizer": [c for c in self.children if c.name == "detokenizer"],
+        }
+        if not self._started:
+            # Nothing is serving yet and a starting process may not read its
+            # inbox: stop everything at once.
+            self._terminate(self.children)
+        self._terminate(by_kind["front"] + by_kind["tokenizers"])
+        # A live scheduler shuts its runners down itself; SIGTERM is the fallback.
+        scheduler_up = any(c.proc.poll() is None for c in by_kind["scheduler"])
+        self._shutdown(self._to_scheduler, by_kind["scheduler"])
+        self._terminate(by_kind["runners"], graceful=scheduler_up)
+        self._shutdown(self._to_detokenizer, by_kind["detokenizer"])
+        leftovers = [c for c in self.children if c.proc.poll() is None]
+        self._terminate(leftovers)
+        self._cleanup()
+        log.info("stopped in %.1fs", time.monotonic() - t0)
+
+    def _shutdown(self, sock: zmq.Socket | None, children: list[Child]) -> None:
+        """``ShutdownProcess`` to a process with an inbox, then escalate if it lingers."""
+        alive = [c for c in children if c.proc.poll() is None]
+        if not alive:
+            return
+        if sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send(P.encode(P.ShutdownProcess()), zmq.NOBLOCK)
+            _wait_all(alive, GRACEFUL_S)
+        self._terminate(alive)
+
+    def _terminate(self, children: list[Child], graceful: bool = False) -> None:
+        """SIGTERM (after waiting, when ``graceful``), wait, SIGKILL stragglers."""
+        alive = [c for c in children if c.proc.poll() is None]
+        if graceful:
+            alive = _wait_all(alive, GRACEFUL_S)
+        for c in alive:
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGTERM)
+        for c in _wait_all(alive, GRACEFUL_S):
+            log.warning("%s ignored SIGTERM; killing it", c.name)
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.kill()
+        _wait_all(alive, KILL_WAIT_S)
+
+    def _cleanup(self) -> None:
+        for sock in (self._inbox, self._to_scheduler, self._to_detokenizer):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._zctx is not None:
+            self._zctx.destroy(linger=0)
+        if self._arena is not None:
+            self._arena.destroy()
+        eps = self.endpoints
+        if eps is not None and eps.client.startswith("ipc://"):
+            # A --zmq-endpoint outside the runtime dir would otherwise outlive us.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(eps.client[len("ipc://") :])
+        if self._runtime_dir is not None:
+            if self._own_dir:
+                remove_runtime_dir(self._runtime_dir)
+            else:  # a directory the user gave: remove only our sockets
+                for field in (
+                    "launcher",
+                    "tokenizer",
+                    "scheduler",
+                    "runners",
+                    "detokenizer",
+                    "front",
+                ):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(getattr(eps, field)[len("ipc://") :])
+
+
+def _wait_all(children: list[Child], timeout: float) -> list[Child]:
+    """Wait up to ``timeout`` for ``children`` to exit; return those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [c for c in children if c.proc.poll() is None]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [c for c in alive if c.proc.poll() is None]
+    return alive

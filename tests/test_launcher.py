@@ -1,0 +1,165 @@
+"""The launcher with real processes: start-up failures, monitoring, clean stop.
+
+Every test checks that nothing is left behind: no child process, no runtime
+dir (so no socket file), no arena file in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from radixmux.memory.arena import default_arena_dir
+from radixmux.runtime.launcher import Launcher, LaunchError
+from radixmux.runtime.server_args import ModelArg, ServerArgs
+from tests.tiny_models import make_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_SCHEDULER = importlib.util.find_spec("radixmux.scheduler.scheduler") is not None
+HAVE_FRONT = importlib.util.find_spec("radixmux.runtime.front") is not None
+needs_scheduler = pytest.mark.skipif(not HAVE_SCHEDULER, reason="scheduler not in the tree yet")
+needs_stack = pytest.mark.skipif(
+    not (HAVE_SCHEDULER and HAVE_FRONT), reason="scheduler or front not in the tree yet"
+)
+SMALL = dict(kv_cache_bytes=8 << 20, kv_block_bytes=64 << 10, port=0, runner_threads=1)
+
+
+def arena_files(pid: int) -> list[str]:
+    return glob.glob(os.path.join(default_arena_dir(), f"radixmux-kv-{pid}-*"))
+
+
+def assert_nothing_left(launcher: Launcher) -> None:
+    assert all(c.proc.poll() is not None for c in launcher.children), "a child still runs"
+    if launcher.endpoints is not None:
+        assert not os.path.exists(launcher.endpoints.runtime_dir)
+    assert arena_files(os.getpid()) == []
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("launch_models")
+    return {
+        "a": make_tiny_model_dir(root / "a", seed=0),
+        "b": make_tiny_model_dir(root / "b", seed=1, chat_template=False),
+    }
+
+
+@pytest.mark.timeout(30)
+def test_bad_model_source_is_a_clear_error(tmp_path):
+    launcher = Launcher(ServerArgs(models=[ModelArg(str(tmp_path / "nope"), "x")], **SMALL))
+    with pytest.raises(LaunchError, match=r"--model .*nope.* neither a known short name"):
+        launcher.start()
+    assert launcher.children == []
+    assert_nothing_left(launcher)
+
+
+@pytest.mark.timeout(30)
+def test_launch_py_bad_source_exits_nonzero_without_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert "failed to start: --model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@needs_scheduler
+@pytest.mark.timeout(60)
+def test_failing_runner_names_it(tmp_path, tiny):
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    models = [ModelArg(str(tiny["a"]), "good"), ModelArg(str(bad), "broken")]
+    launcher = Launcher(ServerArgs(models=models, **SMALL))
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"broken#0") as err:
+        launcher.start()
+    assert time.monotonic() - t0 < 45
+    assert "no-such-architecture" in str(err.value) or "exited with code" in str(err.value)
+    assert_nothing_left(launcher)
+
+
+@needs_stack
+@pytest.mark.timeout(90)
+def test_start_monitor_stop(tiny):
+    args = ServerArgs(
+        models=[ModelArg(str(tiny["a"]), "a"), ModelArg(str(tiny["b"]), "b")], **SMALL
+    )
+    launcher = Launcher(args)
+    try:
+        launcher.start()
+        assert sorted(m.name for m in launcher.served) == ["a", "b"]
+        assert [m.source for m in launcher.args.models] == [str(tiny["a"]), str(tiny["b"])]
+        names = sorted(c.name for c in launcher.children)
+        assert names == sorted(
+            ["scheduler", "runner a#0", "runner b#0", "detokenizer", "tokenizer-0", "front"]
+        )
+        mode = stat.S_IMODE(os.stat(launcher.endpoints.runtime_dir).st_mode)
+        assert mode == 0o700
+        assert len(arena_files(os.getpid())) == 1
+
+        result: list[int] = []
+        monitor = threading.Thread(target=lambda: result.append(launcher.wait()))
+        monitor.start()
+        # A runner's death is survivable: reported, the rest keeps running.
+        runner = next(c for c in launcher.children if c.name == "runner b#0")
+        runner.proc.kill()
+        deadline = time.monotonic() + 10
+        while runner in launcher.children and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert runner not in launcher.children and monitor.is_alive()
+        # A core process's death ends the server with a non-zero code.
+        next(c for c in launcher.children if c.name == "detokenizer").proc.kill()
+        monitor.join(10)
+        assert result == [1]
+    finally:
+        launcher.stop()
+    assert_nothing_left(launcher)
+
+
+@needs_stack
+@pytest.mark.timeout(90)
+def test_launch_py_serves_and_stops_on_sigint(tiny, tmp_path):
+    cmd = [sys.executable, str(REPO / "launch.py"), "--model", f"{tiny['a']},name=tiny"]
+    cmd += ["--kv-cache-bytes", str(8 << 20), "--kv-block-bytes", str(64 << 10), "--port", "0"]
+    cmd += ["--runtime-dir", str(tmp_path / "rt")]
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert line.startswith("radixmux serving http://127.0.0.1:") and "tiny" in line
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0
+            assert proc.stdout.read() == ""  # exactly one line; logs go to stderr
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    pids = [int(p) for p in re.findall(r"started .* \(pid (\d+)\)", log.read_text())]
+    assert len(pids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
+    assert not (tmp_path / "rt").exists()
+    assert arena_files(proc.pid) == []
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
