@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -40,7 +41,9 @@ from radixmux.runtime.tokenizer_worker import load_tokenizer
 log = logging.getLogger("radixmux.detokenizer")
 
 # Requests finished here by a stop string whose later outputs are still being
-# dropped; bounded in case the scheduler never sends their final output.
+# dropped. The scheduler sends at most a batch's worth more after our abort and
+# no final output for an aborted request, so entries expire instead.
+STOPPED_TTL_S = 60.0
 MAX_STOPPED = 65536
 
 
@@ -117,16 +120,22 @@ class Detokenizer:
     def __init__(self, tokenizers: dict[str, Any]) -> None:
         self.tokenizers = tokenizers  # served model name -> tokenizer
         self.live: dict[str, IncrementalText] = {}
-        self.stopped: OrderedDict[str, None] = OrderedDict()
+        self.stopped: OrderedDict[str, float] = OrderedDict()  # rid -> when it stopped
 
     def process(self, batch: P.TokenBatch) -> tuple[list[P.TextOutput], list[str]]:
         """Text outputs for a batch, and the rids a stop string just finished."""
         outputs: list[P.TextOutput] = []
         stopped: list[str] = []
+        now = time.monotonic()
+        while self.stopped and (
+            len(self.stopped) > MAX_STOPPED
+            or next(iter(self.stopped.values())) < now - STOPPED_TTL_S
+        ):
+            self.stopped.popitem(last=False)
         for out in batch.outputs:
             if out.rid in self.stopped:
-                # Already finished by a stop string; the scheduler's last word
-                # (its abort) ends our memory of it.
+                # Already finished by a stop string: drop; a final output from
+                # the scheduler ends our memory of it early.
                 if out.finish_reason is not None or out.error is not None:
                     del self.stopped[out.rid]
                 continue
@@ -139,9 +148,7 @@ class Detokenizer:
                 continue
             if matched is not None and out.finish_reason is None:
                 stopped.append(out.rid)
-                self.stopped[out.rid] = None
-                while len(self.stopped) > MAX_STOPPED:
-                    self.stopped.popitem(last=False)
+                self.stopped[out.rid] = now
             outputs.append(_text_output(out, text, finish, matched, out.error, out.status))
         return outputs, stopped
 

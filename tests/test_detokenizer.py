@@ -12,7 +12,7 @@ import zmq
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners.info import ModelInfo
 from radixmux.runtime import protocol as P
-from radixmux.runtime.detokenizer import Detokenizer, IncrementalText
+from radixmux.runtime.detokenizer import STOPPED_TTL_S, Detokenizer, IncrementalText
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
 from radixmux.runtime.server_args import ModelArg, ServerArgs
@@ -115,6 +115,11 @@ def test_state_ends_with_request(tok):
     assert detok.process(P.TokenBatch([out("a", [5], 9)])) == ([], [])
     assert detok.process(P.TokenBatch([out("a", [], 9, "abort")])) == ([], [])
     assert not detok.stopped
+    # Without a final output, a stopped rid is forgotten after a while.
+    detok.process(P.TokenBatch([out("e", ids, len(ids), stop=["END"])]))
+    assert list(detok.stopped) == ["e"]
+    detok.stopped["e"] -= STOPPED_TTL_S + 1
+    assert detok.process(P.TokenBatch([])) == ([], []) and not detok.stopped
     # Errors pass through and end the state; unknown models fail only their request.
     outs, _ = detok.process(
         P.TokenBatch([out("c", [], 0, "error", error="runner died", status=503)])
