@@ -137,3 +137,22 @@ def test_final_logits_match_plain_forward(name, real_models, real_arena):
         ref = reference_logits(loaded.model, p)[-1]
         err = (got[i] - ref).abs().max().item()
         assert err < 1e-3, f"{name} prompt {i}: max |diff| {err}"
+
+
+def test_gemma_past_its_sliding_window(real_models, real_arena):
+    """A 700-token context exceeds Gemma 3's 512-token window: sliding layers
+    must forget what full-attention layers still see."""
+    from conftest import Sequences, reference_logits
+
+    loaded = real_models["gemma3-270m"]
+    text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(120))
+    ids = loaded.tokenizer(text).input_ids[:700]
+    assert len(ids) == 700
+    driver = Sequences(make_runner(loaded, real_arena), seed=11)
+    driver.step({"a": ids[:400]})
+    driver.step({"a": ids[400:698]})
+    got = driver.step({"a": ids[698:699]})["a"]
+    got2 = driver.step({"a": ids[699:700]})["a"]
+    ref = reference_logits(loaded.model, ids)
+    assert (got - ref[698]).abs().max() < 1e-3
+    assert (got2 - ref[699]).abs().max() < 1e-3
