@@ -63,6 +63,12 @@ class Engine:
         self._lock = threading.Lock()
         # Long-lived threads, so each keeps its one client across calls.
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="radixmux-engine")
+        # The launcher's monitor: reports dead runners to the scheduler (their
+        # model's requests then fail instead of hanging).
+        self._monitor = threading.Thread(
+            target=self.launcher.wait, name="radixmux-monitor", daemon=True
+        )
+        self._monitor.start()
 
     def _client(self) -> Any:
         """One ZeroMQ client per thread (ZeroMQ sockets are not thread-safe)."""
@@ -70,7 +76,7 @@ class Engine:
         if client is None:
             from radixmux.runtime.client import Client
 
-            client = self._local.client = Client(self.launcher.endpoints.client)
+            client = self._local.client = Client(self.launcher.endpoints.client, self.args.api_key)
             with self._lock:
                 self._clients.append(client)
         return client
@@ -107,6 +113,8 @@ class Engine:
     def shutdown(self) -> None:
         """Stop every process and remove the runtime's files (idempotent)."""
         self._pool.shutdown(wait=True)
+        self.launcher.request_stop()
+        self._monitor.join()  # it uses the launcher's sockets: done before stop()
         with self._lock:
             for client in self._clients:
                 close = getattr(client, "close", None)

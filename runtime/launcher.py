@@ -27,6 +27,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -162,7 +163,9 @@ class Launcher:
 
     def _spawn(self, module: str, ctx: ProcessContext, name: str | None = None) -> None:
         name = name or ctx.name
-        self.children.append(Child(name, spawn(module, ctx)))
+        with _children_ignore_sigint():
+            proc = spawn(module, ctx)
+        self.children.append(Child(name, proc))
         log.info("started %s (pid %d)", name, self.children[-1].proc.pid)
 
     def _spawn_runners(self) -> None:
@@ -185,7 +188,9 @@ class Launcher:
                     threads=args.runner_threads,
                     num_runners=total,
                 )
-                self.children.append(Child(f"runner {rid}", spawn_runner(config), runner_id=rid))
+                with _children_ignore_sigint():
+                    proc = spawn_runner(config)
+                self.children.append(Child(f"runner {rid}", proc, runner_id=rid))
                 log.info(
                     "started runner %s (pid %d) for %s", rid, self.children[-1].proc.pid, m.source
                 )
@@ -257,6 +262,8 @@ class Launcher:
                         msg = P.RunnerDied(child.runner_id, code)
                         self._to_scheduler.send(P.encode(msg), zmq.NOBLOCK)
                     continue
+                if self._stop_requested.is_set():
+                    return 0  # e.g. Ctrl-C reached the front too: not a failure
                 log.error("core process %s exited with code %d; shutting down", child.name, code)
                 self.exit_code = 1
                 return 1
@@ -343,6 +350,23 @@ class Launcher:
                 ):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(getattr(eps, field)[len("ipc://") :])
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Start children with SIGINT ignored (inherited across exec).
+
+    Ctrl-C signals the whole foreground process group; the launcher alone
+    should react, then stop the children in order.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal dispositions can only change on the main thread
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _wait_all(children: list[Child], timeout: float) -> list[Child]:

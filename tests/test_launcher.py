@@ -15,7 +15,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -96,39 +95,43 @@ def test_failing_runner_names_it(tmp_path, tiny):
 
 @needs_stack
 @pytest.mark.timeout(90)
-def test_start_monitor_stop(tiny):
-    args = ServerArgs(
-        models=[ModelArg(str(tiny["a"]), "a"), ModelArg(str(tiny["b"]), "b")], **SMALL
-    )
-    launcher = Launcher(args)
+def test_engine_generates_survives_runner_death_stops_on_core_death(tiny):
+    from radixmux.runtime.engine import Engine
+
+    engine = Engine(model=[f"{tiny['a']},name=a", f"{tiny['b']},name=b"], **SMALL)
+    launcher = engine.launcher
     try:
-        launcher.start()
-        assert sorted(m.name for m in launcher.served) == ["a", "b"]
+        assert engine.models == ["a", "b"]
         assert [m.source for m in launcher.args.models] == [str(tiny["a"]), str(tiny["b"])]
         names = sorted(c.name for c in launcher.children)
         assert names == sorted(
             ["scheduler", "runner a#0", "runner b#0", "detokenizer", "tokenizer-0", "front"]
         )
-        mode = stat.S_IMODE(os.stat(launcher.endpoints.runtime_dir).st_mode)
-        assert mode == 0o700
+        assert stat.S_IMODE(os.stat(launcher.endpoints.runtime_dir).st_mode) == 0o700
         assert len(arena_files(os.getpid())) == 1
 
-        result: list[int] = []
-        monitor = threading.Thread(target=lambda: result.append(launcher.wait()))
-        monitor.start()
-        # A runner's death is survivable: reported, the rest keeps running.
+        outs = engine.generate(
+            ["Hello there", "One two"], {"max_new_tokens": 4, "ignore_eos": True}
+        )
+        assert [o.completion_tokens for o in outs] == [4, 4]
+        again = engine.generate("Hello there", {"max_new_tokens": 4, "ignore_eos": True})
+        assert again[0].text == outs[0].text  # greedy
+        assert engine.generate(["x"], {"max_new_tokens": 2}, model="b")[0].completion_tokens >= 1
+
+        # A runner's death is survivable: reported to the scheduler, the rest serves.
         runner = next(c for c in launcher.children if c.name == "runner b#0")
         runner.proc.kill()
         deadline = time.monotonic() + 10
         while runner in launcher.children and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert runner not in launcher.children and monitor.is_alive()
-        # A core process's death ends the server with a non-zero code.
+        assert runner not in launcher.children and engine._monitor.is_alive()
+        assert engine.generate(["Hi"], {"max_new_tokens": 2}, model="a")[0].completion_tokens
+        # A core process's death ends the monitor with a non-zero exit code.
         next(c for c in launcher.children if c.name == "detokenizer").proc.kill()
-        monitor.join(10)
-        assert result == [1]
+        engine._monitor.join(10)
+        assert not engine._monitor.is_alive() and launcher.exit_code == 1
     finally:
-        launcher.stop()
+        engine.shutdown()
     assert_nothing_left(launcher)
 
 
