@@ -140,9 +140,7 @@ class KVAllocator:
         """Free blocks this pool may take: respects its cap and others' floors."""
         owned = len(pool.blocks)
         reserved_for_others = sum(
-            max(0, p.floor_blocks - len(p.blocks))
-            for p in self._pools.values()
-            if p is not pool
+            max(0, p.floor_blocks - len(p.blocks)) for p in self._pools.values() if p is not pool
         )
         by_global = len(self._free_blocks) - reserved_for_others
         return max(0, min(by_global, pool.cap_blocks - owned))
@@ -152,6 +150,11 @@ class KVAllocator:
         pool = self._pool(key)
         pages = pool.free_page_count + self._blocks_available(pool) * pool.geometry.pages_per_block
         return pages * self.page_size
+
+    def capacity_slots(self, key: str) -> int:
+        """The most slots this pool could ever hold (its cap, or the whole arena)."""
+        pool = self._pool(key)
+        return min(self.num_blocks, pool.cap_blocks) * pool.geometry.slots_per_block
 
     def can_alloc(self, key: str, n_tokens: int) -> bool:
         return self.free_slots_for(key) >= self.pages_for(n_tokens) * self.page_size

@@ -146,8 +146,9 @@ def as_token_bytes(tokens: Tokens) -> bytes:
     return np.asarray(tokens, dtype=np.int32).tobytes()
 
 
-def _common_tokens(a: bytes, b: bytes) -> int:
-    """Number of leading int32 tokens two packed sequences share."""
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """Number of leading int32 tokens two packed sequences share (one memcmp
+    when one is a prefix of the other)."""
     n = min(len(a), len(b)) // 4
     if a[: n * 4] == b[: n * 4]:
         return n
@@ -241,12 +242,13 @@ class RadixCache:
         return list(self._models)
 
     # ---- match ---------------------------------------------------------------
-    def match(self, model: str, tokens: Tokens) -> MatchResult:
+    def match(self, model: str, tokens: Tokens, record: bool = True) -> MatchResult:
         """Longest prefix of ``tokens`` (whole pages) for which ``model`` has KV.
 
         O(prefix length): one dict lookup and one edge compare per node. A match
         ending inside an edge splits the node there, so the handle's path is
-        exactly the matched tokens. Updates access times, hit counts, counters.
+        exactly the matched tokens. Updates access times, hit counts and
+        counters unless ``record`` is False (a scheduler's probe or re-match).
         """
         spec = self.model(model)
         cid = self._model_cache[model]
@@ -265,21 +267,35 @@ class RadixCache:
             if partial:
                 # The first page matched (it is the child's dict key), so the
                 # page-aligned common part is at least one page.
-                common = _common_tokens(child.key, q[pos:limit])
+                common = common_prefix_tokens(child.key, q[pos:limit])
                 child = self._split(child, common - common % self.page_size)
                 klen = len(child.key)
             entry = child.entries[cid]
-            entry.last_access = now
-            entry.hits += 1
+            if record:
+                entry.last_access = now
+                entry.hits += 1
             parts.append(entry.slots)
             pos += klen
             node = child
             if partial:
                 break
         length = pos // 4
-        self._count_match(model, len(q) // 4, length)
+        if record:
+            self._count_match(model, len(q) // 4, length)
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return MatchResult(length, slots, CacheHandle(node, cid, length))
+
+    def record(self, model: str, handle: CacheHandle, queried: int) -> None:
+        """Count a ``record=False`` match that was then used (a request admitted
+        after probing): statistics, access times and hit counts of its path."""
+        now = self._clock()
+        node = handle.node
+        while node.parent is not None:
+            entry = node.entries[handle.cache_id]
+            entry.last_access = now
+            entry.hits += 1
+            node = node.parent
+        self._count_match(model, queried, handle.length)
 
     def _count_match(self, model: str, queried: int, matched: int) -> None:
         c = self._counters[model]
@@ -388,7 +404,7 @@ class RadixCache:
                 node.children[q[b : b + self._page_bytes]] = child
                 self._nodes += 1
             else:
-                common = _common_tokens(child.key, q[b:])
+                common = common_prefix_tokens(child.key, q[b:])
                 common -= common % self.page_size
                 if common < child.num_tokens:
                     child = self._split(child, common)
@@ -560,7 +576,9 @@ class RadixCache:
             child = node.children.get(q[pos * 4 : (pos + self.page_size) * 4])
             if child is None:
                 return 0
-            if _common_tokens(child.key, q[pos * 4 : cut * 4]) < min(child.num_tokens, cut - pos):
+            if common_prefix_tokens(child.key, q[pos * 4 : cut * 4]) < min(
+                child.num_tokens, cut - pos
+            ):
                 return 0
             if child.num_tokens > cut - pos:
                 child = self._split(child, cut - pos)

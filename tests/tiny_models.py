@@ -56,7 +56,8 @@ def make_tiny_model_dir(
         max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():

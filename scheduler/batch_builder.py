@@ -1,0 +1,200 @@
+"""Continuous batching: what one runner computes next.
+
+A batch mixes, in this order:
+
+1. one decode token for every running request that has finished its prompt;
+   when KV runs out, the running request with the least progress is retracted
+   (its KV goes into the cache, it waits again and later resumes where it was);
+2. the next chunk of prompts already being prefilled (chunked prefill), within
+   ``chunked_prefill_size`` tokens per batch;
+3. new requests from the model's waiting queue, in schedule-policy order, while
+   the token budget, ``max_running_requests`` and free KV allow. A request that
+   shares a not-yet-cached prefix with one admitted in this round waits a round,
+   so the prefix is computed once and the others hit the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixmux.memory.radix_cache import common_prefix_tokens
+from radixmux.model_runners.protocol import ForwardBatch, SeqInput, pack_ids
+from radixmux.scheduler.kv_manager import KVManager
+from radixmux.scheduler.policy import order_waiting
+from radixmux.scheduler.request import Req
+
+log = logging.getLogger("radixmux.scheduler")
+
+# A request waits a round when this many not-yet-cached tokens of its prompt
+# are shared with a request admitted in the same round.
+IN_BATCH_SHARE_TOKENS = 32
+# Admission keeps room for this many future decode tokens x conservativeness.
+DECODE_RESERVE_TOKENS = 64
+
+_batch_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class RunnerState:
+    """One runner process (a model instance) as the scheduler sees it."""
+
+    runner_id: str
+    model: str
+    up: bool = False
+    error: str | None = None
+    running: list[Req] = field(default_factory=list)
+    inflight: ScheduledBatch | None = None
+
+
+@dataclass
+class ScheduledBatch:
+    """A batch sent to a runner: each request and how many tokens it computes."""
+
+    runner_id: str
+    reqs: list[Req]
+    chunks: list[int]
+    batch_id: int = field(default_factory=lambda: next(_batch_ids))
+
+    def to_forward_batch(self) -> ForwardBatch:
+        seqs = []
+        for req, n in zip(self.reqs, self.chunks, strict=True):
+            start = req.kv_len
+            end = start + n
+            seqs.append(
+                SeqInput(
+                    rid=req.rid,
+                    new_tokens=req.tokens[start:end].tobytes(),
+                    slots=req.slots[:end].astype(np.int32).tobytes(),
+                    start_pos=start,
+                    sample=end == req.num_tokens,
+                    params=req.params,
+                    output_ids=pack_ids(req.output_ids),
+                )
+            )
+        return ForwardBatch(self.batch_id, seqs)
+
+
+@dataclass
+class BatchLimits:
+    """The scheduler flags that bound one batch."""
+
+    policy: str
+    chunked_prefill_size: int
+    max_running_requests: int
+    conservativeness: float
+
+
+class BatchBuilder:
+    """Builds the next batch for a runner from its running set and its model's queue."""
+
+    def __init__(self, kv: KVManager, limits: BatchLimits, seed: int = 0) -> None:
+        self.kv = kv
+        self.limits = limits
+        self.rng = random.Random(seed)
+
+    def schedule_next_batch(
+        self, runner: RunnerState, waiting: list[Req], may_admit: bool = True
+    ) -> ScheduledBatch | None:
+        """The next batch for ``runner`` (None when it has nothing to do).
+
+        Admitted requests move from ``waiting`` to ``runner.running``; retracted
+        ones go back to the front of ``waiting``.
+        """
+        reqs: list[Req] = []
+        chunks: list[int] = []
+        self._decodes(runner, waiting, reqs, chunks)
+        budget = self.limits.chunked_prefill_size
+        for req in [r for r in runner.running if r.pending > 1]:
+            n = min(req.pending, budget)
+            if n <= 0 or not self.kv.reserve(req, n):
+                break
+            reqs.append(req)
+            chunks.append(n)
+            budget -= n
+        if may_admit:
+            self._admit(runner, waiting, budget, reqs, chunks)
+        if not reqs and runner.running:
+            # Stuck: prompts being prefilled hold KV but none can grow. Free the
+            # one with least progress so the others can go on.
+            self._retract(runner, waiting, self._least_progress(runner.running))
+            return self.schedule_next_batch(runner, waiting, may_admit=False)
+        if not reqs:
+            return None
+        return ScheduledBatch(runner.runner_id, reqs, chunks)
+
+    def _decodes(
+        self, runner: RunnerState, waiting: list[Req], reqs: list[Req], chunks: list[int]
+    ) -> None:
+        for req in sorted((r for r in runner.running if r.pending == 1), key=lambda r: r.order):
+            while req in runner.running and not self.kv.reserve(req, 1):
+                victim = self._least_progress([r for r in runner.running if r not in reqs])
+                self._retract(runner, waiting, victim)
+            if req in runner.running:
+                reqs.append(req)
+                chunks.append(1)
+
+    @staticmethod
+    def _least_progress(candidates: list[Req]) -> Req:
+        return min(candidates, key=lambda r: (len(r.output_ids), -r.order))
+
+    def _retract(self, runner: RunnerState, waiting: list[Req], req: Req) -> None:
+        log.info(
+            "rid=%s retracted (out of KV) after %d tokens; requeued", req.rid, len(req.output_ids)
+        )
+        runner.running.remove(req)
+        self.kv.release(req, keep=True)
+        req.runner = None
+        req.retractions += 1
+        waiting.insert(0, req)
+
+    def _admit(
+        self,
+        runner: RunnerState,
+        waiting: list[Req],
+        budget: int,
+        reqs: list[Req],
+        chunks: list[int],
+    ) -> None:
+        lim = self.limits
+        if budget <= 0 or not waiting or len(runner.running) >= lim.max_running_requests:
+            return
+        cache = self.kv.cache if self.kv.use_cache else None
+        admitted: list[bytes] = []
+        for req in order_waiting(lim.policy, waiting, cache, self.rng):
+            if budget <= 0 or len(runner.running) >= lim.max_running_requests:
+                break
+            self.kv.lookup(req)
+            if self.kv.use_cache and self._shares_uncached(req, admitted):
+                self.kv.release(req, keep=False)
+                continue
+            n = min(req.pending, budget)
+            reserve = int(
+                lim.conservativeness * min(req.params.max_new_tokens, DECODE_RESERVE_TOKENS)
+            )
+            if not self.kv.reserve(req, n) or (
+                runner.running and reserve and not self.kv.room_for(req, reserve)
+            ):
+                self.kv.release(req, keep=False)
+                break  # out of KV: later requests would not fit either
+            self.kv.admitted(req)
+            waiting.remove(req)
+            req.runner = runner.runner_id
+            runner.running.append(req)
+            reqs.append(req)
+            chunks.append(n)
+            budget -= n
+            admitted.append(req.tokens.tobytes())
+
+    def _shares_uncached(self, req: Req, admitted: list[bytes]) -> bool:
+        """True when a request admitted this round will compute part of this
+        one's uncached prompt: wait, and hit the cache next round instead."""
+        mine = req.tokens.tobytes()
+        return any(
+            common_prefix_tokens(mine, other) - req.kv_len >= IN_BATCH_SHARE_TOKENS
+            for other in admitted
+        )

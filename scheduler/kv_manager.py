@@ -1,0 +1,132 @@
+"""A request's KV through its life: cache lookup, slot reservation, caching, release.
+
+This is the only place the scheduler touches the radix cache and allocator,
+so the ownership rule lives in one file: a request's first ``handle.length``
+slots belong to the tree (locked), the rest are its own until it inserts
+them or frees them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixmux.memory.radix_cache import RadixCache
+from radixmux.scheduler.request import Req
+
+
+class KVManager:
+    """Admission, growth and release of requests' KV over one radix cache.
+
+    With ``use_cache`` False (``--disable-radix-cache``) nothing is matched or
+    inserted: every request computes and frees its own KV.
+    """
+
+    def __init__(self, cache: RadixCache, use_cache: bool = True) -> None:
+        self.cache = cache
+        self.use_cache = use_cache
+        self.page = cache.page_size
+
+    def lookup(self, req: Req) -> None:
+        """Match and lock the longest cached prefix (leaving a token to compute).
+
+        Statistics are not counted yet: a request may be looked up several
+        times before it is admitted; ``admitted`` counts it once.
+        """
+        if not self.use_cache:
+            req.slots = np.zeros(0, dtype=np.int64)
+            req.kv_len = 0
+            return
+        m = self.cache.match(req.model, req.tokens[:-1], record=False)
+        self.cache.lock(m.handle)
+        req.handle = m.handle
+        req.slots = m.slots
+        req.kv_len = m.length
+
+    def admitted(self, req: Req) -> None:
+        """The looked-up request runs: count its hit and refresh its path."""
+        if req.handle is not None:
+            self.cache.record(req.model, req.handle, req.num_tokens)
+        if not req.admitted_once:
+            req.cached_tokens = req.kv_len
+            req.admitted_once = True
+
+    def room_for(self, req: Req, n: int) -> bool:
+        """Whether ``n`` more slots for this model can be had (evicting if needed)."""
+        pool = self.cache.pool_of(req.model)
+        return self.cache.allocator.can_alloc(pool, n) or (
+            self.use_cache and self.cache.evict_for(req.model, n)
+        )
+
+    def reserve(self, req: Req, n: int, evict: bool = True) -> bool:
+        """Make room for ``n`` more tokens of KV; False when there is none."""
+        need = req.kv_len + n - len(req.slots)
+        if need <= 0:
+            return True
+        pool = self.cache.pool_of(req.model)
+        new = self.cache.allocator.alloc(pool, need)
+        if new is None and evict and self.cache.evict_for(req.model, need):
+            new = self.cache.allocator.alloc(pool, need)
+        if new is None:
+            return False
+        req.slots = np.concatenate([req.slots, new])
+        return True
+
+    def can_reserve(self, req: Req, n: int) -> bool:
+        """Whether ``reserve`` could succeed (counting what eviction could free)."""
+        need = req.kv_len + n - len(req.slots)
+        pool = self.cache.pool_of(req.model)
+        return (
+            need <= 0
+            or self.cache.allocator.can_alloc(pool, need)
+            or (self.use_cache and self.cache.evict_for(req.model, need))
+        )
+
+    def cacheable(self, req: Req) -> bool:
+        """False once the model was invalidated after this request matched."""
+        return (
+            self.use_cache
+            and req.handle is not None
+            and req.handle.cache_id == self.cache.cache_id(req.model)
+        )
+
+    def cache_progress(self, req: Req) -> None:
+        """Insert the request's computed whole pages, so others can hit them now
+        (in-batch prefix sharing, chunked prefill); it keeps using the tree's slots."""
+        if not self.cacheable(req):
+            return
+        assert req.handle is not None
+        aligned = req.kv_len - req.kv_len % self.page
+        if aligned <= req.handle.length:
+            return
+        tokens = req.tokens[:aligned]
+        self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
+        m = self.cache.match(req.model, tokens, record=False)
+        assert m.length == aligned, "a just-inserted prefix must match"
+        self.cache.lock(m.handle)
+        self.cache.unlock(req.handle)
+        req.slots = np.concatenate([m.slots, req.slots[aligned:]])
+        req.handle = m.handle
+
+    def release(self, req: Req, keep: bool) -> None:
+        """Give back the request's KV: insert computed pages into the cache when
+        ``keep`` (finished or retracted), free everything else, drop the lock."""
+        pool = self.cache.pool_of(req.model)
+        if keep and self.cacheable(req):
+            assert req.handle is not None
+            aligned = req.kv_len - req.kv_len % self.page
+            self.cache.insert(req.model, req.tokens[:aligned], req.slots[:aligned], req.handle)
+            self.cache.allocator.free(pool, req.slots[aligned:])
+        else:
+            self.cache.allocator.free(pool, req.owned_slots)
+        if req.handle is not None:
+            self.cache.unlock(req.handle)
+        req.handle = None
+        req.slots = np.zeros(0, dtype=np.int64)
+        req.kv_len = 0
+
+    def held_slots(self, reqs: list[Req]) -> dict[str, list[np.ndarray]]:
+        """Slots live requests own, per pool (for ``check_invariants``)."""
+        held: dict[str, list[np.ndarray]] = {}
+        for req in reqs:
+            held.setdefault(self.cache.pool_of(req.model), []).append(req.owned_slots)
+        return held

@@ -1,0 +1,74 @@
+"""Schedule policies: in what order a model's waiting requests are admitted.
+
+- ``fcfs``: arrival order.
+- ``lof``: longest output first (largest ``max_new_tokens``).
+- ``random``: seeded shuffle.
+- ``lpm``: longest cached prefix first, so hits run while their KV is warm.
+- ``dfs-weight``: walk the radix tree depth first, heavier subtrees (more
+  waiting requests under them) first, so requests sharing a prefix run
+  back to back.
+``lpm`` and ``dfs-weight`` need the cache: with it disabled, or with a queue
+too long to probe cheaply, they fall back to ``fcfs`` (as SGLang does).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from radixmux.memory.radix_cache import Node, RadixCache
+from radixmux.scheduler.request import Req
+
+# Probing the tree costs O(prompt) per request; past this queue length the
+# ordering is not worth it.
+MAX_PROBED_QUEUE = 256
+
+
+def order_waiting(
+    policy: str,
+    waiting: Sequence[Req],
+    cache: RadixCache | None,
+    rng: random.Random,
+) -> list[Req]:
+    """``waiting`` in the order ``policy`` admits them."""
+    if policy in ("lpm", "dfs-weight") and (cache is None or len(waiting) > MAX_PROBED_QUEUE):
+        policy = "fcfs"
+    if policy == "fcfs":
+        return sorted(waiting, key=lambda r: r.order)
+    if policy == "lof":
+        return sorted(waiting, key=lambda r: (-r.params.max_new_tokens, r.order))
+    if policy == "random":
+        out = list(waiting)
+        rng.shuffle(out)
+        return out
+    assert cache is not None
+    probes = {r: cache.match(r.model, r.tokens[:-1], record=False) for r in waiting}
+    if policy == "lpm":
+        return sorted(waiting, key=lambda r: (-probes[r].length, r.order))
+    if policy == "dfs-weight":
+        return _dfs_weight(waiting, {r: probes[r].handle.node for r in waiting})
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _dfs_weight(waiting: Sequence[Req], last_node: dict[Req, Node]) -> list[Req]:
+    weight: Counter[Node] = Counter()
+    at: defaultdict[Node, list[Req]] = defaultdict(list)
+    roots: dict[int, Node] = {}
+    for req in sorted(waiting, key=lambda r: r.order):
+        node = last_node[req]
+        at[node].append(req)
+        while True:
+            weight[node] += 1
+            if node.parent is None:
+                roots[id(node)] = node
+                break
+            node = node.parent
+    out: list[Req] = []
+    stack = sorted(roots.values(), key=lambda n: weight[n])
+    while stack:
+        node = stack.pop()
+        out.extend(at[node])
+        children = [c for c in node.children.values() if weight[c]]
+        stack.extend(sorted(children, key=lambda n: weight[n]))
+    return out

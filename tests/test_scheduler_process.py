@@ -1,0 +1,251 @@
+"""The scheduler process with real runner processes, over real ZeroMQ sockets.
+
+The test plays the launcher (spawns the processes, collects ready messages),
+the tokenizer (pushes TokenizedRequests) and the detokenizer (collects
+TokenBatches). Greedy outputs are checked against transformers' own
+``generate`` on the same weights, with the cache on and off, under every
+schedule policy and under KV pressure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from tiny_models import make_tiny_model_dir
+
+from radixmux.memory.arena import KVArena
+from radixmux.model_runners.protocol import SamplingParams
+from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.runtime.process import ProcessContext, spawn
+from radixmux.runtime.server_args import ModelArg, ServerArgs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "a": make_tiny_model_dir(root / "a", seed=1),
+        "b": make_tiny_model_dir(root / "b", seed=2),
+    }
+
+
+@dataclass
+class Runtime:
+    """A scheduler and its runners, with the test on the other sockets."""
+
+    endpoints: Endpoints
+    zctx: zmq.Context
+    to_sched: zmq.Socket
+    from_sched: zmq.Socket  # detokenizer side
+    front: zmq.Socket  # errors and control replies
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    served: list[P.ServedModel] = field(default_factory=list)
+
+    def submit(self, model: str, ids: list[int], max_new: int = 8, **params: object) -> str:
+        rid = uuid.uuid4().hex[:8]
+        sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True, **params)
+        self.to_sched.send(P.encode(P.TokenizedRequest(rid, model, P.pack_ids(ids), sp)))
+        return rid
+
+    def collect(self, rids: set[str], timeout_ms: int = 120_000) -> dict[str, list[int]]:
+        """Every token of each request until it finishes."""
+        dec = P.decoder(P.DetokenizerInbox)
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        done: set[str] = set()
+        while done != rids:
+            assert self.from_sched.poll(timeout_ms), f"no output; still running {rids - done}"
+            batch = dec.decode(self.from_sched.recv())
+            for o in batch.outputs:
+                assert o.error is None, o.error
+                out[o.rid] += o.new_token_ids
+                if o.finish_reason:
+                    done.add(o.rid)
+        return out
+
+    def control(self, op: str, model: str | None = None) -> P.ControlReply:
+        req_id = uuid.uuid4().hex
+        self.to_sched.send(P.encode(P.ControlRequest(req_id, op, model)))
+        assert self.front.poll(10_000)
+        reply = P.decoder(P.FrontInbox).decode(self.front.recv())
+        assert isinstance(reply, P.ControlReply) and reply.req_id == req_id
+        return reply
+
+
+@contextlib.contextmanager
+def start_runtime(models: list[ModelArg], **flags: object) -> Iterator[Runtime]:
+    rundir = make_runtime_dir()
+    ep = Endpoints.in_dir(rundir)
+    args = ServerArgs(models=models, check_invariants=True, **flags)
+    arena = KVArena.create(args.kv_cache_bytes // args.kv_block_bytes, args.kv_block_bytes)
+    zctx = zmq.Context()
+    launcher = socket(zctx, zmq.PULL, ep.launcher, bind=True)
+    rt = Runtime(
+        ep,
+        zctx,
+        socket(zctx, zmq.PUSH, ep.scheduler, bind=False),
+        socket(zctx, zmq.PULL, ep.detokenizer, bind=True),
+        socket(zctx, zmq.PULL, ep.front, bind=True),
+    )
+    try:
+        rt.procs.append(
+            spawn(
+                "radixmux.scheduler.scheduler",
+                ProcessContext("scheduler", args, ep, arena=arena.spec),
+            )
+        )
+        total = sum(m.replicas for m in models)
+        for m in models:
+            for i in range(m.replicas):
+                cfg = RunnerConfig(
+                    m.source,
+                    arena.spec,
+                    ep.runners,
+                    f"{m.name}#{i}",
+                    m.name,
+                    page_size=args.page_size,
+                    threads=1,
+                    num_runners=total,
+                )
+                rt.procs.append(spawn_runner(cfg))
+        assert launcher.poll(180_000), "scheduler never reported"
+        msg = P.decoder(P.LauncherInbox).decode(launcher.recv())
+        assert isinstance(msg, P.ProcessReady), msg
+        rt.served = msg.models
+        yield rt
+    finally:
+        rt.to_sched.send(P.encode(P.ShutdownProcess()))
+        for proc in rt.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        zctx.destroy(linger=0)
+        arena.destroy()
+        remove_runtime_dir(rundir)
+
+
+def hf_greedy(folder: Path, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n
+        )
+    return out[0, len(ids) :].tolist()
+
+
+PROMPTS = [
+    [1, 504, 3300, 2830, 314, 253, 1789, 29, 1370, 2047] * 5,
+    [1, 504, 3300, 2830, 314, 253, 1789, 29, 1370, 2047] * 5 + [905, 1102],
+    [1, 22, 333, 4444, 8, 90, 17, 2900],
+    [1, 504, 3300, 2830, 314] + list(range(600, 640)),
+]
+
+
+def test_scheduler_serves_greedy_like_transformers(tiny_dirs: dict[str, Path]) -> None:
+    expected = [hf_greedy(tiny_dirs["a"], p, 8) for p in PROMPTS]
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], chunked_prefill_size=16) as rt:
+        assert [m.name for m in rt.served] == ["a"]
+        assert rt.served[0].info.kv_share_key
+        rids = [rt.submit("a", p) for p in PROMPTS]
+        out = rt.collect(set(rids))
+        assert [out[r] for r in rids] == expected
+        # Same prompts again: served from the cache, same tokens.
+        rids = [rt.submit("a", p) for p in PROMPTS]
+        out = rt.collect(set(rids))
+        assert [out[r] for r in rids] == expected
+        stats = rt.control("stats").stats
+        assert stats is not None and stats.models[0].tokens_matched > 0
+        assert stats.models[0].running == stats.models[0].waiting == 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"disable_radix_cache": True},
+        {"schedule_policy": "fcfs", "page_size": 4},
+        {"schedule_policy": "dfs-weight"},
+        {"schedule_policy": "lof", "max_running_requests": 2},
+        {"schedule_policy": "random", "kv_cache_bytes": 16 * 4096, "kv_block_bytes": 4096},
+    ],
+)
+def test_policies_and_pressure_keep_greedy_outputs(tiny_dirs: dict[str, Path], flags) -> None:
+    expected = [hf_greedy(tiny_dirs["a"], p, 6) for p in PROMPTS]
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], **flags) as rt:
+        for _ in range(2):
+            rids = [rt.submit("a", p, max_new=6) for p in PROMPTS]
+            out = rt.collect(set(rids))
+            assert [out[r] for r in rids] == expected
+        stats = rt.control("stats").stats
+        if "kv_cache_bytes" in flags:  # 128 token slots for ~200 tokens of prompts
+            assert stats.evicted_tokens["capacity"] > 0
+        if flags.get("disable_radix_cache"):
+            assert stats.models[0].tokens_matched == 0 and stats.tree_nodes == 0
+
+
+def test_two_models_and_replicas_share_one_arena(tiny_dirs: dict[str, Path]) -> None:
+    models = [ModelArg(str(tiny_dirs["a"]), "a", replicas=2), ModelArg(str(tiny_dirs["b"]), "b")]
+    exp_a = hf_greedy(tiny_dirs["a"], PROMPTS[0], 5)
+    exp_b = hf_greedy(tiny_dirs["b"], PROMPTS[0], 5)
+    assert exp_a != exp_b
+    with start_runtime(models) as rt:
+        rids = {rt.submit(m, PROMPTS[0], max_new=5): m for m in ("a", "b") for _ in range(8)}
+        out = rt.collect(set(rids))
+        for rid, m in rids.items():
+            assert out[rid] == (exp_a if m == "a" else exp_b)
+        stats = {m.name: m for m in rt.control("stats").stats.models}
+        assert stats["a"].replicas_up == 2
+        assert stats["a"].tokens_matched > 0 and stats["b"].tokens_matched > 0
+        # Invalidating one model drops its cache and keeps the other's.
+        assert rt.control("invalidate", "b").ok
+        after = {m.name: m for m in rt.control("stats").stats.models}
+        assert after["b"].cached_tokens == 0 and after["a"].cached_tokens > 0
+
+
+def test_abort_and_bad_requests(tiny_dirs: dict[str, Path]) -> None:
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], max_queued_requests=64) as rt:
+        long = rt.submit("a", PROMPTS[0], max_new=200)
+        rt.to_sched.send(P.encode(P.AbortRequest(long, "test")))
+        rid = rt.submit("a", PROMPTS[2], max_new=3)
+        assert len(rt.collect({rid})[rid]) == 3
+        bad = rt.submit("nope", [1, 2])
+        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        assert isinstance(err, P.RequestError) and err.rid == bad and err.status == 404
+        huge = rt.submit("a", [1] * 10, max_new=10**7)
+        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        assert err.rid == huge and err.status == 400 and err.param == "max_tokens"
+        stats = rt.control("stats").stats.models[0]
+        assert stats.running == 0 and stats.waiting == 0
+
+
+def test_runner_death_fails_only_its_model(tiny_dirs: dict[str, Path]) -> None:
+    models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
+    with start_runtime(models) as rt:
+        runner_b = rt.procs[2]
+        runner_b.kill()
+        runner_b.wait()
+        rt.to_sched.send(P.encode(P.RunnerDied("b#0", runner_b.returncode)))
+        rid = rt.submit("b", PROMPTS[2])
+        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        assert err.rid == rid and err.status == 503 and "b#0" in err.message
+        ok = rt.submit("a", PROMPTS[2], max_new=2)
+        assert len(rt.collect({ok})[ok]) == 2
+        status = {m.name: m for m in rt.control("stats").stats.models}
+        assert status["a"].up and not status["b"].up
+    assert np.all([p.poll() is not None for p in rt.procs])
+    assert not os.path.exists(rt.endpoints.runtime_dir)
