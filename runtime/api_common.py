@@ -1,0 +1,185 @@
+"""What every HTTP endpoint shares: the error type and body, JSON body reading, sampling checks.
+
+Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+on every endpoint (OpenAI and native), so one client-side handler fits all.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixmux.model_runners.protocol import SamplingParams
+from radixmux.runtime.protocol import ServedModel
+
+T = TypeVar("T")
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """A request that ends with an HTTP error status and an OpenAI-style body."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
+
+    def response(self) -> Response:
+        # 429: clients and SGLang's router back off for the time Retry-After says.
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return json_response(self.body(), self.status, headers)
+
+
+def json_response(
+    content: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """A JSON response encoded by msgspec (Structs and dicts alike)."""
+    return Response(msgspec.json.encode(content), status, headers, "application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes.
+
+    Content-Length is checked first so a huge upload is refused before it is
+    read; the stream is counted too, since chunked bodies carry no length.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def decode_body(data: bytes, type_: type[T]) -> T:
+    """Decode a JSON body into ``type_``; malformed JSON or a bad field is a 400 naming it."""
+    if not data.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        missing = _MISSING.search(text)
+        at = _AT_PATH.search(text)
+        param = missing.group(1) if missing else None
+        if at and at.group(1):
+            param = f"{at.group(1)}.{param}" if param else at.group(1)
+        raise APIError(400, f"invalid request: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+
+
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """``stop`` as a list; an empty stop string would end every request at once."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, f"'{param}' strings must be non-empty", param)
+    return stops
+
+
+def check_sampling(
+    p: SamplingParams, vocab_size: int, prefix: str = "", max_tokens_name: str = "max_tokens"
+) -> None:
+    """Reject parameters the runners cannot honour; the error names the field as sent."""
+
+    def bad(field: str, why: str) -> APIError:
+        return APIError(400, f"'{prefix}{field}' {why}", f"{prefix}{field}")
+
+    if p.max_new_tokens < 1:
+        raise bad(max_tokens_name, "must be >= 1")
+    if p.temperature < 0:
+        raise bad("temperature", "must be >= 0")
+    if not 0 < p.top_p <= 1:
+        raise bad("top_p", "must be in (0, 1]")
+    if p.top_k < 0:
+        raise bad("top_k", "must be >= 0, or -1 to disable")
+    if not 0 <= p.min_p <= 1:
+        raise bad("min_p", "must be in [0, 1]")
+    if not -2 <= p.frequency_penalty <= 2:
+        raise bad("frequency_penalty", "must be in [-2, 2]")
+    if not -2 <= p.presence_penalty <= 2:
+        raise bad("presence_penalty", "must be in [-2, 2]")
+    if p.repetition_penalty <= 0:
+        raise bad("repetition_penalty", "must be > 0")
+    if p.seed is not None and not 0 <= p.seed < 2**63:
+        raise bad("seed", "must be in [0, 2**63)")
+    if not 0 <= p.top_logprobs <= 20:
+        raise bad("top_logprobs", "must be in [0, 20]")
+    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+        raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+
+
+def check_input_ids(ids: list[Any], vocab_size: int, param: str) -> list[int]:
+    """Token-id prompts must be a non-empty list of ids the model knows."""
+    if not ids:
+        raise APIError(400, f"'{param}' must not be empty", param)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise APIError(400, f"'{param}' must be a list of token ids (integers)", param)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise APIError(400, f"'{param}' holds token ids outside [0, {vocab_size})", param)
+    return ids
+
+
+def resolve_model(served: dict[str, ServedModel], name: str | None) -> ServedModel:
+    """The served model a request names; optional when only one model is served."""
+    if name is None or name == "":
+        if len(served) == 1:
+            return next(iter(served.values()))
+        raise APIError(400, f"'model' is required; served models: {sorted(served)}", "model")
+    model = served.get(name)
+    if model is None:
+        raise APIError(
+            404,
+            f"model '{name}' is not served; served models: {sorted(served)}",
+            "model",
+            "model_not_found",
+        )
+    return model
+
+
+def require_chat_template(model: ServedModel, template_flag: bool) -> None:
+    """Chat needs a template: the model's own or the --chat-template flag's."""
+    if not model.info.has_chat_template and not template_flag:
+        raise APIError(
+            400,
+            f"model '{model.name}' has no chat template; use a plain-text prompt "
+            "(/v1/completions), or start the server with --chat-template",
+            "messages",
+            "no_chat_template",
+        )

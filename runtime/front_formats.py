@@ -1,0 +1,144 @@
+"""Per-request formatters: TextOutput deltas to OpenAI completion / chat and SGLang shapes.
+
+Each formatter is created for one request; streaming calls ``chunks`` per output
+and ``tail`` after the last, non-streaming calls ``full`` with every output.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from radixmux.runtime import native_api as N
+from radixmux.runtime import openai_api as O
+from radixmux.runtime import protocol as P
+from radixmux.runtime.front_hub import Generation
+
+
+def _reason(gen: Generation) -> str | None:
+    return gen.finish_reason if gen.done else None
+
+
+class CompletionFormat:
+    """``/v1/completions``."""
+
+    def __init__(self, rid: str, model: str, logprobs: bool, include_usage: bool) -> None:
+        self.id = f"cmpl-{rid}"
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.offset = 0
+
+    def _lps(self, outs: list[P.TextOutput], offset: int) -> O.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        return O.completion_logprobs([lp for o in outs for lp in o.logprobs or []], offset)
+
+    def _response(self, text: str, lps, reason, usage=None) -> O.CompletionResponse:
+        choice = O.CompletionChoice(0, text, lps, reason)
+        return O.CompletionResponse(self.id, self.created, self.model, [choice], usage)
+
+    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+        reason = _reason(gen)
+        if not out.text and not out.logprobs and reason is None:
+            return []
+        lps = self._lps([out], self.offset)
+        self.offset += len(out.text)
+        return [self._response(out.text, lps, reason)]
+
+    def tail(self, gen: Generation) -> list[msgspec.Struct]:
+        if not self.include_usage:
+            return []
+        return [O.CompletionResponse(self.id, self.created, self.model, [], O.usage(gen.last))]
+
+    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
+        text = "".join(o.text for o in outputs)
+        return self._response(text, self._lps(outputs, 0), _reason(gen), O.usage(gen.last))
+
+
+class ChatFormat:
+    """``/v1/chat/completions``."""
+
+    def __init__(self, rid: str, model: str, logprobs: bool, include_usage: bool) -> None:
+        self.id = f"chatcmpl-{rid}"
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.started = False
+
+    def _chunk(self, delta: O.ChatDelta, lps=None, reason=None, usage=None) -> O.ChatChunk:
+        choices = [O.ChatChunkChoice(0, delta, lps, reason)]
+        return O.ChatChunk(self.id, self.created, self.model, choices, usage)
+
+    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+        found: list[msgspec.Struct] = []
+        if not self.started:
+            # OpenAI's first chunk announces the role with empty content.
+            self.started = True
+            found.append(self._chunk(O.ChatDelta(role="assistant", content="")))
+        if out.text or out.logprobs:
+            lps = O.chat_logprobs(out.logprobs or []) if self.logprobs else None
+            found.append(self._chunk(O.ChatDelta(content=out.text), lps))
+        if gen.done:
+            found.append(self._chunk(O.ChatDelta(), reason=_reason(gen)))
+        return found
+
+    def tail(self, gen: Generation) -> list[msgspec.Struct]:
+        if not self.include_usage:
+            return []
+        return [O.ChatChunk(self.id, self.created, self.model, [], O.usage(gen.last))]
+
+    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
+        text = "".join(o.text for o in outputs)
+        lps = None
+        if self.logprobs:
+            lps = O.chat_logprobs([lp for o in outputs for lp in o.logprobs or []])
+        choice = O.ChatChoice(0, O.ChatMessageOut("assistant", text), lps, _reason(gen))
+        return O.ChatResponse(self.id, self.created, self.model, [choice], O.usage(gen.last))
+
+
+class NativeFormat:
+    """SGLang ``/generate``: every streamed chunk carries the text and ids so far."""
+
+    def __init__(self, rid: str, logprobs: bool) -> None:
+        self.rid = rid
+        self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
+        self.text = ""
+        self.ids: list[int] = []
+
+    def _add(self, out: P.TextOutput) -> None:
+        self.text += out.text
+        self.ids += out.token_ids
+        if self.logprobs is not None:
+            self.logprobs += out.logprobs or []
+
+    def _response(self, gen: Generation) -> N.NativeResponse:
+        last = gen.last
+        assert last is not None
+        finish = None
+        if gen.done:
+            finish = N.finish_reason(
+                gen.finish_reason,
+                gen.matched_stop,
+                self.ids[-1] if self.ids else None,
+                last.completion_tokens,
+            )
+        lps = list(self.logprobs) if self.logprobs is not None else None
+        return N.response(self.rid, self.text, list(self.ids), last, finish, gen.latency, lps)
+
+    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+        self._add(out)
+        if not out.text and not out.token_ids and not gen.done:
+            return []
+        return [self._response(gen)]
+
+    def tail(self, gen: Generation) -> list[msgspec.Struct]:
+        return []
+
+    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
+        for out in outputs:
+            self._add(out)
+        return self._response(gen)

@@ -1,0 +1,238 @@
+"""The front's ZeroMQ side: sockets, the reader that routes replies, one request's life.
+
+A single reader task receives ``TextBatch`` / ``RequestError`` / ``ControlReply``
+from the PULL socket and drops each into the waiting request's queue (by rid)
+or control future (by req_id); HTTP handlers and the ZMQ-client server only
+ever await those, so nothing in the front blocks on tokenization or models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import APIError
+from radixmux.runtime.ipc import Endpoints, socket
+from radixmux.runtime.metrics import FrontMetrics
+
+log = logging.getLogger("radixmux.front")
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+class Generation:
+    """One request in flight: its output queue, usage and latency bookkeeping.
+
+    Iterate it for ``TextOutput`` deltas; iteration ends after the finishing
+    output and raises :class:`APIError` when the request fails downstream.
+    """
+
+    def __init__(self, hub: RequestHub, req: P.GenerateRequest) -> None:
+        self.hub = hub
+        self.rid = req.rid
+        self.model = req.model
+        self.queue: asyncio.Queue[P.TextOutput | P.RequestError] = asyncio.Queue()
+        self.start = time.perf_counter()
+        self.last_at: float | None = None
+        self.last: P.TextOutput | None = None
+        self.finish_reason: str | None = None
+        self.matched_stop: str | None = None
+        self.done = False
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> P.TextOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, P.RequestError):
+            self._fail(item.status, item.message, item.param)
+        elif item.error is not None or item.finish_reason == "error":
+            self.last = item
+            self._fail(
+                item.status if item.status >= 400 else 500, item.error or "generation failed"
+            )
+        self._account(item)
+        if item.matched_stop is not None:
+            # The detokenizer saw a stop string: the request is over, though the
+            # scheduler does not know yet; tell it so it frees the KV now.
+            self.matched_stop = item.matched_stop
+            if item.finish_reason is None:
+                self.hub.abort(self.rid, "stop")
+            self._finish("stop")
+        elif item.finish_reason is not None:
+            self._finish(item.finish_reason)
+        return item
+
+    @property
+    def latency(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _account(self, out: P.TextOutput) -> None:
+        now = time.perf_counter()
+        n = len(out.token_ids)
+        if n:
+            m = self.hub.metrics
+            if self.last_at is None:
+                m.ttft.labels(self.model).observe(now - self.start)
+                n -= 1  # the first token has no inter-token gap
+            else:
+                for _ in range(n):
+                    m.itl.labels(self.model).observe((now - self.last_at) / n)
+            self.last_at = now
+        self.last = out
+
+    def _finish(self, reason: str) -> None:
+        self.done = True
+        self.finish_reason = reason
+        last = self.last
+        m = self.hub.metrics
+        m.requests.labels(self.model, reason).inc()
+        m.e2e.labels(self.model).observe(self.latency)
+        if last is not None:
+            m.prompt_tokens.labels(self.model).inc(last.prompt_tokens)
+            m.generation_tokens.labels(self.model).inc(last.completion_tokens)
+            m.cached_prompt_tokens.labels(self.model).inc(last.cached_tokens)
+        log.info(
+            "rid=%s finished model=%s reason=%s prompt=%d completion=%d cached=%d latency_ms=%.1f",
+            self.rid,
+            self.model,
+            reason,
+            last.prompt_tokens if last else 0,
+            last.completion_tokens if last else 0,
+            last.cached_tokens if last else 0,
+            self.latency * 1000,
+        )
+
+    def _fail(self, status: int, message: str, param: str | None = None) -> None:
+        self.done = True
+        self.finish_reason = "error"
+        self.hub.metrics.requests.labels(self.model, "error").inc()
+        self.hub.metrics.e2e.labels(self.model).observe(self.latency)
+        log.info("rid=%s error model=%s status=%d: %s", self.rid, self.model, status, message)
+        raise APIError(status, message, param)
+
+    def abandon(self, reason: str) -> None:
+        """The caller is gone before the end: abort so the scheduler frees the KV at once."""
+        if self.done:
+            return
+        self.done = True
+        self.finish_reason = "abort"
+        self.hub.metrics.requests.labels(self.model, "abort").inc()
+        self.hub.abort(self.rid, reason)
+        log.info("rid=%s aborted model=%s reason=%s", self.rid, self.model, reason)
+
+
+class RequestHub:
+    """Owns the front's sockets and routes every downstream reply to its waiter."""
+
+    def __init__(self, zctx: zmq.Context, endpoints: Endpoints, metrics: FrontMetrics) -> None:
+        actx = zmq.asyncio.Context.shadow(zctx)
+        self.metrics = metrics
+        self.tokenizer = socket(actx, zmq.PUSH, endpoints.tokenizer, bind=True)
+        self.inbox = socket(actx, zmq.PULL, endpoints.front, bind=True)
+        self.scheduler = socket(actx, zmq.PUSH, endpoints.scheduler, bind=False)
+        self.live: dict[str, Generation] = {}
+        self.controls: dict[str, asyncio.Future[P.ControlReply]] = {}
+        self._decoder = P.decoder(P.FrontInbox)
+        self._pending_sends: set[asyncio.Future] = set()
+
+    async def run(self) -> None:
+        """The reader task: route every message on the front's PULL socket."""
+        while True:
+            data = await self.inbox.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                log.error("undecodable message on the front socket: %s", exc)
+                continue
+            if isinstance(msg, P.TextBatch):
+                for out in msg.outputs:
+                    self._deliver(out.rid, out)
+            elif isinstance(msg, P.RequestError):
+                self._deliver(msg.rid, msg)
+            else:
+                fut = self.controls.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _deliver(self, rid: str, item: P.TextOutput | P.RequestError) -> None:
+        gen = self.live.get(rid)
+        if gen is None:
+            # Late output of an aborted or finished request: expected, harmless.
+            log.debug("rid=%s output for a request no longer live; dropped", rid)
+            return
+        gen.queue.put_nowait(item)
+
+    @contextlib.asynccontextmanager
+    async def generate(self, req: P.GenerateRequest, source: str) -> AsyncIterator[Generation]:
+        """Submit ``req`` and yield its :class:`Generation`; leaving early aborts it."""
+        gen = Generation(self, req)
+        self.live[req.rid] = gen
+        log.info(
+            "rid=%s accepted model=%s via=%s stream=%s max_new_tokens=%d",
+            req.rid,
+            req.model,
+            source,
+            req.stream,
+            req.params.max_new_tokens,
+        )
+        try:
+            await self.tokenizer.send(P.encode(req))
+            yield gen
+        finally:
+            self.live.pop(req.rid, None)
+            gen.abandon("client disconnected")
+
+    def abort(self, rid: str, reason: str) -> None:
+        """Tell the scheduler to stop ``rid`` (callable from cleanup code: never awaits)."""
+        self._send_later(self.scheduler, P.encode(P.AbortRequest(rid, reason)))
+
+    def _send_later(self, sock: zmq.asyncio.Socket, data: bytes) -> None:
+        # pyzmq sends at once when it can; the future only lingers under backpressure.
+        fut = sock.send(data)
+        self._pending_sends.add(fut)
+        fut.add_done_callback(self._sent)
+
+    def _sent(self, fut: asyncio.Future) -> None:
+        self._pending_sends.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("send to the scheduler failed: %s", fut.exception())
+
+    async def control(
+        self, op: str, model: str | None = None, timeout: float = 5.0
+    ) -> P.ControlReply:
+        """Ask the scheduler for ``op``; 503 when it does not answer in ``timeout`` seconds."""
+        req_id = new_rid()
+        fut: asyncio.Future[P.ControlReply] = asyncio.get_running_loop().create_future()
+        self.controls[req_id] = fut
+        try:
+            await self.scheduler.send(P.encode(P.ControlRequest(req_id, op, model)))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(
+                503, f"the scheduler did not answer '{op}' within {timeout:g} s"
+            ) from None
+        finally:
+            self.controls.pop(req_id, None)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """End every live request with an error (the server is shutting down)."""
+        for rid, gen in list(self.live.items()):
+            gen.queue.put_nowait(P.RequestError(rid, status, message))
+
+    def close(self) -> None:
+        for sock in (self.tokenizer, self.inbox, self.scheduler):
+            sock.close(linger=200)

@@ -1,0 +1,284 @@
+"""The front's HTTP routes: OpenAI, SGLang-native and operations endpoints.
+
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``.
+With ``--api-key`` every route needs ``Authorization: Bearer KEY`` except
+``/health`` and ``/metrics``, which probes and scrapers reach without secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixmux import __name__ as _pkg
+from radixmux.runtime import native_api as N
+from radixmux.runtime import openai_api as O
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import (
+    APIError,
+    decode_body,
+    json_response,
+    read_body,
+    resolve_model,
+)
+from radixmux.runtime.front_formats import ChatFormat, CompletionFormat, NativeFormat
+from radixmux.runtime.front_hub import new_rid
+from radixmux.runtime.front_stream import serve_generation
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def build_app(front: Front) -> ASGIApp:
+    """The ASGI app of one front."""
+
+    async def body(request: Request, type_: type) -> Any:
+        return decode_body(await read_body(request, front.args.max_request_bytes), type_)
+
+    async def completions(request: Request) -> Response:
+        req = await body(request, O.CompletionRequest)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        gen = O.completion_request(req, rid, model, time.time())
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = CompletionFormat(rid, model.name, gen.params.logprobs, usage)
+        return await serve_generation(request, front.hub, gen, fmt, "completions")
+
+    async def chat(request: Request) -> Response:
+        req = await body(request, O.ChatRequest)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        template = front.args.chat_template is not None
+        gen = O.chat_request(req, rid, model, time.time(), template)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
+        return await serve_generation(request, front.hub, gen, fmt, "chat")
+
+    async def generate(request: Request) -> Response:
+        req = await body(request, N.NativeGenerate)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        gen = N.generate_request(req, rid, model, time.time())
+        fmt = NativeFormat(rid, gen.params.logprobs)
+        return await serve_generation(request, front.hub, gen, fmt, "generate")
+
+    async def models(request: Request) -> Response:
+        return json_response(O.model_list(list(front.served.values()), front.started))
+
+    async def model_card(request: Request) -> Response:
+        model = resolve_model(front.served, request.path_params["name"])
+        return json_response(O.model_list([model], front.started).data[0])
+
+    async def health(request: Request) -> Response:
+        try:
+            stats = await _stats(HEALTH_TIMEOUT_S)
+        except APIError as exc:
+            return json_response({"status": "unavailable", **exc.body()}, 503)
+        down = _down_models(front.served, stats)
+        if not down:
+            return json_response({"status": "ok"})
+        why = "; ".join(f"model '{name}' is down: {reason}" for name, reason in down.items())
+        body = APIError(503, why).body()
+        return json_response({"status": "unhealthy", "down": down, **body}, 503)
+
+    async def health_generate(request: Request) -> Response:
+        try:
+            stats = await _stats(HEALTH_TIMEOUT_S)
+        except APIError as exc:
+            return json_response({"status": "unavailable", **exc.body()}, 503)
+        down = _down_models(front.served, stats)
+        up = [m for name, m in front.served.items() if name not in down]
+        results = await asyncio.gather(*(_probe(m) for m in up))
+        down.update({m.name: why for m, why in zip(up, results, strict=True) if why is not None})
+        if not down:
+            return json_response({"status": "ok", "models": sorted(front.served)})
+        why = "; ".join(f"model '{name}' failed: {reason}" for name, reason in down.items())
+        return json_response(
+            {"status": "unhealthy", "down": down, **APIError(503, why).body()}, 503
+        )
+
+    async def _probe(model: P.ServedModel) -> str | None:
+        """One greedy token from ``model``; the reason it failed, or None."""
+        params = P.SamplingParams(max_new_tokens=1)
+        req = P.GenerateRequest(new_rid(), model.name, params, input_ids=[0], arrival=time.time())
+        try:
+            async with front.hub.generate(req, "health_generate") as gen:
+                await asyncio.wait_for(_drain(gen), HEALTH_GENERATE_TIMEOUT_S)
+        except APIError as exc:
+            return exc.message
+        except asyncio.TimeoutError:
+            return f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+        return None
+
+    async def _stats(timeout: float) -> P.SchedulerStats:
+        reply = await front.hub.control("stats", timeout=timeout)
+        if not reply.ok or reply.stats is None:
+            raise APIError(503, f"the scheduler could not report stats: {reply.message}")
+        return reply.stats
+
+    async def model_info(request: Request) -> Response:
+        model = resolve_model(front.served, request.query_params.get("model") or _first())
+        info = model.info
+        return json_response(
+            {
+                "model_path": model.folder,
+                "tokenizer_path": model.folder,
+                "is_generation": True,
+                "served_model_name": model.name,
+                "architecture": info.architecture,
+                "context_length": info.context_length,
+                "vocab_size": info.vocab_size,
+                "has_chat_template": info.has_chat_template,
+                "dtype": info.dtype,
+                "device": info.device,
+                "replicas": model.replicas,
+                "priority": model.priority,
+                "models": sorted(front.served),
+            }
+        )
+
+    def _first() -> str:
+        return next(iter(front.served))
+
+    async def server_info(request: Request) -> Response:
+        args = msgspec.to_builtins(front.args)
+        if args.get("api_key"):
+            args["api_key"] = "<set>"  # never echo the secret
+        stats: Any = None
+        error = None
+        try:
+            stats = msgspec.to_builtins(await _stats(HEALTH_TIMEOUT_S))
+        except APIError as exc:
+            error = exc.message
+        served = [msgspec.to_builtins(m) for m in front.served.values()]
+        return json_response(
+            {
+                **args,
+                "version": _version(),
+                "served_models": served,
+                "scheduler": stats,
+                "scheduler_error": error,
+            }
+        )
+
+    async def flush_cache(request: Request) -> Response:
+        reply = await front.hub.control("flush_cache")
+        if not reply.ok:
+            raise APIError(400, f"cache not flushed: {reply.message}")
+        return json_response({"ok": True, "message": reply.message or "Cache flushed."})
+
+    async def invalidate(request: Request) -> Response:
+        model = resolve_model(front.served, request.path_params["name"])
+        reply = await front.hub.control("invalidate", model.name)
+        if not reply.ok:
+            raise APIError(400, f"model '{model.name}' not invalidated: {reply.message}")
+        return json_response({"ok": True, "model": model.name, "message": reply.message})
+
+    async def metrics(request: Request) -> Response:
+        try:
+            stats: P.SchedulerStats | None = await _stats(2.0)
+        except APIError:
+            stats = None  # radixmux_scheduler_up 0 says so; front metrics still useful
+        return Response(front.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model_card, methods=["GET"]),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/models/{name:path}/invalidate", invalidate, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _server_error,
+        },
+    )
+    return ApiKeyGuard(app, front.args.api_key)
+
+
+async def _drain(gen: Any) -> None:
+    async for _ in gen:
+        pass
+
+
+def _down_models(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+    """Served models that are not up, with the reason the scheduler gives."""
+    reported = {m.name: m for m in stats.models}
+    down: dict[str, str] = {}
+    for name in served:
+        m = reported.get(name)
+        if m is None:
+            down[name] = "not reported by the scheduler"
+        elif not m.up:
+            down[name] = m.error or "no live runner"
+    return down
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_pkg)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return APIError(
+        exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
+    ).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+
+class ApiKeyGuard:
+    """401 unless ``Authorization: Bearer <key>``, when a key is set (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, key: str | None) -> None:
+        self.app = app
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,159 @@
+"""Serving one generation over HTTP: wait for the first output, then stream SSE or answer once.
+
+Waiting for the first output before sending headers lets errors raised before
+generation (prompt too long, queue full, runner down) keep their HTTP status
+even for ``stream: true``. Every wait races the client's disconnect, and every
+exit path leaves the request's context, which aborts it if unfinished, so the
+scheduler frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import APIError, json_response
+from radixmux.runtime.front_hub import Generation, RequestHub
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class Formatter(Protocol):
+    """Turns one request's outputs into an API's wire format (one instance per request)."""
+
+    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]: ...
+
+    def tail(self, gen: Generation) -> list[msgspec.Struct]: ...
+
+    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct: ...
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (once the body is read, receive waits for that)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or :class:`ClientGone` if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        task.cancel()
+        gone.cancel()
+
+
+async def _collect(gen: Generation) -> list[P.TextOutput]:
+    return [out async for out in gen]
+
+
+async def serve_generation(
+    request: Request, hub: RequestHub, req: P.GenerateRequest, fmt: Formatter, source: str
+) -> Response:
+    """Run ``req`` and answer with SSE (``req.stream``) or one JSON body."""
+    headers = {"X-Request-Id": req.rid}
+    stack = contextlib.AsyncExitStack()
+    try:
+        gen = await stack.enter_async_context(hub.generate(req, source))
+        first = await unless_gone(request, gen.__anext__())
+    except StopAsyncIteration:  # pragma: no cover - the first output cannot be after the end
+        await stack.aclose()
+        raise
+    except APIError as exc:
+        await stack.aclose()
+        return exc.response()
+    except ClientGone:
+        await stack.aclose()
+        return Response(status_code=499)
+    if req.stream:
+        return EventStream(_events(gen, first, fmt), stack.aclose, headers)
+    try:
+        rest = await unless_gone(request, _collect(gen))
+        return json_response(fmt.full([first, *rest], gen), 200, headers)
+    except APIError as exc:
+        return exc.response()
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        await stack.aclose()
+
+
+async def _events(gen: Generation, first: P.TextOutput, fmt: Formatter) -> AsyncIterator[bytes]:
+    try:
+        for chunk in fmt.chunks(first, gen):
+            yield sse(chunk)
+        async for out in gen:
+            for chunk in fmt.chunks(out, gen):
+                yield sse(chunk)
+        for chunk in fmt.tail(gen):
+            yield sse(chunk)
+    except APIError as exc:
+        # Headers are sent: the error travels as an event, as OpenAI's API does.
+        yield sse(exc.body())
+    yield DONE
+
+
+class EventStream:
+    """An ASGI SSE response that stops on client disconnect and always runs ``on_close``."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[Any]],
+        headers: dict[str, str],
+    ) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                *self.headers,
+            ],
+        }
+
+        async def pump() -> None:
+            await send(start)
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(pump())
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            task.cancel()
+            gone.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # type: ignore[attr-defined]
+            await self.on_close()

@@ -1,0 +1,143 @@
+"""The front's ROUTER socket: serves the Python ZMQ client without HTTP.
+
+Requests go through the same checks and the same :class:`RequestHub` as HTTP
+ones; replies carry the client's rid (the front uses its own internally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import (
+    APIError,
+    check_input_ids,
+    check_sampling,
+    require_chat_template,
+    resolve_model,
+)
+from radixmux.runtime.client_protocol import ClientAbort, ClientGenerate, ClientInbox
+from radixmux.runtime.front_hub import Generation, RequestHub, new_rid
+from radixmux.runtime.ipc import socket
+from radixmux.runtime.server_args import ServerArgs
+
+log = logging.getLogger("radixmux.front")
+
+
+class ClientServer:
+    """Reads the ROUTER socket and runs one task per client request."""
+
+    def __init__(
+        self,
+        zctx: zmq.Context,
+        endpoint: str,
+        hub: RequestHub,
+        served: dict[str, P.ServedModel],
+        args: ServerArgs,
+    ) -> None:
+        self.router = socket(zmq.asyncio.Context.shadow(zctx), zmq.ROUTER, endpoint, bind=True)
+        self.hub = hub
+        self.served = served
+        self.args = args
+        self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._decoder = msgspec.msgpack.Decoder(ClientInbox)
+
+    async def run(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            if len(frames) != 2:
+                log.warning("zmq client sent %d frames; expected 1 message per frame", len(frames))
+                continue
+            ident, data = frames
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                await self._send(ident, P.RequestError("", 400, f"undecodable message: {exc}"))
+                continue
+            key = (ident, msg.rid)
+            if isinstance(msg, ClientAbort):
+                task = self.tasks.get(key)
+                if task is not None:
+                    task.cancel()  # leaving the generation aborts it downstream
+            elif key in self.tasks:
+                await self._send(ident, P.RequestError(msg.rid, 400, f"rid {msg.rid} in use"))
+            else:
+                task = asyncio.create_task(self._serve(ident, msg))
+                self.tasks[key] = task
+                task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
+
+    async def _send(self, ident: bytes, msg: msgspec.Struct) -> None:
+        await self.router.send_multipart([ident, P.encode(msg)])
+
+    async def _serve(self, ident: bytes, msg: ClientGenerate) -> None:
+        try:
+            req = self._request(msg)
+            async with self.hub.generate(req, "zmq") as gen:
+                if msg.stream:
+                    async for out in gen:
+                        await self._send(ident, P.TextBatch([_as_client(out, msg.rid, gen)]))
+                else:
+                    outs = [out async for out in gen]
+                    await self._send(ident, P.TextBatch([_merged(outs, msg.rid, gen)]))
+        except APIError as exc:
+            await self._send(ident, P.RequestError(msg.rid, exc.status, exc.message, exc.param))
+
+    def _request(self, msg: ClientGenerate) -> P.GenerateRequest:
+        key = self.args.api_key
+        if key and not hmac.compare_digest((msg.api_key or "").encode(), key.encode()):
+            raise APIError(401, "missing or wrong api_key")
+        model = resolve_model(self.served, msg.model)
+        given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
+        if sum(given) != 1:
+            raise APIError(400, "send exactly one of prompt, input_ids or messages", "prompt")
+        if msg.messages is not None:
+            require_chat_template(model, self.args.chat_template is not None)
+            if not msg.messages:
+                raise APIError(400, "'messages' must not be empty", "messages")
+        if msg.input_ids is not None:
+            check_input_ids(msg.input_ids, model.info.vocab_size, "input_ids")
+        check_sampling(msg.params, model.info.vocab_size, "", "max_new_tokens")
+        if any(not s for s in msg.stop):
+            raise APIError(400, "'stop' strings must be non-empty", "stop")
+        return P.GenerateRequest(
+            rid=new_rid(),
+            model=model.name,
+            params=msg.params,
+            prompt=msg.prompt,
+            input_ids=msg.input_ids,
+            messages=msg.messages,
+            stop=msg.stop,
+            stream=msg.stream,
+            skip_special_tokens=msg.skip_special_tokens,
+            arrival=time.time(),
+        )
+
+
+def _as_client(out: P.TextOutput, rid: str, gen: Generation) -> P.TextOutput:
+    """``out`` under the client's rid, with the front's view of how it finished."""
+    return msgspec.structs.replace(
+        out, rid=rid, finish_reason=gen.finish_reason if gen.done else None
+    )
+
+
+def _merged(outs: list[P.TextOutput], rid: str, gen: Generation) -> P.TextOutput:
+    last = outs[-1]
+    lps = [lp for o in outs for lp in o.logprobs or []]
+    return P.TextOutput(
+        rid=rid,
+        text="".join(o.text for o in outs),
+        token_ids=[t for o in outs for t in o.token_ids],
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_tokens=last.cached_tokens,
+        finish_reason=gen.finish_reason,
+        matched_stop=gen.matched_stop,
+        logprobs=lps if any(o.logprobs is not None for o in outs) else None,
+    )

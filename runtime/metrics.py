@@ -1,0 +1,165 @@
+"""Prometheus metrics of the front: its own latency histograms and the scheduler's figures.
+
+The front measures what only it sees (time to first token, inter-token and
+end-to-end latency, requests by finish reason). Cache, memory and queue figures
+come from a fresh ``ControlRequest(op="stats")`` reply at each scrape, exposed
+by a custom collector so they are exactly the scheduler's numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixmux.runtime.protocol import SchedulerStats
+
+# Latency buckets from 5 ms to 2 min: CPU runners are slow, GPUs fast.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class FrontMetrics:
+    """The front's own registry (never the global one: tests start several fronts)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "radixmux_time_to_first_token_seconds",
+            "Arrival to first generated token, per model",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "radixmux_inter_token_latency_seconds",
+            "Time between generated tokens, per model",
+            ["model"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "radixmux_e2e_request_latency_seconds",
+            "Arrival to last token (or error), per model",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.requests = Counter(
+            "radixmux_requests",
+            "Finished requests by model and finish reason (stop, length, abort, error)",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "radixmux_prompt_tokens", "Prompt tokens of finished requests", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "radixmux_generation_tokens", "Generated tokens", ["model"], registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "radixmux_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache, as requests reported them",
+            ["model"],
+            registry=r,
+        )
+        self.scheduler = SchedulerCollector()
+        r.register(self.scheduler)
+
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        """Prometheus text with ``stats`` (None: the scheduler did not answer)."""
+        self.scheduler.stats = stats
+        return generate_latest(self.registry)
+
+
+class SchedulerCollector(Collector):
+    """Exposes the scheduler's latest ``SchedulerStats``."""
+
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("radixmux_scheduler_up", "1 if the scheduler answered this scrape")
+        up.add_metric([], 0.0 if self.stats is None else 1.0)
+        yield up
+        if self.stats is None:
+            return
+        yield from _model_metrics(self.stats)
+        yield from _global_metrics(self.stats)
+
+
+def _gauge(name: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=["model"])
+
+
+def _counter(name: str, doc: str) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=["model"])
+
+
+def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    fams = {
+        "up": _gauge("radixmux_model_up", "1 if the model has a live runner"),
+        "replicas_up": _gauge("radixmux_model_replicas_up", "Live runner replicas"),
+        "waiting": _gauge("radixmux_queue_length", "Requests waiting to be scheduled"),
+        "running": _gauge("radixmux_running_requests", "Requests in a running batch"),
+        "cached_tokens": _gauge("radixmux_cached_tokens", "Tokens the radix tree holds KV for"),
+        "arena_bytes": _gauge("radixmux_arena_bytes", "KV arena bytes held by the model"),
+        "hit_rate": _gauge(
+            "radixmux_cache_hit_rate",
+            "Prompt tokens matched in the cache / prompt tokens looked up",
+        ),
+        "cache_hits": _counter("radixmux_cache_hits", "Lookups that matched a cached prefix"),
+        "cache_misses": _counter("radixmux_cache_misses", "Lookups that matched nothing"),
+        "tokens_queried": _counter("radixmux_cache_tokens_queried", "Prompt tokens looked up"),
+        "tokens_matched": _counter(
+            "radixmux_cache_tokens_saved", "Prompt tokens matched in the cache (prefill saved)"
+        ),
+    }
+    for m in stats.models:
+        for key, fam in fams.items():
+            if key == "hit_rate":
+                value = m.tokens_matched / m.tokens_queried if m.tokens_queried else 0.0
+            elif key == "up":
+                value = float(m.up)
+            else:
+                value = float(getattr(m, key))
+            fam.add_metric([m.name], value)
+    yield from fams.values()
+
+
+def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    queried = sum(m.tokens_queried for m in stats.models)
+    matched = sum(m.tokens_matched for m in stats.models)
+    rate = GaugeMetricFamily(
+        "radixmux_global_cache_hit_rate", "Cache token hit rate over every model"
+    )
+    rate.add_metric([], matched / queried if queried else 0.0)
+    yield rate
+    saved = CounterMetricFamily("radixmux_global_cache_tokens_saved", "Tokens matched, all models")
+    saved.add_metric([], float(matched))
+    yield saved
+    evicted = CounterMetricFamily(
+        "radixmux_evicted_tokens", "Tokens evicted from the cache, by reason", labels=["reason"]
+    )
+    for reason, count in sorted(stats.evicted_tokens.items()):
+        evicted.add_metric([reason], float(count))
+    yield evicted
+    for name, doc, value in (
+        ("radixmux_arena_total_bytes", "Size of the KV arena", stats.arena_total_bytes),
+        ("radixmux_arena_free_bytes", "Free KV arena bytes", stats.arena_free_bytes),
+        (
+            "radixmux_arena_fragmented_bytes",
+            "Free slots inside blocks owned by a model",
+            stats.arena_fragmented_bytes,
+        ),
+        ("radixmux_tree_nodes", "Nodes in the unified radix tree", stats.tree_nodes),
+    ):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], float(value))
+        yield g
+    steps = CounterMetricFamily("radixmux_scheduler_steps", "Scheduler loop steps")
+    steps.add_metric([], float(stats.steps))
+    yield steps

@@ -1,0 +1,163 @@
+"""SGLang-compatible ``/generate``: request schema, conversion, response shape.
+
+Responses match SGLang's so its tools (router, ``bench_serving``) can drive us:
+``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
+"cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...},
+"e2e_latency"}}``; streamed chunks carry the *cumulative* text and ids.
+Sampling defaults follow SGLang: temperature 1, 128 new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixmux.model_runners.protocol import SamplingParams
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import APIError, check_input_ids, check_sampling, stop_list
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class NativeSampling(msgspec.Struct, kw_only=True):
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's own name for it
+    skip_special_tokens: bool | None = True
+    n: int | None = None
+
+
+class NativeGenerate(msgspec.Struct, kw_only=True):
+    text: str | list[Any] | None = None
+    input_ids: list[Any] | None = None
+    model: str | None = None
+    sampling_params: NativeSampling | None = None
+    stream: bool | None = False
+    return_logprob: bool | None = False
+    top_logprobs_num: int | None = 0
+
+
+class NativeMeta(msgspec.Struct):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict[str, Any] | None
+    e2e_latency: float
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+
+
+class NativeResponse(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: NativeMeta
+
+
+def sampling_params(
+    s: NativeSampling, vocab_size: int, logprobs: bool, top_logprobs: int
+) -> SamplingParams:
+    """Checked runner sampling parameters from SGLang's ``sampling_params``."""
+    pre = "sampling_params."
+    if s.n not in (None, 1):
+        raise APIError(400, f"'{pre}n' must be 1", f"{pre}n")
+    top_k = -1 if s.top_k is None else s.top_k
+    if top_k < -1:
+        raise APIError(400, f"'{pre}top_k' must be >= 0, or -1 to disable", f"{pre}top_k")
+    params = SamplingParams(
+        temperature=1.0 if s.temperature is None else s.temperature,
+        top_k=max(top_k, 0),
+        top_p=1.0 if s.top_p is None else s.top_p,
+        min_p=s.min_p or 0.0,
+        repetition_penalty=1.0 if s.repetition_penalty is None else s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty or 0.0,
+        presence_penalty=s.presence_penalty or 0.0,
+        seed=s.seed if s.seed is not None else s.sampling_seed,
+        stop_token_ids=list(s.stop_token_ids or []),
+        ignore_eos=bool(s.ignore_eos),
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if s.max_new_tokens is None else s.max_new_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    check_sampling(params, vocab_size, pre, "max_new_tokens")
+    return params
+
+
+def generate_request(
+    body: NativeGenerate, rid: str, model: P.ServedModel, arrival: float
+) -> P.GenerateRequest:
+    """The tokenizer's request for a /generate body."""
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "send exactly one of 'text' or 'input_ids'", "text")
+    if isinstance(body.text, list):
+        raise APIError(400, "'text' batches are not supported: send one prompt", "text")
+    top_n = body.top_logprobs_num or 0
+    if not 0 <= top_n <= 20:
+        raise APIError(400, "'top_logprobs_num' must be in [0, 20]", "top_logprobs_num")
+    s = body.sampling_params or NativeSampling()
+    params = sampling_params(s, model.info.vocab_size, bool(body.return_logprob), top_n)
+    ids = None
+    if body.input_ids is not None:
+        if body.input_ids and isinstance(body.input_ids[0], list):
+            raise APIError(400, "'input_ids' batches are not supported", "input_ids")
+        ids = check_input_ids(body.input_ids, model.info.vocab_size, "input_ids")
+    return P.GenerateRequest(
+        rid=rid,
+        model=model.name,
+        params=params,
+        prompt=body.text,
+        input_ids=ids,
+        stop=stop_list(s.stop, "sampling_params.stop"),
+        stream=bool(body.stream),
+        skip_special_tokens=True if s.skip_special_tokens is None else s.skip_special_tokens,
+        arrival=arrival,
+    )
+
+
+def finish_reason(
+    reason: str | None, matched: str | None, last_token: int | None, length: int
+) -> dict[str, Any] | None:
+    """SGLang's finish_reason object."""
+    if reason is None and matched is None:
+        return None
+    if matched is not None:
+        return {"type": "stop", "matched": matched}
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "stop":
+        return {"type": "stop", "matched": last_token}
+    return {"type": "abort", "message": reason}
+
+
+def response(
+    rid: str,
+    text: str,
+    ids: list[int],
+    last: P.TextOutput,
+    finish: dict[str, Any] | None,
+    latency: float,
+    logprobs: list[P.TokenLogprob] | None,
+) -> NativeResponse:
+    meta = NativeMeta(
+        id=rid,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
+        cached_tokens=last.cached_tokens,
+        finish_reason=finish,
+        e2e_latency=round(latency, 6),
+    )
+    if logprobs is not None:
+        meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in logprobs]
+        meta.output_top_logprobs = [[(v, t, None) for t, v in (lp.top or [])] for lp in logprobs]
+    return NativeResponse(text, ids, meta)

@@ -1,0 +1,258 @@
+"""Test harness for the front: a real front process, with the test playing its peers.
+
+:class:`Peers` binds / connects real ZeroMQ sockets where the launcher,
+tokenizer workers, scheduler and detokenizer would, and answers in a thread
+by a per-test *script* (what the pipeline sends back for each request), so
+the front is exercised over real sockets and real HTTP without the rest of
+the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from radixmux.memory.layout import KVLayout
+from radixmux.model_runners.info import ModelInfo
+from radixmux.runtime import protocol as P
+from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
+from radixmux.runtime.process import ProcessContext, spawn
+from radixmux.runtime.server_args import ModelArg, ServerArgs
+
+VOCAB = 1000
+# What a script yields: a message to push to the front, or seconds to wait first.
+Step = P.TextBatch | P.RequestError | float
+Script = Callable[[P.GenerateRequest], Iterator[Step]]
+
+
+def served_model(name: str, chat_template: bool = True, context: int = 2048) -> P.ServedModel:
+    info = ModelInfo(
+        name=name,
+        architecture="LlamaForCausalLM",
+        layout=KVLayout(2, 2, 16),
+        context_length=context,
+        sliding_windows=[None, None],
+        vocab_size=VOCAB,
+        eos_token_ids=[2],
+        tokenizer_fingerprint="tok",
+        kv_share_key=f"weights-{name}",
+        has_chat_template=chat_template,
+        dtype="float32",
+        device="cpu",
+    )
+    return P.ServedModel(name, f"/models/{name}", info)
+
+
+def out(req: P.GenerateRequest, i: int, text: str, **kw: Any) -> P.TextBatch:
+    """One TextOutput for ``req``'s ``i``-th token (token id 100 + i)."""
+    prompt = len(req.input_ids) if req.input_ids else len((req.prompt or "x").split())
+    lps = None
+    if req.params.logprobs:
+        top = [(100 + i, -0.25), (7, -2.0)][: req.params.top_logprobs]
+        lps = [P.TokenLogprob(100 + i, -0.25, top)]
+    fields = dict(
+        rid=req.rid,
+        text=text,
+        token_ids=[100 + i],
+        prompt_tokens=prompt,
+        completion_tokens=i + 1,
+        cached_tokens=1,
+        logprobs=lps,
+    )
+    fields.update(kw)
+    return P.TextBatch([P.TextOutput(**fields)])
+
+
+def words(delay: float = 0.0) -> Script:
+    """Generates "w0 w1 ..." up to max_new_tokens (finish "length"), one token per output.
+
+    A stop string found in the text ends the output there with ``matched_stop``
+    set, as the detokenizer does, and then (like a scheduler that has not yet
+    heard) keeps sending tokens until aborted.
+    """
+
+    def script(req: P.GenerateRequest) -> Iterator[Step]:
+        n = req.params.max_new_tokens
+        text = ""
+        stopped = False
+        for i in range(n):
+            if delay:
+                yield delay
+            word = f"w{i} "
+            hit = next((s for s in req.stop if s in text + word), None)
+            if hit is not None and not stopped:
+                stopped = True
+                cut = (text + word).index(hit)
+                yield out(req, i, (text + word)[len(text) : cut], matched_stop=hit)
+                continue
+            text += word
+            yield out(
+                req, i, "" if stopped else word, finish_reason="length" if i == n - 1 else None
+            )
+
+    return script
+
+
+def fail(status: int, message: str, param: str | None = None) -> Script:
+    def script(req: P.GenerateRequest) -> Iterator[Step]:
+        yield P.RequestError(req.rid, status, message, param)
+
+    return script
+
+
+def stats(models: list[str], down: dict[str, str] | None = None) -> P.SchedulerStats:
+    down = down or {}
+    return P.SchedulerStats(
+        models=[
+            P.ModelStatus(
+                name=m,
+                up=m not in down,
+                error=down.get(m),
+                waiting=3,
+                running=2,
+                replicas_up=0 if m in down else 1,
+                cache_hits=5,
+                cache_misses=5,
+                tokens_queried=100,
+                tokens_matched=40,
+                cached_tokens=64,
+                arena_bytes=4096,
+            )
+            for m in models
+        ],
+        evicted_tokens={"capacity": 12},
+        arena_total_bytes=1 << 20,
+        arena_free_bytes=1 << 19,
+        arena_fragmented_bytes=128,
+        tree_nodes=9,
+        steps=77,
+    )
+
+
+class Peers(threading.Thread):
+    """Plays launcher, tokenizer, scheduler and detokenizer over real sockets."""
+
+    def __init__(self, endpoints: Endpoints, models: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.launcher = self._sock(zmq.PULL, endpoints.launcher, bind=True)
+        self.tok = self._sock(zmq.PULL, endpoints.tokenizer, bind=False)
+        self.sched = self._sock(zmq.PULL, endpoints.scheduler, bind=True)
+        self.front = self._sock(zmq.PUSH, endpoints.front, bind=False)
+        self.script: Script = words()
+        self.stats: P.SchedulerStats | None = stats(models)
+        self.control_ok = True
+        self.requests: queue.Queue[P.GenerateRequest] = queue.Queue()
+        self.aborts: queue.Queue[P.AbortRequest] = queue.Queue()
+        self.controls: queue.Queue[P.ControlRequest] = queue.Queue()
+        self._halt = threading.Event()
+
+    def _sock(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(endpoint) if bind else s.connect(endpoint)
+        return s
+
+    def ready(self, timeout: float = 20.0) -> P.ProcessReady | P.ProcessFailed:
+        if not self.launcher.poll(int(timeout * 1000)):
+            raise TimeoutError("the front never reported")
+        return msgspec.msgpack.decode(self.launcher.recv(), type=P.LauncherInbox)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.tok, zmq.POLLIN)
+        poller.register(self.sched, zmq.POLLIN)
+        tok_dec = P.decoder(P.TokenizerInbox)
+        sched_dec = P.decoder(P.SchedulerInbox)
+        active: dict[str, tuple[float, Iterator[Step]]] = {}
+        while not self._halt.is_set():
+            now = time.monotonic()
+            wait = min([due - now for due, _ in active.values()] + [0.05])
+            for sock, _ in poller.poll(max(0, int(wait * 1000))):
+                if sock is self.tok:
+                    req = tok_dec.decode(self.tok.recv())
+                    self.requests.put(req)
+                    active[req.rid] = (time.monotonic(), self.script(req))
+                else:
+                    msg = sched_dec.decode(self.sched.recv())
+                    if isinstance(msg, P.AbortRequest):
+                        self.aborts.put(msg)
+                        active.pop(msg.rid, None)  # a scheduler stops the request
+                    elif isinstance(msg, P.ControlRequest):
+                        self.controls.put(msg)
+                        if self.stats is not None:  # None: an unresponsive scheduler
+                            reply = P.ControlReply(msg.req_id, self.control_ok, "done", self.stats)
+                            self.front.send(P.encode(reply))
+            for rid, (due, steps) in list(active.items()):
+                if due > time.monotonic():
+                    continue
+                step = next(steps, None)
+                if step is None:
+                    del active[rid]
+                elif isinstance(step, float):
+                    active[rid] = (time.monotonic() + step, steps)
+                else:
+                    self.front.send(P.encode(step))
+
+    def close(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        self.ctx.destroy(linger=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningFront:
+    """A front process and its peers; ``url`` is where it serves HTTP."""
+
+    def __init__(self, served: list[P.ServedModel], **args: Any) -> None:
+        self.dir = make_runtime_dir()
+        self.endpoints = Endpoints.in_dir(self.dir)
+        self.port = free_port()
+        server_args = ServerArgs(
+            models=[ModelArg(m.folder, m.name) for m in served], port=self.port, **args
+        )
+        self.peers = Peers(self.endpoints, [m.name for m in served])
+        self.peers.start()
+        ctx = ProcessContext("front", server_args, self.endpoints, served)
+        self.proc: subprocess.Popen = spawn("front", ctx)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> int | None:
+        """SIGTERM the front; its exit code (None if it had to be killed). Idempotent."""
+        if self.proc.returncode is not None:
+            return self.proc.returncode
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = None
+        self.peers.close()
+        remove_runtime_dir(self.dir)
+        return code
+
+
+@contextlib.contextmanager
+def running_front(served: list[P.ServedModel], **args: Any) -> Iterator[RunningFront]:
+    front = RunningFront(served, **args)
+    try:
+        ready = front.peers.ready()
+        assert isinstance(ready, P.ProcessReady), ready
+        yield front
+    finally:
+        front.stop()

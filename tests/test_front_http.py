@@ -1,0 +1,445 @@
+"""The front over real HTTP and real sockets, with the test playing its peers.
+
+One front serves two models ("chat" with a chat template, "base" without),
+with an API key and a small body limit; ``front_harness.Peers`` answers for
+the tokenizer, scheduler and detokenizer by a per-test script.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from radixmux.runtime import protocol as P
+from tests.front_harness import RunningFront, fail, running_front, served_model, stats, words
+
+KEY = "sekret"
+LIMIT = 4096
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def front() -> Iterator[RunningFront]:
+    models = [served_model("chat"), served_model("base", chat_template=False)]
+    with running_front(models, api_key=KEY, max_request_bytes=LIMIT) as f:
+        yield f
+
+
+@pytest.fixture
+def http(front: RunningFront) -> Iterator[httpx.Client]:
+    front.peers.script = words()
+    front.peers.stats = stats(["chat", "base"])
+    front.peers.control_ok = True
+    for q in (front.peers.requests, front.peers.aborts, front.peers.controls):
+        while not q.empty():
+            q.get_nowait()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=front.url, headers=headers, timeout=20) as client:
+        yield client
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def next_abort(front: RunningFront, timeout: float = 5.0) -> P.AbortRequest:
+    return front.peers.aborts.get(timeout=timeout)
+
+
+def test_models_list(http: httpx.Client) -> None:
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    data = r.json()["data"]
+    assert [m["id"] for m in data] == ["chat", "base"]
+    assert data[0]["max_model_len"] == 2048 and data[0]["object"] == "model"
+
+
+def test_completion_fields_reach_the_tokenizer(front: RunningFront, http: httpx.Client) -> None:
+    body = {
+        "model": "chat",
+        "prompt": "a b c",
+        "max_tokens": 3,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.1,
+        "seed": 11,
+        "stop": "zz",
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+    }
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["object"] == "text_completion"
+    assert got["choices"][0]["text"] == "w0 w1 w2 "
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    req = front.peers.requests.get(timeout=1)
+    assert got["id"] == f"cmpl-{req.rid}" and r.headers["x-request-id"] == req.rid
+    assert req.prompt == "a b c" and req.stop == ["zz"] and req.model == "chat"
+    p = req.params
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (
+        3, 0.0, 0.5, 7, 0.1, 11,
+    )  # fmt: skip
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.ignore_eos and not p.logprobs
+
+
+def test_token_id_prompt_and_logprobs(front: RunningFront, http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions",
+        json={"model": "chat", "prompt": [1, 2, 3, 4], "max_tokens": 2, "logprobs": 1},
+    )
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["token_id:100", "token_id:101"]
+    assert lp["token_logprobs"] == [-0.25, -0.25]
+    assert lp["top_logprobs"][0] == {"token_id:100": -0.25}
+    req = front.peers.requests.get(timeout=1)
+    assert req.input_ids == [1, 2, 3, 4] and req.params.logprobs and req.params.top_logprobs == 1
+
+
+def test_openai_client(front: RunningFront, http: httpx.Client) -> None:
+    client = openai.OpenAI(base_url=f"{front.url}/v1", api_key=KEY, max_retries=0)
+    done = client.completions.create(model="chat", prompt="x y", max_tokens=2, temperature=0)
+    assert done.choices[0].text == "w0 w1 " and done.usage.completion_tokens == 2
+    assert done.usage.prompt_tokens_details.cached_tokens == 1
+    chat = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert chat.choices[0].message.content == "w0 w1 w2 "
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == "length"
+    assert [t.token for t in chat.choices[0].logprobs.content] == [
+        f"token_id:{i}" for i in (100, 101, 102)
+    ]
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
+    front.peers.requests.get(timeout=1)
+    req = front.peers.requests.get(timeout=1)
+    assert req.messages == [P.ChatMessage("system", "be brief"), P.ChatMessage("user", "hi")]
+    assert req.params.temperature == 1.0  # OpenAI's default when none is sent
+
+    stream = client.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+
+    pieces = client.completions.create(model="chat", prompt="q", max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == "w0 w1 w2 "
+
+
+def test_native_generate(front: RunningFront, http: httpx.Client) -> None:
+    body = {
+        "model": "chat",
+        "text": "hello there",
+        "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [5], "top_k": -1},
+        "return_logprob": True,
+        "top_logprobs_num": 1,
+    }
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["text"] == "w0 w1 " and got["output_ids"] == [100, 101]
+    meta = got["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 2}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (2, 2, 1)
+    assert meta["output_token_logprobs"] == [[-0.25, 100, None], [-0.25, 101, None]]
+    req = front.peers.requests.get(timeout=1)
+    assert meta["id"] == req.rid and req.params.stop_token_ids == [5] and req.params.top_k == 0
+    assert req.params.temperature == 1.0  # SGLang's default
+
+    r = http.post("/generate", json={**body, "stream": True, "return_logprob": False})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["text"] for e in events[:-1]]
+    assert texts == ["w0 ", "w0 w1 "]  # cumulative, as SGLang streams
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_string_finishes_and_aborts(front: RunningFront, http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions", json={"model": "chat", "prompt": "p", "max_tokens": 8, "stop": ["w2"]}
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "w0 w1 " and choice["finish_reason"] == "stop"
+    abort = next_abort(front)
+    assert abort.reason == "stop" and r.headers["x-request-id"] == abort.rid
+
+    r = http.post(
+        "/generate", json={"model": "chat", "text": "p", "sampling_params": {"stop": "w1"}}
+    )
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": "w1"}
+    assert next_abort(front).reason == "stop"
+
+
+def test_disconnect_mid_stream_aborts(front: RunningFront, http: httpx.Client) -> None:
+    front.peers.script = words(delay=0.2)
+    body = {"model": "chat", "prompt": "p", "max_tokens": 100, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+        rid = r.headers["x-request-id"]
+    abort = next_abort(front)
+    assert abort.rid == rid and abort.reason == "client disconnected"
+
+    # Non-streaming: the client gives up waiting; the front notices and aborts too.
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    assert next_abort(front).reason == "client disconnected"
+
+
+CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
+
+
+def cmpl(**kw: object) -> dict:
+    return {"model": "chat", "prompt": "x", **kw}
+
+
+def chat(*messages: dict) -> dict:
+    return {"model": "chat", "messages": list(messages)}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (CMPL, cmpl(model="nope"), 404, "model"),
+        (CMPL, {"prompt": "x"}, 400, "model"),
+        (CMPL, {"model": "chat"}, 400, "prompt"),
+        (CMPL, cmpl(n=2), 400, "n"),
+        (CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
+        (CMPL, cmpl(max_tokens="9"), 400, "max_tokens"),
+        (CMPL, cmpl(temperature=-1), 400, "temperature"),
+        (CMPL, cmpl(top_p=0), 400, "top_p"),
+        (CMPL, cmpl(top_p=1.5), 400, "top_p"),
+        (CMPL, cmpl(top_k=-2), 400, "top_k"),
+        (CMPL, cmpl(stop=[""]), 400, "stop"),
+        (CMPL, cmpl(prompt=[1, 5000]), 400, "prompt"),
+        (CMPL, cmpl(prompt=["a", "b"]), 400, "prompt"),
+        (CHAT, chat(), 400, "messages"),
+        (CHAT, chat({"role": "bot", "content": "x"}), 400, "messages[0].role"),
+        (CHAT, chat({"content": "x"}), 400, "messages[0].role"),
+        (GEN, {"model": "chat"}, 400, "text"),
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"min_p": 2}},
+            400,
+            "sampling_params.min_p",
+        ),
+        (GEN, {"model": "chat", "input_ids": [1, "a"]}, 400, "input_ids"),
+    ],
+)
+def test_invalid_input(http: httpx.Client, path: str, body: dict, status: int, param: str) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[-1].split("[")[0] in err["message"]
+    if status == 404:
+        assert "chat" in err["message"] and "base" in err["message"]
+
+
+def test_malformed_bodies(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", content=b'{"model": "chat", "prompt": ')
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"[1, 2]")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = http.get("/no/such/route")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_chat_without_template(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "base", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 400
+    assert "no chat template" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200  # plain prompts still work for a base model
+
+
+def test_body_limit(http: httpx.Client) -> None:
+    big = {"model": "chat", "prompt": "x" * (LIMIT + 10)}
+    r = http.post("/v1/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+    def chunks() -> Iterator[bytes]:  # chunked: no Content-Length to trust
+        yield b'{"model": "chat", "prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks())
+    assert r.status_code == 413
+
+
+def test_api_key(front: RunningFront) -> None:
+    with httpx.Client(base_url=front.url, timeout=10) as anon:
+        assert anon.get("/v1/models").status_code == 401
+        r = anon.post(
+            "/v1/completions",
+            json={"model": "chat", "prompt": "x"},
+            headers={"Authorization": "Bearer wrong"},
+        )
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert anon.get("/health").status_code == 200  # probes need no secret
+        assert anon.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        (400, "prompt of 9000 tokens exceeds the context"),
+        (429, "queue full"),
+        (503, "runner for chat is down"),
+    ],
+)
+def test_downstream_errors(
+    front: RunningFront, http: httpx.Client, status: int, message: str
+) -> None:
+    front.peers.script = fail(status, message)
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"model": "chat", "prompt": "x", "stream": stream})
+        assert r.status_code == status and r.json()["error"]["message"] == message
+        assert (r.headers.get("retry-after") == "1") == (status == 429)
+
+
+def test_error_mid_stream(front: RunningFront, http: httpx.Client) -> None:
+    def script(req: P.GenerateRequest):
+        yield P.TextBatch([P.TextOutput(req.rid, "ok ", [100], 1, 1, 0)])
+        yield P.TextBatch(
+            [P.TextOutput(req.rid, "", [], 1, 1, 0, "error", error="runner died", status=503)]
+        )
+
+    front.peers.script = script
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "chat", "messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "runner died"
+    r = http.post("/v1/completions", json={"model": "chat", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "runner died"
+
+
+def test_health(front: RunningFront, http: httpx.Client) -> None:
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    front.peers.stats = stats(["chat", "base"], down={"base": "runner exited with code -9"})
+    r = http.get("/health")
+    assert r.status_code == 503
+    assert r.json()["down"] == {"base": "runner exited with code -9"}
+    assert "base" in r.json()["error"]["message"]
+
+
+def test_health_generate(front: RunningFront, http: httpx.Client) -> None:
+    r = http.get("/health_generate")
+    assert r.status_code == 200, r.text
+    probes = [front.peers.requests.get(timeout=1) for _ in range(2)]
+    assert sorted(p.model for p in probes) == ["base", "chat"]
+    assert all(p.params.max_new_tokens == 1 for p in probes)
+    front.peers.script = fail(503, "runner crashed")
+    r = http.get("/health_generate")
+    assert r.status_code == 503 and "runner crashed" in r.json()["error"]["message"]
+
+
+def test_metrics(front: RunningFront, http: httpx.Client) -> None:
+    assert (
+        http.post(
+            "/v1/completions", json={"model": "base", "prompt": "x", "max_tokens": 2}
+        ).status_code
+        == 200
+    )
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(r.text)
+        for s in fam.samples
+    }
+    assert samples[("radixmux_scheduler_up", ())] == 1
+    assert samples[("radixmux_cache_hit_rate", (("model", "base"),))] == pytest.approx(0.4)
+    assert samples[("radixmux_global_cache_hit_rate", ())] == pytest.approx(0.4)
+    assert samples[("radixmux_cache_tokens_saved_total", (("model", "chat"),))] == 40
+    assert samples[("radixmux_queue_length", (("model", "chat"),))] == 3
+    assert samples[("radixmux_running_requests", (("model", "base"),))] == 2
+    assert samples[("radixmux_arena_bytes", (("model", "base"),))] == 4096
+    assert samples[("radixmux_evicted_tokens_total", (("reason", "capacity"),))] == 12
+    assert (
+        samples[("radixmux_requests_total", (("finish_reason", "length"), ("model", "base")))] >= 1
+    )
+    assert samples[("radixmux_time_to_first_token_seconds_count", (("model", "base"),))] >= 1
+    assert samples[("radixmux_inter_token_latency_seconds_count", (("model", "base"),))] >= 1
+    assert samples[("radixmux_e2e_request_latency_seconds_count", (("model", "base"),))] >= 1
+
+    front.peers.stats = None  # a scheduler that does not answer
+    t0 = time.monotonic()
+    r = http.get("/metrics")
+    assert r.status_code == 200 and "radixmux_scheduler_up 0.0" in r.text
+    assert "radixmux_e2e_request_latency_seconds" in r.text and time.monotonic() - t0 < 5
+
+
+def test_flush_and_invalidate(front: RunningFront, http: httpx.Client) -> None:
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and r.json()["ok"] is True
+    assert front.peers.controls.get(timeout=1).op == "flush_cache"
+    r = http.post("/models/base/invalidate")
+    assert r.status_code == 200 and r.json()["model"] == "base"
+    ctl = front.peers.controls.get(timeout=1)
+    assert (ctl.op, ctl.model) == ("invalidate", "base")
+    assert http.post("/models/nope/invalidate").status_code == 404
+    front.peers.control_ok = False
+    assert http.get("/flush_cache").status_code == 400
+
+
+def test_info_endpoints(http: httpx.Client) -> None:
+    info = http.get("/get_model_info").json()
+    assert info["model_path"] == "/models/chat" and info["is_generation"] is True
+    assert (
+        http.get("/get_model_info", params={"model": "base"}).json()["has_chat_template"] is False
+    )
+    server = http.get("/get_server_info").json()
+    assert server["api_key"] == "<set>"  # the secret is never echoed
+    assert server["max_request_bytes"] == LIMIT
+    assert server["scheduler"]["steps"] == 77
+    assert [m["name"] for m in server["served_models"]] == ["chat", "base"]
+
+
+def test_single_model_front_and_clean_exit() -> None:
+    with running_front([served_model("only")]) as f, httpx.Client(base_url=f.url, timeout=10) as c:
+        r = c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200 and r.json()["text"] == "w0 "  # model optional with one served
+        req = f.peers.requests.get(timeout=1)
+        assert req.model == "only"
+        assert f.stop() == 0  # SIGTERM: a clean exit
+        with pytest.raises(queue.Empty):
+            f.peers.aborts.get_nowait()
