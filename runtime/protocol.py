@@ -181,6 +181,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     arena_fragmented_bytes: int
     tree_nodes: int
     steps: int
+    retractions: int = 0
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):

@@ -96,6 +96,7 @@ class BatchBuilder:
         self.kv = kv
         self.limits = limits
         self.rng = random.Random(seed)
+        self.retractions = 0
 
     def schedule_next_batch(
         self, runner: RunnerState, waiting: list[Req], may_admit: bool = True
@@ -150,6 +151,7 @@ class BatchBuilder:
         self.kv.release(req, keep=True)
         req.runner = None
         req.retractions += 1
+        self.retractions += 1
         waiting.insert(0, req)
 
     def _admit(

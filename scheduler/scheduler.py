@@ -480,6 +480,7 @@ class Scheduler:
             arena_fragmented_bytes=usage.fragmented_bytes,
             tree_nodes=cs.nodes,
             steps=self.steps,
+            retractions=self.builder.retractions if self.builder else 0,
         )
 
     def check(self) -> None:

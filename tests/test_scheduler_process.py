@@ -198,6 +198,23 @@ def test_policies_and_pressure_keep_greedy_outputs(tiny_dirs: dict[str, Path], f
             assert stats.models[0].tokens_matched == 0 and stats.tree_nodes == 0
 
 
+def test_decode_out_of_kv_retracts_and_resumes(tiny_dirs: dict[str, Path]) -> None:
+    prompts = [
+        PROMPTS[2],
+        [1, 88, 99, 1000, 2000, 3000, 4000, 5],
+        [7] * 8,
+        [1, 2, 3, 4, 5, 6, 7, 8],
+    ]
+    expected = [hf_greedy(tiny_dirs["a"], p, 24) for p in prompts]
+    # 8 blocks x 8 slots = 64 token slots; four requests need 4 x 32 together.
+    flags = {"kv_cache_bytes": 8 * 4096, "kv_block_bytes": 4096, "schedule_conservativeness": 0}
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], **flags) as rt:
+        rids = [rt.submit("a", p, max_new=24) for p in prompts]
+        out = rt.collect(set(rids))
+        assert [out[r] for r in rids] == expected
+        assert rt.control("stats").stats.retractions > 0
+
+
 def test_two_models_and_replicas_share_one_arena(tiny_dirs: dict[str, Path]) -> None:
     models = [ModelArg(str(tiny_dirs["a"]), "a", replicas=2), ModelArg(str(tiny_dirs["b"]), "b")]
     exp_a = hf_greedy(tiny_dirs["a"], PROMPTS[0], 5)
