@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, lambda *_: launcher.request_stop())
     models = ", ".join(f"{m.name} ({m.folder})" for m in launcher.served)
     print(
-        f"radixmux serving http://{args.host}:{args.port} "
+        f"radixmux serving http://{launcher.args.host}:{launcher.args.port} "
         f"(ZeroMQ client: {launcher.endpoints.client}) models: {models}",
         flush=True,
     )

@@ -13,25 +13,15 @@ batches them. Flags are the ``ServerArgs`` field names; ``model`` takes
 
 from __future__ import annotations
 
-import socket as pysocket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-
 from radixmux.runtime.launcher import Launcher
 from radixmux.runtime.server_args import ModelArg, ServerArgs
 
 MAX_IN_FLIGHT = 64  # concurrent requests an Engine keeps open
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with pysocket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def args_from_flags(flags: dict[str, Any]) -> ServerArgs:
@@ -41,7 +31,7 @@ def args_from_flags(flags: dict[str, Any]) -> ServerArgs:
     if isinstance(models, (str, ModelArg)):
         models = [models]
     flags["models"] = [m if isinstance(m, ModelArg) else ModelArg.parse(m) for m in models]
-    flags.setdefault("port", 0)
+    flags.setdefault("port", 0)  # a free port: the HTTP front runs too
     return ServerArgs(**flags)
 
 
@@ -52,8 +42,6 @@ class Engine:
         if args is not None and flags:
             raise TypeError("pass either a ServerArgs or keyword flags, not both")
         args = args if args is not None else args_from_flags(flags)
-        if args.port == 0:  # the HTTP front runs too; keep it off busy ports
-            args = msgspec.structs.replace(args, port=free_port(args.host))
         self.launcher = Launcher(args)
         self.launcher.start()
         self.args = self.launcher.args

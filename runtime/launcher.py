@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket as pysocket
 import subprocess
 import threading
 import time
@@ -82,6 +83,13 @@ def resolve_source(source: str) -> str:
     return str(folder / gguf) if gguf else str(folder.resolve())
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with pysocket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def resolve_models(args: ServerArgs) -> ServerArgs:
     """``args`` with every model source replaced by its local folder (or .gguf file)."""
     models = [msgspec.structs.replace(m, source=resolve_source(m.source)) for m in args.models]
@@ -120,7 +128,10 @@ class Launcher:
 
     def _start(self) -> None:
         t0 = time.monotonic()
-        args = self.args = resolve_models(self.args)
+        args = resolve_models(self.args)
+        if args.port == 0:  # pick the port here, so everyone (and the banner) knows it
+            args = msgspec.structs.replace(args, port=free_port(args.host))
+        self.args = args
         self._own_dir = args.runtime_dir is None or not os.path.exists(args.runtime_dir)
         self._runtime_dir = make_runtime_dir(args.runtime_dir)
         eps = self.endpoints = Endpoints.in_dir(self._runtime_dir, args.zmq_endpoint)
