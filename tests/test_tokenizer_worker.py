@@ -102,15 +102,18 @@ class Peers:
 
 
 @contextlib.contextmanager
-def worker(tmp: Path, served: list[P.ServedModel], **flags: object) -> Iterator[Peers]:
-    peers = Peers(tmp, served, **flags)
+def workers(*setups: tuple[Path, list[P.ServedModel], dict]) -> Iterator[list[Peers]]:
+    """Start several workers at once (their start-ups overlap), wait until all are ready."""
+    started = [Peers(tmp, served, **flags) for tmp, served, flags in setups]
     try:
-        ready = peers.recv(peers.launcher, P.LauncherInbox, timeout=60)
-        assert isinstance(ready, P.ProcessReady), ready
-        assert ready.name == "tokenizer-0" and ready.pid == peers.proc.pid
-        yield peers
+        for peers in started:
+            ready = peers.recv(peers.launcher, P.LauncherInbox, timeout=60)
+            assert isinstance(ready, P.ProcessReady), ready
+            assert ready.name == "tokenizer-0" and ready.pid == peers.proc.pid
+        yield started
     finally:
-        peers.close()
+        for peers in started:
+            peers.close()
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +132,32 @@ def tok(folders):
     return AutoTokenizer.from_pretrained(folders["chat"])
 
 
+TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def peers(folders, tmp_path_factory) -> Iterator[Peers]:
+def both(folders, tmp_path_factory) -> Iterator[list[Peers]]:
+    """A worker for both models, and one for the base model with --chat-template."""
     served = [served_model("chat", folders["chat"]), served_model("base", folders["base"])]
-    with worker(tmp_path_factory.mktemp("tokw"), served) as p:
-        yield p
+    tmp = tmp_path_factory.mktemp("tokw")
+    (tmp / "t.jinja").write_text(TEMPLATE)
+    flagged = [served_model("base", folders["base"])]
+    setups = [
+        (tmp / "a", served, {}),
+        (tmp / "b", flagged, {"chat_template": str(tmp / "t.jinja")}),
+    ]
+    (tmp / "a").mkdir()
+    (tmp / "b").mkdir()
+    with workers(*setups) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def peers(both) -> Peers:
+    return both[0]
 
 
 def gen(rid: str, model: str = "chat", max_tokens: int = 8, **kw: object) -> P.GenerateRequest:
@@ -222,22 +246,15 @@ def test_garbage_does_not_kill_worker(peers):
 
 
 @pytest.mark.timeout(60)
-def test_chat_template_flag_and_clean_exit(folders, tmp_path):
-    template = tmp_path / "t.jinja"
-    template.write_text(
-        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}[assistant] {% endif %}"
-    )
+def test_chat_template_flag_and_clean_exit(both, folders):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folders["base"])
-    with worker(
-        tmp_path, [served_model("base", folders["base"])], chat_template=str(template)
-    ) as p:
-        out = p.send(gen("t1", model="base", messages=[P.ChatMessage("user", "yo")]))
-        assert isinstance(out, P.TokenizedRequest)
-        expect = tok("[user] yo\n[assistant] ", add_special_tokens=False).input_ids
-        assert P.unpack_ids(out.input_ids).tolist() == expect
-        t0 = time.time()
-        assert p.close() == 0  # SIGTERM is a clean stop
-        assert time.time() - t0 < 5
+    p = both[1]
+    out = p.send(gen("t1", model="base", messages=[P.ChatMessage("user", "yo")]))
+    assert isinstance(out, P.TokenizedRequest)
+    expect = tok("[user] yo\n[assistant] ", add_special_tokens=False).input_ids
+    assert P.unpack_ids(out.input_ids).tolist() == expect
+    t0 = time.time()
+    assert p.close() == 0  # SIGTERM is a clean stop
+    assert time.time() - t0 < 5
