@@ -161,9 +161,12 @@ def paged_attention_forward(
         vd = vd.to(q.dtype).transpose(1, 2)
         # Grouped-query attention without repeating K/V: the G query heads of
         # one KV head become G query rows against that head.
-        qd = q[batch.dec_rows].view(bd, kv_heads, group, head_dim)
-        od = _attend(qd, kd, vd, mask, scaling, softcap)
-        out[batch.dec_rows] = od.reshape(bd, heads, head_dim)
+        only_decodes = not batch.extends
+        qd = (q if only_decodes else q[batch.dec_rows]).reshape(bd, kv_heads, group, head_dim)
+        od = _attend(qd, kd, vd, mask, scaling, softcap).reshape(bd, heads, head_dim)
+        if only_decodes:  # rows are already in batch order: no scatter needed
+            return od.unsqueeze(0), None
+        out[batch.dec_rows] = od
 
     for seq in batch.extends:
         first, mask = seq.mask(sliding_window)
