@@ -298,14 +298,22 @@ class Launcher:
             # Nothing is serving yet and a starting process may not read its
             # inbox: stop everything at once.
             self._terminate(self.children)
-        self._terminate(by_kind["front"] + by_kind["tokenizers"])
         # A live scheduler shuts its runners down itself; SIGTERM is the fallback.
         scheduler_up = any(c.proc.poll() is None for c in by_kind["scheduler"])
-        self._shutdown(self._to_scheduler, by_kind["scheduler"])
-        self._terminate(by_kind["runners"], graceful=scheduler_up)
-        self._shutdown(self._to_detokenizer, by_kind["detokenizer"])
-        leftovers = [c for c in self.children if c.proc.poll() is None]
-        self._terminate(leftovers)
+        stages = [
+            (by_kind["front"] + by_kind["tokenizers"], lambda cs: self._terminate(cs)),
+            (by_kind["scheduler"], lambda cs: self._shutdown(self._to_scheduler, cs)),
+            (by_kind["runners"], lambda cs: self._terminate(cs, graceful=scheduler_up)),
+            (by_kind["detokenizer"], lambda cs: self._shutdown(self._to_detokenizer, cs)),
+            (self.children, lambda cs: self._terminate(cs)),  # anything left
+        ]
+        for children, stop_them in stages:
+            alive = [c for c in children if c.proc.poll() is None]
+            if alive:
+                t_stage = time.monotonic()
+                stop_them(alive)
+                codes = ", ".join(f"{c.name}={c.proc.returncode}" for c in alive)
+                log.info("stopped %s in %.1fs", codes, time.monotonic() - t_stage)
         self._cleanup()
         log.info("stopped in %.1fs", time.monotonic() - t0)
 
