@@ -86,7 +86,10 @@ async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop, sig)
+        # The launcher starts children with SIGINT ignored (Ctrl-C reaches the
+        # whole group; it stops them in order itself): keep it that way.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            loop.add_signal_handler(sig, stop, sig)
     readers = [
         asyncio.create_task(front.hub.run(), name="front-reader"),
         asyncio.create_task(front.clients.run(), name="zmq-client-server"),

@@ -66,11 +66,10 @@ class Generation:
             )
         self._account(item)
         if item.matched_stop is not None:
-            # The detokenizer saw a stop string: the request is over, though the
-            # scheduler does not know yet; tell it so it frees the KV now.
+            # A stop string ends the request, though the scheduler may not know
+            # yet: tell it so it frees the KV now (a no-op if it already ended).
             self.matched_stop = item.matched_stop
-            if item.finish_reason is None:
-                self.hub.abort(self.rid, "stop")
+            self.hub.abort(self.rid, "stop")
             self._finish("stop")
         elif item.finish_reason is not None:
             self._finish(item.finish_reason)

@@ -152,8 +152,8 @@ class EventStream:
         finally:
             task.cancel()
             gone.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # its errors were already turned into SSE events
             with contextlib.suppress(Exception):
                 await self.events.aclose()  # type: ignore[attr-defined]
             await self.on_close()

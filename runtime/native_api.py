@@ -48,7 +48,9 @@ class NativeGenerate(msgspec.Struct, kw_only=True):
     top_logprobs_num: int | None = 0
 
 
-class NativeMeta(msgspec.Struct):
+class NativeMeta(msgspec.Struct, omit_defaults=True):
+    """SGLang's meta_info; the logprob lists appear only when asked for."""
+
     id: str
     prompt_tokens: int
     completion_tokens: int

@@ -76,8 +76,8 @@ def words(delay: float = 0.0) -> Script:
     """Generates "w0 w1 ..." up to max_new_tokens (finish "length"), one token per output.
 
     A stop string found in the text ends the output there with ``matched_stop``
-    set, as the detokenizer does, and then (like a scheduler that has not yet
-    heard) keeps sending tokens until aborted.
+    and finish "stop", as the detokenizer does; then, like a scheduler that has
+    not heard yet, it keeps sending tokens until aborted.
     """
 
     def script(req: P.GenerateRequest) -> Iterator[Step]:
@@ -92,7 +92,8 @@ def words(delay: float = 0.0) -> Script:
             if hit is not None and not stopped:
                 stopped = True
                 cut = (text + word).index(hit)
-                yield out(req, i, (text + word)[len(text) : cut], matched_stop=hit)
+                piece = (text + word)[len(text) : cut]
+                yield out(req, i, piece, matched_stop=hit, finish_reason="stop")
                 continue
             text += word
             yield out(

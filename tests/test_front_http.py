@@ -180,7 +180,9 @@ def test_native_generate(front: RunningFront, http: httpx.Client) -> None:
     assert events[-1] == "[DONE]"
     texts = [json.loads(e)["text"] for e in events[:-1]]
     assert texts == ["w0 ", "w0 w1 "]  # cumulative, as SGLang streams
-    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "length"
+    last_meta = json.loads(events[-2])["meta_info"]
+    assert last_meta["finish_reason"]["type"] == "length"
+    assert "output_token_logprobs" not in last_meta  # only when return_logprob
 
 
 def test_stop_string_finishes_and_aborts(front: RunningFront, http: httpx.Client) -> None:
