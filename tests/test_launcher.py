@@ -65,6 +65,26 @@ def test_bad_model_source_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_failed_start_cleans_runtime_dir_and_arena(tmp_path, tiny):
+    model = [ModelArg(str(tiny["a"]), "a")]
+    # Not a multiple of 4096: the arena refuses, after the runtime dir exists.
+    bad = dict(SMALL, kv_block_bytes=1000)
+    fresh = tmp_path / "fresh"
+    launcher = Launcher(ServerArgs(models=model, runtime_dir=str(fresh), **bad))
+    with pytest.raises(LaunchError, match=r"KV arena: .*--kv-block-bytes"):
+        launcher.start()
+    assert not fresh.exists()  # created by us: removed
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("user data")
+    launcher = Launcher(ServerArgs(models=model, runtime_dir=str(mine), **bad))
+    with pytest.raises(LaunchError):
+        launcher.start()
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]  # the user's dir: kept
+    assert arena_files(os.getpid()) == []
+
+
+@pytest.mark.timeout(30)
 def test_launch_py_bad_source_exits_nonzero_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "launch.py"), "--model", str(tmp_path / "nope")],
