@@ -7,6 +7,7 @@ the tokenizer, scheduler and detokenizer by a per-test script.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import time
@@ -445,3 +446,36 @@ def test_single_model_front_and_clean_exit() -> None:
         assert f.stop() == 0  # SIGTERM: a clean exit
         with pytest.raises(queue.Empty):
             f.peers.aborts.get_nowait()
+
+
+def test_concurrent_requests_route_by_rid(front: RunningFront) -> None:
+    front.peers.script = words(delay=0.01)
+
+    async def main() -> list[tuple[str, str]]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=front.url, headers=headers, timeout=30) as c:
+
+            async def one(i: int) -> tuple[str, str]:
+                model = ("chat", "base")[i % 2]
+                body = {
+                    "model": model,
+                    "prompt": "x",
+                    "max_tokens": 1 + i % 7,
+                    "stream": i % 3 == 0,
+                }
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                if body["stream"]:
+                    events = [json.loads(e) for e in sse_events(r.text)[:-1]]
+                    return model, "".join(e["choices"][0]["text"] for e in events)
+                return model, r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    results = asyncio.run(main())
+    for i, (model, text) in enumerate(results):
+        assert model == ("chat", "base")[i % 2]
+        assert text == "".join(f"w{k} " for k in range(1 + i % 7))
+    with httpx.Client(base_url=front.url, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        assert c.get("/v1/models/base").json()["id"] == "base"
+        assert c.get("/v1/models/nope").status_code == 404
