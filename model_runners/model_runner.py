@@ -87,6 +87,11 @@ class ModelRunner:
     # ---- batch preparation -----------------------------------------------
     def _paged_batch(self, seqs: list[_Seq]) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
         store = self.store
+        dev = self.kv.device  # metadata lives where the arena does (cpu today, cuda later)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(a, dtype=torch.int64).to(dev)
+
         lens = [len(s.tokens) for s in seqs]
         row0 = np.concatenate([[0], np.cumsum(lens)])
         input_ids = np.concatenate([s.tokens for s in seqs])
@@ -111,26 +116,23 @@ class ModelRunner:
             if n == 1:
                 continue
             s = seqs[i]
-            slots = torch.from_numpy(s.slots)
             end = s.start_pos + n
             extends.append(
                 ExtendSeq(
                     start=int(row0[i]),
                     end=int(row0[i + 1]),
-                    addr=store.address(slots),
-                    k_pos=torch.arange(end - len(s.slots), end),
-                    q_pos=torch.arange(s.start_pos, end),
+                    addr=store.address(t(s.slots)),
+                    k_pos=torch.arange(end - len(s.slots), end, device=dev),
+                    q_pos=torch.arange(s.start_pos, end, device=dev),
                 )
             )
         batch = PagedBatch(
             store=store,
-            write_addr=store.address(torch.from_numpy(new_slots)),
-            dec_rows=torch.as_tensor(row0[dec], dtype=torch.int64),
-            dec_addr=store.address(torch.from_numpy(dec_slots)),
-            dec_k_pos=torch.from_numpy(dec_kpos),
-            dec_q_pos=torch.as_tensor(positions[row0[dec]], dtype=torch.int64)
-            if dec
-            else torch.empty(0, dtype=torch.int64),
+            write_addr=store.address(t(new_slots)),
+            dec_rows=t(row0[dec]),
+            dec_addr=store.address(t(dec_slots)),
+            dec_k_pos=t(dec_kpos),
+            dec_q_pos=t(positions[row0[dec]]),
             extends=extends,
         )
         return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
