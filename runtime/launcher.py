@@ -129,6 +129,8 @@ class Launcher:
     def _start(self) -> None:
         t0 = time.monotonic()
         args = resolve_models(self.args)
+        if args.chat_template is not None and not os.path.isfile(args.chat_template):
+            raise LaunchError(f"--chat-template {args.chat_template}: no such file")
         if args.port == 0:  # pick the port here, so everyone (and the banner) knows it
             args = msgspec.structs.replace(args, port=free_port(args.host))
         self.args = args
