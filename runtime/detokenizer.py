@@ -10,10 +10,10 @@ an :class:`IncrementalText` that
   an incomplete multi-byte character (U+FFFD). Concatenated deltas equal
   ``tokenizer.decode(all ids)``;
 * applies stop strings: text is emitted up to the first stop string found, the
-  request is finished with ``finish_reason="stop"`` / ``matched_stop``, later
-  outputs for it are dropped and the scheduler is asked to abort it (so its KV
-  is freed at once). A tail that could still grow into a stop string is held
-  back until it cannot.
+  request is finished with ``finish_reason="stop"`` / ``matched_stop`` and its
+  later outputs are dropped (the front, seeing ``matched_stop``, asks the
+  scheduler to abort it so its KV is freed at once). A tail that could still
+  grow into a stop string is held back until it cannot.
 
 A request's state ends with its last output (``finish_reason`` or ``error``
 set), so nothing leaks. Bad outputs fail their request, never the process.
@@ -41,8 +41,8 @@ from radixmux.runtime.tokenizer_worker import load_tokenizer
 log = logging.getLogger("radixmux.detokenizer")
 
 # Requests finished here by a stop string whose later outputs are still being
-# dropped. The scheduler sends at most a batch's worth more after our abort and
-# no final output for an aborted request, so entries expire instead.
+# dropped. The scheduler sends at most a batch's worth more after the front's
+# abort and no final output for an aborted request, so entries expire instead.
 STOPPED_TTL_S = 60.0
 MAX_STOPPED = 65536
 
@@ -122,10 +122,9 @@ class Detokenizer:
         self.live: dict[str, IncrementalText] = {}
         self.stopped: OrderedDict[str, float] = OrderedDict()  # rid -> when it stopped
 
-    def process(self, batch: P.TokenBatch) -> tuple[list[P.TextOutput], list[str]]:
-        """Text outputs for a batch, and the rids a stop string just finished."""
+    def process(self, batch: P.TokenBatch) -> list[P.TextOutput]:
+        """The text outputs for one batch (outputs of stopped requests dropped)."""
         outputs: list[P.TextOutput] = []
-        stopped: list[str] = []
         now = time.monotonic()
         while self.stopped and (
             len(self.stopped) > MAX_STOPPED
@@ -147,10 +146,10 @@ class Detokenizer:
                 outputs.append(_text_output(out, "", "error", None, f"detokenization: {exc}", 500))
                 continue
             if matched is not None and out.finish_reason is None:
-                stopped.append(out.rid)
+                log.debug("rid=%s stop string %r matched", out.rid, matched)
                 self.stopped[out.rid] = now
             outputs.append(_text_output(out, text, finish, matched, out.error, out.status))
-        return outputs, stopped
+        return outputs
 
     def _step(self, out: P.RequestOutput) -> tuple[str, str | None, str | None]:
         state = self.live.get(out.rid)
@@ -203,7 +202,6 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     eps = pctx.endpoints
     inbox = socket(zctx, zmq.PULL, eps.detokenizer, bind=True)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
-    to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
     decoder = P.decoder(P.DetokenizerInbox)
     detok = Detokenizer(tokenizers)
     report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
@@ -218,10 +216,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
         if isinstance(msg, P.ShutdownProcess):
             log.info("shutdown requested (%d requests live)", len(detok.live))
             return 0
-        outputs, stopped = detok.process(msg)
-        for rid in stopped:
-            log.debug("rid=%s stop string matched; aborting", rid)
-            to_scheduler.send(P.encode(P.AbortRequest(rid, reason="stop")))
+        outputs = detok.process(msg)
         if outputs:
             to_front.send(P.encode(P.TextBatch(outputs)))
 

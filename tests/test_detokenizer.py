@@ -101,39 +101,39 @@ def out(rid: str, ids: list[int], n: int, finish: str | None = None, **kw) -> P.
 def test_state_ends_with_request(tok):
     detok = Detokenizer({"m": tok})
     ids = tok("x y z END w").input_ids
-    outs, stopped = detok.process(
-        P.TokenBatch([out("a", ids[:1], 1, stop=["END"]), out("b", ids[:1], 1)])
-    )
-    assert [o.rid for o in outs] == ["a", "b"] and not stopped
-    outs, stopped = detok.process(
+    outs = detok.process(P.TokenBatch([out("a", ids[:1], 1, stop=["END"]), out("b", ids[:1], 1)]))
+    assert [o.rid for o in outs] == ["a", "b"] and not detok.stopped
+    outs = detok.process(
         P.TokenBatch([out("a", ids[1:], len(ids)), out("b", ids[1:2], 2, "length")])
     )
-    assert stopped == ["a"] and outs[0].finish_reason == "stop" and outs[0].matched_stop == "END"
+    assert (
+        list(detok.stopped) == ["a"]
+        and outs[0].finish_reason == "stop"
+        and outs[0].matched_stop == "END"
+    )
     assert outs[1].finish_reason == "length" and outs[1].matched_stop is None
     assert detok.live == {}
     # Later outputs for a stopped request are dropped; its final one clears it.
-    assert detok.process(P.TokenBatch([out("a", [5], 9)])) == ([], [])
-    assert detok.process(P.TokenBatch([out("a", [], 9, "abort")])) == ([], [])
+    assert detok.process(P.TokenBatch([out("a", [5], 9)])) == []
+    assert detok.process(P.TokenBatch([out("a", [], 9, "abort")])) == []
     assert not detok.stopped
     # Without a final output, a stopped rid is forgotten after a while.
     detok.process(P.TokenBatch([out("e", ids, len(ids), stop=["END"])]))
     assert list(detok.stopped) == ["e"]
     detok.stopped["e"] -= STOPPED_TTL_S + 1
-    assert detok.process(P.TokenBatch([])) == ([], []) and not detok.stopped
+    assert detok.process(P.TokenBatch([])) == [] and not detok.stopped
     # Errors pass through and end the state; unknown models fail only their request.
-    outs, _ = detok.process(
-        P.TokenBatch([out("c", [], 0, "error", error="runner died", status=503)])
-    )
+    outs = detok.process(P.TokenBatch([out("c", [], 0, "error", error="runner died", status=503)]))
     assert (outs[0].error, outs[0].status, outs[0].finish_reason) == ("runner died", 503, "error")
     bad = P.RequestOutput("d", "other", [1], 1, 1, 0)
-    outs, _ = detok.process(P.TokenBatch([bad]))
+    outs = detok.process(P.TokenBatch([bad]))
     assert outs[0].status == 500 and outs[0].finish_reason == "error"
     assert detok.live == {}
 
 
 # ---- the real process -----------------------------------------------------------
 class Peers:
-    """The front (PULL), the scheduler (PULL for aborts) and the scheduler's PUSH."""
+    """The front (PULL) and the scheduler's PUSH."""
 
     def __init__(self, tmp: Path, folder: Path) -> None:
         self.dir = make_runtime_dir(str(tmp / "rt"))
@@ -141,7 +141,6 @@ class Peers:
         self.zctx = zmq.Context()
         self.launcher = self._sock(zmq.PULL, self.eps.launcher, bind=True)
         self.front = self._sock(zmq.PULL, self.eps.front, bind=True)
-        self.scheduler = self._sock(zmq.PULL, self.eps.scheduler, bind=True)
         self.push = self._sock(zmq.PUSH, self.eps.detokenizer, bind=False)
         info = ModelInfo(
             "m",
@@ -219,8 +218,6 @@ def test_process_streams_and_stops(peers, tok):
                 assert o.logprobs == (logprobs if i == 0 else None)
             if o.rid == "s" and o.finish_reason:
                 assert (o.finish_reason, o.matched_stop) == ("stop", "STOP")
-                abort = peers.recv(peers.scheduler, P.SchedulerInbox)
-                assert abort == P.AbortRequest("s", reason="stop")
     assert texts == {"u": TEXT, "s": "one 世界 "}
 
 
