@@ -102,11 +102,11 @@ def test_launch_py_bad_source_exits_nonzero_without_traceback(tmp_path):
 
 @needs_scheduler
 @pytest.mark.timeout(60)
-def test_failing_runner_names_it(tmp_path, tiny):
+def test_failing_runner_names_it(tmp_path):
     bad = tmp_path / "broken"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
-    models = [ModelArg(str(tiny["a"]), "good"), ModelArg(str(bad), "broken")]
+    models = [ModelArg(str(bad), "broken")]
     launcher = Launcher(ServerArgs(models=models, **SMALL))
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"broken#0") as err:
