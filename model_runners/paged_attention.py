@@ -73,10 +73,10 @@ class PagedBatch:
     dec_k_pos: torch.Tensor  # [Bd, Lmax]; padding columns hold -1
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
-    dec_masks: dict[int | None, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    dec_masks: dict[int | None, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
-    def dec_mask(self, window: int | None) -> tuple[int, torch.Tensor]:
-        """(first column to read, ``[Bd, 1, 1, L]`` mask) of the decode group for a window."""
+    def dec_mask(self, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """(first column to read, ``[Bd, 1, 1, L]`` mask or None) of the decode group."""
         if window not in self.dec_masks:
             lmax = self.dec_k_pos.shape[1]
             # Right alignment puts every sequence's newest keys in the last
@@ -87,7 +87,9 @@ class PagedBatch:
             m = (k >= 0) & (k <= q)
             if window is not None:
                 m &= k > q - window
-            self.dec_masks[window] = (first, m[:, None, None, :])
+            # All keys visible (equal lengths, no window cut): SDPA without a
+            # mask takes its fastest path.
+            self.dec_masks[window] = (first, None if bool(m.all()) else m[:, None, None, :])
         return self.dec_masks[window]
 
 
@@ -109,7 +111,7 @@ def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
@@ -119,7 +121,8 @@ def _attend(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
