@@ -1,0 +1,282 @@
+"""The whole runtime end to end: launcher, every process, real HTTP and ZeroMQ.
+
+Two tiny random-weight models with SmolLM2's real tokenizer: ``a`` has a chat
+template, ``b`` has none (like Gemma 3 270M, a base model). The scheduler
+runs with ``check_invariants`` on, so any leaked or doubly owned KV slot
+kills it and fails the tests that follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from tiny_models import make_tiny_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from radixmux.runtime.engine import Engine
+
+pytestmark = pytest.mark.timeout(240)
+
+SYSTEM = "You are a careful assistant. " * 12
+QUESTIONS = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e_models")
+    return {
+        "a": make_tiny_model_dir(root / "a", seed=11),
+        "b": make_tiny_model_dir(root / "b", seed=12, chat_template=False),
+    }
+
+
+def start(models: dict[str, Path], **flags: object) -> Engine:
+    base = dict(
+        model=[f"{models['a']},name=a", f"{models['b']},name=b"],
+        kv_cache_bytes=16 << 20,
+        kv_block_bytes=64 << 10,
+        runner_threads=1,
+        check_invariants=True,
+        max_request_bytes=64 << 10,
+    )
+    return Engine(**{**base, **flags})
+
+
+@pytest.fixture(scope="module")
+def server(models: dict[str, Path]) -> Iterator[tuple[Engine, str]]:
+    engine = start(models)
+    try:
+        yield engine, f"http://127.0.0.1:{engine.args.port}"
+    finally:
+        engine.shutdown()
+
+
+def greedy_text(folder: Path, prompt: str, n: int) -> str:
+    """What transformers' own generate says, decoded like the server does."""
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def complete(url: str, model: str, prompt: str, n: int = 6, **extra: object) -> httpx.Response:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_32_concurrent_requests_across_two_models(server, models) -> None:
+    _, url = server
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    expected = {m: [greedy_text(models[m], p, 6) for p in prompts[:4]] for m in ("a", "b")}
+
+    async def run() -> list[tuple[str, int, httpx.Response]]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            jobs = [
+                client.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": m,
+                        "prompt": p,
+                        "max_tokens": 6,
+                        "ignore_eos": True,
+                        "temperature": 0,
+                    },
+                )
+                for m in ("a", "b")
+                for p in prompts
+            ]
+            answers = await asyncio.gather(*jobs)
+        keys = [(m, i) for m in ("a", "b") for i in range(len(prompts))]
+        return [(m, i, r) for (m, i), r in zip(keys, answers, strict=True)]
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for model, i, resp in results:
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["usage"]["completion_tokens"] == 6
+        if i < 4:
+            assert body["choices"][0]["text"] == expected[model][i], (model, i)
+
+
+def test_cache_on_off_same_greedy_and_hits_in_metrics(server, models) -> None:
+    _, url = server
+    prompt = SYSTEM + "Tell me about prefix caches."
+    cold = complete(url, "a", prompt, 8).json()
+    warm = complete(url, "a", prompt, 8).json()
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+    again = complete(url, "a", prompt, 8).json()
+    assert again["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert again["choices"][0]["text"] == greedy_text(models["a"], prompt, 8)
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    hits = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("radixmux_cache_hit_rate") and 'model="a"' in line
+    ]
+    assert hits and float(hits[0].split()[-1]) > 0
+
+
+def test_same_system_prompt_second_chat_hits_cache(server) -> None:
+    _, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    usage = []
+    for q in ("What is a radix tree?", "What is a KV cache?"):
+        r = client.chat.completions.create(
+            model="a",
+            max_tokens=4,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+        )
+        usage.append(r.usage)
+    assert usage[1].prompt_tokens_details.cached_tokens >= 80  # the system prompt
+
+
+def test_openai_streaming_equals_non_streaming(server) -> None:
+    _, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Count to five."}]
+    full = client.chat.completions.create(model="a", messages=messages, max_tokens=10, seed=1)
+    parts = []
+    for chunk in client.chat.completions.create(
+        model="a", messages=messages, max_tokens=10, seed=1, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    assert "".join(parts) == full.choices[0].message.content
+    text = client.completions.create(model="b", prompt="Once upon a time", max_tokens=5)
+    assert text.choices[0].text and text.usage.completion_tokens <= 5
+
+
+def test_zmq_client_through_engine(server) -> None:
+    engine, url = server
+    prompts = ["The first prompt", "The second prompt"]
+    params = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
+    outs = engine.generate(prompts, params, model="a")
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.text == complete(url, "a", prompt, 5).json()["choices"][0]["text"]
+
+
+def test_bad_input_gets_clear_errors(server) -> None:
+    _, url = server
+    r = complete(url, "nope", "hi")
+    assert r.status_code == 404 and "a" in r.json()["error"]["message"]
+    r = complete(url, "a", "hi", n=10**6)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = complete(url, "a", "hi", temperature=-1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(
+        f"{url}/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    r = complete(url, "a", "x" * (70 << 10))
+    assert r.status_code == 413
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=30,
+        json={"model": "b", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    # The server is still fine, and no request is left holding KV.
+    assert complete(url, "a", "still alive?").status_code == 200
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    assert "a" in str(info)
+
+
+def test_disconnect_mid_stream_frees_the_request(server) -> None:
+    _, url = server
+    body = {
+        "model": "a",
+        "prompt": "Go on forever",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break  # one chunk, then hang up
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        stats = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        running = next(m for m in _model_stats(stats) if m["name"] == "a")["running"]
+        if running == 0:
+            break
+        time.sleep(0.5)
+    assert running == 0
+
+
+def _model_stats(info: dict) -> list[dict]:
+    """The per-model scheduler status inside /get_server_info."""
+    stack = [info]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if (
+                isinstance(node.get("models"), list)
+                and node["models"]
+                and "running" in node["models"][0]
+            ):
+                return node["models"]
+            stack.extend(node.values())
+    raise AssertionError(f"no model stats in {info}")
+
+
+def test_faults_api_key_queue_full_and_dead_runner(models) -> None:
+    engine = start(models, api_key="sekret", max_queued_requests=1, max_running_requests=1)
+    url = f"http://127.0.0.1:{engine.args.port}"
+    auth = {"Authorization": "Bearer sekret"}
+    try:
+        body = {"model": "a", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=bad).status_code == 401
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 200
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=180, headers=auth) as client:
+                long = {"model": "a", "prompt": "hello", "max_tokens": 60, "ignore_eos": True}
+                return await asyncio.gather(
+                    *[client.post(f"{url}/v1/completions", json=long) for _ in range(8)]
+                )
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert 429 in codes and 200 in codes
+        r429 = next(r for r in asyncio.run(flood()) if r.status_code == 429)
+        assert r429.headers.get("retry-after") and r429.json()["error"]["message"]
+
+        runner_b = next(c for c in engine.launcher.children if c.runner_id == "b#0")
+        runner_b.proc.kill()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            health = httpx.get(f"{url}/health", headers=auth, timeout=30)
+            if health.status_code == 503:
+                break
+            time.sleep(0.5)
+        assert health.status_code == 503 and "b" in health.text
+        body_b = {"model": "b", "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body_b, headers=auth, timeout=30)
+        assert r.status_code == 503 and "b#0" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth).status_code == 200
+    finally:
+        engine.shutdown()
