@@ -174,9 +174,14 @@ def paged_attention_forward(
     for seq in batch.extends:
         first, mask = seq.mask(sliding_window)
         n = seq.end - seq.start
-        ke, ve = store.gather(layer, seq.addr[..., first:])
-        ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
-        ve = ve.to(q.dtype).transpose(0, 1)
+        if seq.end - seq.start == seq.k_pos.shape[0]:
+            # No cached prefix: the context is exactly this chunk, already in hand.
+            ke = key[0, :, seq.start + first : seq.end]  # [KVH, L, D]
+            ve = value[0, :, seq.start + first : seq.end]
+        else:
+            ke, ve = store.gather(layer, seq.addr[..., first:])
+            ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
+            ve = ve.to(q.dtype).transpose(0, 1)
         qe = q[seq.start : seq.end].view(n, kv_heads, group, head_dim)
         qe = qe.permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, head_dim)
         # 4-D inputs: torch's CPU flash kernel only takes those (3x faster than

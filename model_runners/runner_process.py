@@ -78,6 +78,9 @@ def serve(config: RunnerConfig) -> int:
 
     parent = os.getppid()
     _die_with_parent()
+    # SIGTERM (from a launcher, or the kernel when the parent dies) unwinds
+    # through the finally below, so the socket is closed, not abandoned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3 if os.getppid() != parent else 0))
     threads = config.threads or default_threads(config.num_runners)
     torch.set_num_threads(threads)
     ctx = zmq.Context()
@@ -86,7 +89,6 @@ def serve(config: RunnerConfig) -> int:
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(config.endpoint)
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(P.RunnerRequest)
     try:
         from radixmux.memory.arena import KVArena
         from radixmux.memory.layout import BlockGeometry
@@ -104,14 +106,26 @@ def serve(config: RunnerConfig) -> int:
         return 1
     sock.send(encoder.encode(P.Ready(loaded.info, os.getpid(), loaded.load_seconds, threads)))
 
+    try:
+        return _loop(sock, runner, parent)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _loop(sock, runner, parent: int) -> int:
+    import zmq
+
+    from radixmux.model_runners import protocol as P
+
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(P.RunnerRequest)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    code = 0
     while True:
         if not poller.poll(PARENT_CHECK_MS):
             if os.getppid() != parent:
-                code = 3
-                break
+                return 3
             continue
         raw = sock.recv()
         try:
@@ -120,16 +134,13 @@ def serve(config: RunnerConfig) -> int:
             sock.send(encoder.encode(P.ForwardResult(-1, error=f"malformed message: {exc}")))
             continue
         if isinstance(msg, P.Shutdown):
-            break
+            return 0
         try:
             result = runner.forward(msg)
         except Exception as exc:  # a bug or an odd batch must not kill the model
             tb = traceback.format_exc(limit=3)
             result = P.ForwardResult(msg.batch_id, error=f"{type(exc).__name__}: {exc}\n{tb}")
         sock.send(encoder.encode(result))
-    sock.close()
-    ctx.term()
-    return code
 
 
 def spawn_runner(config: RunnerConfig, **popen: object) -> subprocess.Popen:
