@@ -147,3 +147,34 @@ def test_exits_when_parent_dies(tiny_folder, arena, router):
     else:
         os.kill(runner_pid, signal.SIGKILL)
         pytest.fail("runner outlived its parent")
+
+
+def test_two_runners_share_kv_through_the_arena(tiny_folder, arena, router):
+    """Replicas with one KV-share key: K/V that runner A writes serve runner B."""
+    sock, endpoint = router
+    procs = [start(tiny_folder, arena, endpoint, rid=r) for r in ("A", "B")]
+    try:
+        ready = dict(recv(sock) for _ in procs)
+        assert set(ready) == {b"A", b"B"}
+        assert ready[b"A"].info.kv_share_key == ready[b"B"].info.kv_share_key
+        ids = torch.randint(0, 211, (20,)).tolist()
+        slots = SlotPool(arena.spec.num_blocks * 4, seed=8).take(20)
+        # A prefills the first 15 tokens; B extends with the last 5 on A's slots.
+        first = P.ForwardBatch(1, [seq("x", ids[:15], slots[:15], 0, sample=False)])
+        sock.send_multipart([b"A", ENC.encode(first)])
+        assert recv(sock)[1].error is None
+        lp = P.SamplingParams(logprobs=True)
+        rest = P.ForwardBatch(2, [seq("x", ids[15:], slots, 15, params=lp)])
+        sock.send_multipart([b"B", ENC.encode(rest)])
+        ident, res = recv(sock)
+        assert ident == b"B" and res.error is None
+        ref = reference_logits(tiny_model("llama", seed=5).model, ids)[-1]
+        assert res.outputs[0].token_id == int(ref.argmax())
+        assert abs(res.outputs[0].logprob - float(ref.log_softmax(-1).max())) < 1e-4
+        for name in (b"A", b"B"):
+            sock.send_multipart([name, ENC.encode(P.Shutdown())])
+        assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
