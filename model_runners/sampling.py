@@ -81,28 +81,36 @@ def _filtered_draw(
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then one draw per row."""
     rows, vocab = logits.shape
+    # Noise is drawn per token id (not per sorted rank), so a seeded row picks
+    # the same token whichever filters its batch-mates make us use.
+    noise = _exponential_noise((rows, vocab), params, steps)
     temp = _column(params, "temperature", torch.float32)
     top_k = _column(params, "top_k", torch.int64)
     top_p = _column(params, "top_p", torch.float32)
     min_p = _column(params, "min_p", torch.float32)
     x = logits / temp[:, None]
-    filtered = bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any())
-    if not filtered:
-        noise = _exponential_noise((rows, vocab), params, steps)
-        return (x.softmax(-1) / noise).argmax(-1)
-    # Work in sorted order so all three filters are cumulative masks.
-    xs, order = x.sort(-1, descending=True)
-    ranks = torch.arange(vocab)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)
-    xs = xs.masked_fill(ranks >= k[:, None], float("-inf"))
-    ps = xs.softmax(-1)
-    # Keep a token while the mass strictly before it is below top_p (keeps >= 1).
-    xs = xs.masked_fill((ps.cumsum(-1) - ps) >= top_p[:, None], float("-inf"))
-    ps = xs.softmax(-1)
-    xs = xs.masked_fill(ps < min_p[:, None] * ps[:, :1], float("-inf"))
-    noise = _exponential_noise((rows, vocab), params, steps)
-    pick = (xs.softmax(-1) / noise).argmax(-1)
-    return order.gather(1, pick[:, None])[:, 0]
+    order = None
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        # Work in descending order so top-k and top-p are prefix masks. When
+        # every row has a top-k, only the largest k are ever kept: topk is much
+        # cheaper than sorting a 262k vocabulary.
+        if bool((top_k > 0).all()):
+            x, order = x.topk(int(top_k.max()), dim=-1)
+        else:
+            x, order = x.sort(-1, descending=True)
+        ranks = torch.arange(x.shape[1])[None, :]
+        k = torch.where(top_k > 0, top_k, vocab)
+        x = x.masked_fill(ranks >= k[:, None], float("-inf"))
+        ps = x.softmax(-1)
+        # Keep a token while the mass strictly before it is below top_p (keeps >= 1).
+        x = x.masked_fill((ps.cumsum(-1) - ps) >= top_p[:, None], float("-inf"))
+    if bool((min_p > 0).any()):
+        ps = x.softmax(-1)
+        x = x.masked_fill(ps < min_p[:, None] * ps.max(-1, keepdim=True).values, float("-inf"))
+    if order is not None:
+        noise = noise.gather(1, order)
+    pick = (x.softmax(-1) / noise).argmax(-1)
+    return pick if order is None else order.gather(1, pick[:, None])[:, 0]
 
 
 def sample(

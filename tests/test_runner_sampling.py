@@ -59,6 +59,16 @@ def test_seed_is_deterministic_and_batch_independent():
     params = [SamplingParams(temperature=1.0)] * 5 + [seeded]
     in_batch = sample(mixed, params, [EMPTY] * 6).tokens[-1]
     assert int(in_batch) == alone[0]
+    # ...also when batch-mates use top-k / top-p (sorted or top-k code paths).
+    for mate in (
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=5),
+    ):
+        pair = sample(torch.cat([logits, logits]), [mate, seeded], [EMPTY] * 2).tokens
+        assert int(pair[1]) == alone[0]
+    # The same seed with a filter of its own stays reproducible.
+    topk_seeded = SamplingParams(temperature=1.0, top_k=50, seed=99)
+    assert len({int(draw(logits, topk_seeded).tokens[0]) for _ in range(3)}) == 1
     # Other seeds (or steps) give other draws across many tries.
     flat = torch.zeros(1, 1000)
     picks = {int(draw(flat, SamplingParams(temperature=1.0, seed=s)).tokens[0]) for s in range(20)}
