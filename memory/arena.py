@@ -10,6 +10,7 @@ same ``ArenaSpec`` / ``KVArena.attach`` / ``view`` contract once a GPU can test 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
@@ -43,6 +44,22 @@ def default_arena_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def remove_stale_arenas(directory: str | None = None) -> list[str]:
+    """Delete arena files whose creating process is gone (killed with SIGKILL,
+    say), so shared memory does not fill up across crashes. Returns them."""
+    directory = directory or default_arena_dir()
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith("radixmux-kv-"):
+            continue
+        pid = name.split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
 class KVArena:
     """A mapped arena. Create it once (``create``), attach from other processes."""
 
@@ -64,6 +81,7 @@ class KVArena:
         if block_bytes <= 0 or block_bytes % BLOCK_ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {BLOCK_ALIGN}")
         directory = directory or default_arena_dir()
+        remove_stale_arenas(directory)
         path = os.path.join(directory, f"radixmux-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

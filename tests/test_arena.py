@@ -61,3 +61,13 @@ def test_bad_block_size_rejected() -> None:
         KVArena.create(num_blocks=1, block_bytes=1000)
     with pytest.raises(ValueError, match="cannot hold one page"):
         BlockGeometry(KVLayout(30, 3, 64), 4096, 16).check()
+
+
+def test_stale_arena_of_a_dead_process_is_removed(tmp_path) -> None:
+    dead = tmp_path / "radixmux-kv-999999999-deadbeef"
+    dead.write_bytes(b"x")
+    live = tmp_path / f"radixmux-kv-{os.getpid()}-cafe"
+    live.write_bytes(b"x")
+    arena = KVArena.create(num_blocks=1, block_bytes=4096, directory=str(tmp_path))
+    assert not dead.exists() and live.exists()
+    arena.destroy()
