@@ -30,12 +30,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
 import zmq
 
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import socket
-from radixmux.runtime.process import ProcessContext, report, run_process
+from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
 from radixmux.runtime.tokenizer_worker import load_tokenizer
 
 log = logging.getLogger("radixmux.detokenizer")
@@ -206,19 +205,12 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     detok = Detokenizer(tokenizers)
     report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
     log.info("ready: %s", ", ".join(tokenizers))
-    while True:
-        raw = inbox.recv()
-        try:
-            msg = decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
-            continue
-        if isinstance(msg, P.ShutdownProcess):
-            log.info("shutdown requested (%d requests live)", len(detok.live))
-            return 0
+    for msg in inbox_messages(inbox, decoder, log):
         outputs = detok.process(msg)
         if outputs:
             to_front.send(P.encode(P.TextBatch(outputs)))
+    log.info("stopping with %d requests live", len(detok.live))
+    return 0
 
 
 if __name__ == "__main__":

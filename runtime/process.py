@@ -9,6 +9,7 @@ killed launcher never leaves orphans behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -50,10 +51,8 @@ def setup_logging(level: str, name: str) -> logging.Logger:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent exits."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.ProcessFailed) -> None:
@@ -61,6 +60,27 @@ def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.Proce
     sock = socket(ctx, zmq.PUSH, endpoints.launcher, bind=False)
     sock.send(P.encode(msg))
     sock.close(linger=2000)
+
+
+def inbox_messages(
+    sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, log: logging.Logger
+) -> Iterator[msgspec.Struct]:
+    """Decoded messages from a process's inbox until ``ShutdownProcess``.
+
+    A malformed message is logged and dropped: bad bytes must never kill a
+    process that serves other requests.
+    """
+    while True:
+        raw = sock.recv()
+        try:
+            msg = decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
+            continue
+        if isinstance(msg, P.ShutdownProcess):
+            log.info("shutdown requested")
+            return
+        yield msg
 
 
 def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:

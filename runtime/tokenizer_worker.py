@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import socket
-from radixmux.runtime.process import ProcessContext, report, run_process
+from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
 
 log = logging.getLogger("radixmux.tokenizer")
 
@@ -182,16 +181,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
         "ready: %s",
         ", ".join(f"{n} (chat={m.chat_template is not None})" for n, m in models.items()),
     )
-    while True:
-        raw = inbox.recv()
-        try:
-            msg = decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
-            continue
-        if isinstance(msg, P.ShutdownProcess):
-            log.info("shutdown requested")
-            return 0
+    for msg in inbox_messages(inbox, decoder, log):
         try:
             out = tokenize(models, msg)
         except RejectedRequest as exc:
@@ -205,6 +195,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
             continue
         log.debug("rid=%s model=%s %d prompt tokens", msg.rid, msg.model, len(out.input_ids) // 4)
         to_scheduler.send(P.encode(out))
+    return 0
 
 
 if __name__ == "__main__":
