@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -62,25 +63,7 @@ VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 # llama.cpp allocates its KV cache for the whole context up front; 8k tokens
 # holds the benchmark's longest prompts (4k) plus their outputs.
 LLAMACPP_N_CTX = 8192
-
-# Run under the llama.cpp venv's interpreter in place of ``-m llama_cpp.server``.
-# On this AMX CPU the repacked ("extra buffer type") weights crash on the first
-# multi-token prompt; llama.cpp's own server has --no-repack for that, but
-# llama-cpp-python 0.3.36 exposes neither the flag nor the model parameter
-# ``use_extra_bufts``, so the launcher switches it off in the defaults that
-# ``Llama()`` starts from, then runs the stock server.
-_LLAMACPP_LAUNCHER = """\
-import runpy, sys
-import llama_cpp.llama_cpp as C
-_defaults = C.llama_model_default_params
-def _no_repack():
-    p = _defaults()
-    p.use_extra_bufts = False
-    return p
-C.llama_model_default_params = _no_repack
-sys.argv[0] = "llama_cpp.server"
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
-"""
+LLAMACPP_LAUNCH = "_llamacpp-server"  # hidden CLI verb: run_llamacpp_server()
 
 
 class PeerUnavailable(Exception):
@@ -215,7 +198,9 @@ class _Installer:
             for line in proc.stdout:
                 log.write(line)
                 tail = [*tail[-29:], line.rstrip()]
-                if self.progress and (echo_prefix is None or line.startswith(echo_prefix)):
+                # pip warns about every index folder this machine lacks: noise.
+                noise = line.startswith("WARNING: Location")
+                if self.progress and not noise and line.startswith(echo_prefix or ""):
                     print(f"  {line.rstrip()[:160]}", file=sys.stderr, flush=True)
             rc = proc.wait()
         if rc != 0:
@@ -370,6 +355,11 @@ def gguf_file(model: str) -> Path:
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
         return path.resolve()
+    marker = path / "radixmux-fetch.json"
+    if marker.is_file():
+        # A folder that fetch converted: serve the GGUF it came from.
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            model = str(json.loads(marker.read_text())["name"])
     try:
         from radixmux.model_runners.fetch import EMBEDDED, FetchError, locate_gguf
     except ImportError as exc:
@@ -387,8 +377,9 @@ def gguf_file(model: str) -> Path:
 
 
 def served_name(model: str) -> str:
-    """The model id a peer advertises: the short name, or a path's last component."""
-    return Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
+    """The model id a peer advertises: the short name, or a folder's name, or a GGUF's stem."""
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def peer_command(
@@ -415,7 +406,9 @@ def peer_command(
     if kind == "llamacpp":
         # The GGUF keeps its own (quantised) weight type: ``dtype`` does not apply.
         cmd = [
-            str(_venv_python("llamacpp")), "-c", _LLAMACPP_LAUNCHER,
+            # Our launcher (below) under the peer's interpreter: the stock
+            # ``-m llama_cpp.server`` with two fixes this benchmark needs.
+            str(_venv_python("llamacpp")), str(Path(__file__).resolve()), LLAMACPP_LAUNCH,
             "--model", str(gguf_file(model)),
             "--model_alias", name,
             "--host", "127.0.0.1", "--port", str(port),
@@ -541,11 +534,91 @@ def start_peer(
     return server
 
 
+# --------------------------------------------------------------------------- llama.cpp launcher
+
+
+def run_llamacpp_server(args: list[str]) -> None:
+    """Run llama-cpp-python's OpenAI server with two fixes; runs in the llamacpp venv.
+
+    1. No weight repacking. On this AMX CPU the repacked ("extra buffer type")
+       weights crash on the first multi-token prompt. llama.cpp's own server has
+       ``--no-repack``; llama-cpp-python 0.3.36 exposes neither that nor the model
+       parameter ``use_extra_bufts``, so it is switched off in the defaults that
+       ``Llama()`` starts from.
+    2. ``ignore_eos``. The benchmark asks every server for exactly ``max_tokens``
+       tokens with vLLM's ``ignore_eos``; llama-cpp-python only knows
+       ``min_tokens``, which masks one EOS id while generation stops on any
+       end-of-generation token. Requests gain an ``ignore_eos`` field that masks
+       every end-of-generation token for the whole request.
+
+    ``args`` are ``python -m llama_cpp.server``'s own.
+    """
+    import runpy
+
+    import llama_cpp
+    import llama_cpp.llama_cpp as lib
+    import llama_cpp.server.types as types
+    import numpy as np
+
+    defaults = lib.llama_model_default_params
+
+    def no_repack() -> object:
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = no_repack
+
+    # The app module binds these names when imported, so replace them first.
+    class CompletionRequest(types.CreateCompletionRequest):  # type: ignore[misc,valid-type]
+        ignore_eos: bool = False
+
+    class ChatCompletionRequest(types.CreateChatCompletionRequest):  # type: ignore[misc,valid-type]
+        ignore_eos: bool = False
+
+    types.CreateCompletionRequest = CompletionRequest
+    types.CreateChatCompletionRequest = ChatCompletionRequest
+
+    import llama_cpp.server.app as app
+
+    prepare = app.prepare_request_resources
+    eog_ids: dict[int, np.ndarray] = {}
+
+    def prepare_ignoring_eos(body: object, proxy: object, model: object, kwargs: dict) -> object:
+        # kwargs is what reaches Llama.__call__ / create_chat_completion, which
+        # would reject the unknown keyword.
+        ignore = bool(kwargs.pop("ignore_eos", False))
+        llama = prepare(body, proxy, model, kwargs)
+        if ignore:
+            if id(llama) not in eog_ids:
+                vocab = llama._model.vocab
+                eog_ids[id(llama)] = np.array(
+                    [t for t in range(llama.n_vocab()) if lib.llama_vocab_is_eog(vocab, t)],
+                    dtype=np.int64,
+                )
+            eog = eog_ids[id(llama)]
+
+            def mask_eog(input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+                scores[eog] = -np.inf
+                return scores
+
+            kwargs.setdefault("logits_processor", llama_cpp.LogitsProcessorList()).append(mask_eog)
+        return llama
+
+    app.prepare_request_resources = prepare_ignoring_eos
+    sys.argv = ["llama_cpp.server", *args]
+    runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> int:
     """``install KIND|all`` or ``serve KIND``; exit 2, with the reason, if a peer is unavailable."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [LLAMACPP_LAUNCH]:
+        run_llamacpp_server(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_inst = sub.add_parser("install", help="install a peer into bench/.peers/")
