@@ -1,0 +1,605 @@
+"""Side-by-side serving comparison on one machine, in one run, against the issue's targets.
+
+Each configuration starts its own server (radixmux through ``launch.py``, or a
+peer through ``bench/peers.py``), waits for ``/health``, warms up with a few
+unrelated requests, measures one workload with ``bench_serving.run_benchmark``
+and stops the server (SIGINT, then wait) before the next starts, so no two
+configurations share the cores.
+
+Modes:
+  1. radixmux default vs ``--disable-radix-cache`` on generated-shared-prefix
+     (target: cached >= 5x no-cache throughput);
+  2. ``--kv-partition unified`` vs ``static`` at the same ``--kv-cache-bytes`` on the
+     multi-model shift, the arena small enough that memory is contended
+     (target: unified >= 1.3x static throughput and a higher hit rate);
+  3. ``--schedule-policy lpm`` vs ``fcfs`` on shuffled shared-prefix load (lpm >= fcfs);
+  4. peers (vLLM CPU, llama.cpp, plain transformers) on mode 1's workload
+     (radixmux >= every peer in output tokens/s and TTFT p50); a peer that cannot
+     be started is reported with the reason.
+
+Writes one JSON with every configuration and a PNG (throughput and latency per
+configuration) under ``bench/results/``, and prints the tables.
+
+    .venv/bin/python bench/compare.py --modes 1 2 3 [--quick] [--models A B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make `bench.` importable
+    sys.path.insert(0, str(ROOT))
+
+from bench.bench_serving import (  # noqa: E402
+    RESULTS_DIR,
+    BenchConfig,
+    BenchResult,
+    format_table,
+    run_benchmark,
+    write_json,
+)
+from bench.workloads import GSPParams, ShiftParams  # noqa: E402
+
+DEFAULT_PEERS = ("vllm", "llamacpp", "transformers")
+START_TIMEOUT_S = 900.0  # a first start may convert GGUF weights
+STOP_TIMEOUT_S = 60.0
+
+
+# ---- sizes ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sizes:
+    """Every workload size of a comparison; ``QUICK`` is the smoke test's."""
+
+    gsp: GSPParams
+    shift: ShiftParams
+    shift_concurrency: int
+    # Arena of mode 2, in tokens of the first model: the hot model's prefixes
+    # plus its running requests fit in it, but not in half of it.
+    shift_kv_tokens: int
+    warmup: int
+
+
+FULL = Sizes(
+    gsp=GSPParams(8, 8, 512, 32, 16),
+    shift=ShiftParams(48, (0.8, 0.2), 6, 384, 32, 16),
+    shift_concurrency=8,
+    shift_kv_tokens=3584,
+    warmup=2,
+)
+QUICK = Sizes(
+    gsp=GSPParams(2, 4, 96, 8, 4),
+    shift=ShiftParams(12, (0.8, 0.2), 2, 64, 8, 4),
+    shift_concurrency=4,
+    shift_kv_tokens=2048,
+    warmup=1,
+)
+
+
+# ---- results --------------------------------------------------------------------------
+@dataclass
+class ConfigResult:
+    """One configuration: its figures, or why it could not run."""
+
+    label: str
+    system: str  # "radixmux" or a peer's name
+    server_args: list[str]
+    result: BenchResult | None = None
+    unavailable: str | None = None
+
+
+@dataclass
+class Target:
+    """One of the issue's targets; ``passed`` None when it could not be measured."""
+
+    mode: int
+    name: str
+    measured: str
+    passed: bool | None
+
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "MISS", None: "n/a"}[self.passed]
+
+
+@dataclass
+class ModeReport:
+    mode: int
+    title: str
+    configs: list[ConfigResult] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+
+
+# ---- radixmux server ------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or never became healthy."""
+
+
+class RadixmuxServer:
+    """``launch.py`` in a process of its own; logs to ``log_path``."""
+
+    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), *args]
+        self._log = log_path.open("w")
+        # A session of its own: a Ctrl-C at the terminal reaches only us, and
+        # stop() then shuts the server down in order.
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"exited with {self.proc.returncode}: {self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/health", timeout=5, trust_env=False).is_success:
+                    return
+            time.sleep(0.5)
+        raise ServerFailed(f"not healthy after {timeout:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 5) -> str:
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return " | ".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def radixmux(args: Sequence[str], log_path: Path) -> Iterator[RadixmuxServer]:
+    server = RadixmuxServer(args, log_path)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+# ---- running configurations -----------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration of a comparison shares."""
+
+    sources: tuple[str, ...]  # model sources (short names or folders); mode 2 uses two
+    dtype: str
+    sizes: Sizes
+    seed: int
+    logs: Path
+    extra_args: tuple[str, ...] = ()
+    progress: bool = True
+
+    def served_name(self, i: int) -> str:
+        return Path(self.sources[i].rstrip("/")).name
+
+    def model_flags(self, n: int) -> list[str]:
+        out: list[str] = []
+        for i in range(n):
+            out += ["--model", f"{self.sources[i]},name={self.served_name(i)}"]
+        return out
+
+
+def run_radixmux(
+    setup: Setup, label: str, n_models: int, flags: Sequence[str], config: BenchConfig
+) -> ConfigResult:
+    """Start radixmux with ``flags``, run ``config`` against it, stop it."""
+    args = [*setup.model_flags(n_models), "--dtype", setup.dtype, *setup.extra_args, *flags]
+    out = ConfigResult(label, "radixmux", args)
+    log = setup.logs / f"{label.replace(' ', '_').replace('/', '_')}.log"
+    print(f"[compare] {label}: starting radixmux {' '.join(args)}", file=sys.stderr)
+    try:
+        with radixmux(args, log) as server:
+            cfg = dataclasses.replace(config, base_url=server.base_url, label=label)
+            out.result = asyncio.run(run_benchmark(cfg))
+    except ServerFailed as exc:
+        out.unavailable = f"radixmux failed to start: {exc}"
+    return out
+
+
+def gsp_config(setup: Setup, shuffle: bool = False) -> BenchConfig:
+    return BenchConfig(
+        base_url="",
+        models=[setup.served_name(0)],
+        workload="generated-shared-prefix",
+        tokenizer=setup.sources[0],
+        seed=setup.seed,
+        gsp=dataclasses.replace(setup.sizes.gsp, shuffle=shuffle),
+        warmup_requests=setup.sizes.warmup,
+        progress=setup.progress,
+    )
+
+
+def _ratio(a: BenchResult | None, b: BenchResult | None, key: str = "output_throughput") -> float:
+    if a is None or b is None or getattr(b, key) <= 0:
+        return math.nan
+    return getattr(a, key) / getattr(b, key)
+
+
+def _hit(r: BenchResult | None) -> str:
+    return "n/a" if r is None or r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
+
+
+def _verdict(ok: bool, *results: BenchResult | None) -> bool | None:
+    """None when a side did not run or had errors (a figure with errors proves nothing)."""
+    if any(r is None or r.errors for r in results):
+        return None
+    return ok
+
+
+def mode_cache(setup: Setup) -> ModeReport:
+    """Mode 1: the radix cache vs none on generated-shared-prefix."""
+    rep = ModeReport(1, "radix cache vs --disable-radix-cache (generated-shared-prefix)")
+    cfg = gsp_config(setup)
+    on = run_radixmux(setup, "radixmux cache", 1, [], cfg)
+    off = run_radixmux(setup, "radixmux no-cache", 1, ["--disable-radix-cache"], cfg)
+    rep.configs += [on, off]
+    ratio = _ratio(on.result, off.result)
+    rep.targets.append(
+        Target(
+            1,
+            "cache >= 5x no-cache throughput",
+            f"{ratio:.2f}x ({_tps(on.result)} vs {_tps(off.result)} out tok/s; "
+            f"hit {_hit(on.result)} vs {_hit(off.result)})",
+            _verdict(ratio >= 5.0, on.result, off.result),
+        )
+    )
+    return rep
+
+
+def shift_kv_bytes(setup: Setup) -> int:
+    """Mode 2's arena: ``shift_kv_tokens`` of the first model, from its config."""
+    from radixmux.model_runners.fetch import fetch
+
+    src = Path(setup.sources[0])
+    folder = src if src.is_dir() else fetch(setup.sources[0], progress=False)
+    import json
+
+    c = json.loads((folder / "config.json").read_text())
+    c = c.get("text_config", c)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    per_token = (
+        c["num_hidden_layers"] * 2 * kv_heads * head_dim * (2 if setup.dtype == "bfloat16" else 4)
+    )
+    return setup.sizes.shift_kv_tokens * per_token
+
+
+def mode_partition(setup: Setup) -> ModeReport:
+    """Mode 2: one unified arena vs fixed halves, two models, shifting load."""
+    rep = ModeReport(2, "--kv-partition unified vs static (multi-model shift, contended arena)")
+    if len(setup.sources) < 2:
+        rep.targets.append(Target(2, "unified >= 1.3x static", "needs two models", None))
+        return rep
+    kv = shift_kv_bytes(setup)
+    cfg = BenchConfig(
+        base_url="",
+        models=[setup.served_name(0), setup.served_name(1)],
+        workload="multi-model-shift",
+        tokenizer=setup.sources[0],
+        concurrency=setup.sizes.shift_concurrency,
+        seed=setup.seed,
+        shift=setup.sizes.shift,
+        warmup_requests=2 * setup.sizes.warmup,
+        progress=setup.progress,
+    )
+    # Blocks small enough that a model's share is many blocks, not a handful.
+    block = str(max(64 << 10, kv // 64))
+    base = ["--kv-cache-bytes", str(kv), "--kv-block-bytes", block]
+    uni = run_radixmux(setup, "unified", 2, [*base, "--kv-partition", "unified"], cfg)
+    sta = run_radixmux(setup, "static", 2, [*base, "--kv-partition", "static"], cfg)
+    rep.configs += [uni, sta]
+    ratio = _ratio(uni.result, sta.result)
+    rep.targets.append(
+        Target(
+            2,
+            "unified >= 1.3x static throughput",
+            f"{ratio:.2f}x ({_tps(uni.result)} vs {_tps(sta.result)} out tok/s; "
+            f"arena {kv / 2**20:.0f} MiB)",
+            _verdict(ratio >= 1.3, uni.result, sta.result),
+        )
+    )
+    hu = uni.result.cache_hit_rate if uni.result else None
+    hs = sta.result.cache_hit_rate if sta.result else None
+    rep.targets.append(
+        Target(
+            2,
+            "unified hit rate > static",
+            f"{_hit(uni.result)} vs {_hit(sta.result)}",
+            None if hu is None or hs is None else _verdict(hu > hs, uni.result, sta.result),
+        )
+    )
+    return rep
+
+
+def mode_policy(setup: Setup) -> ModeReport:
+    """Mode 3: longest-prefix-match vs first-come-first-served on shuffled shared prefixes."""
+    rep = ModeReport(3, "--schedule-policy lpm vs fcfs (shuffled generated-shared-prefix)")
+    cfg = gsp_config(setup, shuffle=True)
+    lpm = run_radixmux(setup, "lpm", 1, ["--schedule-policy", "lpm"], cfg)
+    fcfs = run_radixmux(setup, "fcfs", 1, ["--schedule-policy", "fcfs"], cfg)
+    rep.configs += [lpm, fcfs]
+    ratio = _ratio(lpm.result, fcfs.result)
+    rep.targets.append(
+        Target(
+            3,
+            "lpm >= fcfs throughput",
+            f"{ratio:.2f}x ({_tps(lpm.result)} vs {_tps(fcfs.result)} out tok/s; "
+            f"hit {_hit(lpm.result)} vs {_hit(fcfs.result)})",
+            _verdict(ratio >= 1.0, lpm.result, fcfs.result),
+        )
+    )
+    return rep
+
+
+def load_peers() -> tuple[ModuleType | None, str]:
+    """``bench.peers`` or why not (a missing module is reported, never skipped)."""
+    if not (ROOT / "bench" / "peers.py").exists():
+        return None, "bench/peers.py not present"
+    try:
+        from bench import peers
+    except Exception as exc:  # any import failure is a reason to report
+        return None, f"bench/peers.py failed to import: {type(exc).__name__}: {exc}"
+    return peers, ""
+
+
+def mode_peers(
+    setup: Setup,
+    ours: ConfigResult | None,
+    peers: ModuleType | None,
+    why_not: str,
+    kv_bytes: int = 1 << 30,
+) -> ModeReport:
+    """Mode 4: each peer on mode 1's workload; ``ours`` is radixmux's run of it (or None)."""
+    rep = ModeReport(4, "peers on generated-shared-prefix (same model, prompts, output lengths)")
+    cfg = gsp_config(setup)
+    if ours is None:
+        ours = run_radixmux(setup, "radixmux cache", 1, [], cfg)
+    rep.configs.append(ours)
+    kinds = tuple(getattr(peers, "PEERS", DEFAULT_PEERS)) if peers else DEFAULT_PEERS
+    for kind in kinds:
+        out = ConfigResult(kind, kind, [])
+        if peers is None:
+            out.unavailable = why_not
+        else:
+            out = run_peer(setup, peers, kind, cfg, kv_bytes)
+        rep.configs.append(out)
+        r, o = out.result, ours.result
+        if r is None:
+            measured = f"unavailable: {out.unavailable}"
+            rep.targets.append(Target(4, f"radixmux >= {kind} out tok/s, TTFT p50", measured, None))
+            continue
+        tps_ok = o is not None and o.output_throughput >= r.output_throughput
+        ttft_ok = (
+            o is not None
+            and o.ttft_ms.p50 is not None
+            and r.ttft_ms.p50 is not None
+            and o.ttft_ms.p50 <= r.ttft_ms.p50
+        )
+        rep.targets.append(
+            Target(
+                4,
+                f"radixmux >= {kind} out tok/s, TTFT p50",
+                f"{_tps(o)} vs {_tps(r)} out tok/s; TTFT p50 {_ms(o)} vs {_ms(r)} ms",
+                _verdict(tps_ok and ttft_ok, o, r),
+            )
+        )
+    return rep
+
+
+def run_peer(
+    setup: Setup, peers: ModuleType, kind: str, cfg: BenchConfig, kv_bytes: int
+) -> ConfigResult:
+    """Start one peer, run ``cfg`` against it, stop it; unavailability is recorded."""
+    out = ConfigResult(kind, kind, [])
+    print(f"[compare] {kind}: starting peer", file=sys.stderr)
+    try:
+        server = peers.start_peer(kind, setup.sources[0], free_port(), setup.dtype, kv_bytes)
+    except peers.PeerUnavailable as exc:
+        out.unavailable = str(exc) or type(exc).__name__
+        return out
+    except Exception as exc:  # a peer crashing on start is a finding, not a crash of ours
+        out.unavailable = f"{type(exc).__name__}: {exc}"
+        return out
+    try:
+        # Peers without a metrics API fall back to usage.cached_tokens or n/a.
+        c = dataclasses.replace(
+            cfg, base_url=server.base_url, models=[server.served_model], label=server.name
+        )
+        out.result = asyncio.run(run_benchmark(c))
+    finally:
+        server.stop()
+    return out
+
+
+def _tps(r: BenchResult | None) -> str:
+    return "n/a" if r is None else f"{r.output_throughput:.1f}"
+
+
+def _ms(r: BenchResult | None) -> str:
+    return "n/a" if r is None or r.ttft_ms.p50 is None else f"{r.ttft_ms.p50:.0f}"
+
+
+# ---- output ---------------------------------------------------------------------------
+def format_report(reports: Sequence[ModeReport]) -> str:
+    """Every configuration's figures, then every target with PASS/MISS."""
+    lines: list[str] = []
+    for rep in reports:
+        lines.append(f"\n== mode {rep.mode}: {rep.title}")
+        ran = [c.result for c in rep.configs if c.result is not None]
+        if ran:
+            lines.append(format_table(ran))
+        for c in rep.configs:
+            if c.result is None:
+                lines.append(f"{c.label:<28} unavailable: {c.unavailable}")
+    lines.append("\n== targets")
+    for rep in reports:
+        for t in rep.targets:
+            lines.append(f"[{t.verdict:<4}] mode {t.mode}: {t.name}: {t.measured}")
+    return "\n".join(lines)
+
+
+def plot(reports: Sequence[ModeReport], path: Path) -> Path | None:
+    """Bars of output tokens/s and TTFT / E2E p50 per configuration, grouped by mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{r.mode}: {c.label}", c.result) for r in reports for c in r.configs if c.result]
+    if not rows:
+        return None
+    labels = [n for n, _ in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(rows) + 4), 4.5))
+    ax1.bar(labels, [r.output_throughput for _, r in rows], color="tab:blue")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput")
+    x = range(len(rows))
+    ttft = [r.ttft_ms.p50 or 0 for _, r in rows]
+    e2e = [r.e2e_ms.p50 or 0 for _, r in rows]
+    ax2.bar([i - 0.2 for i in x], ttft, width=0.4, label="TTFT p50")
+    ax2.bar([i + 0.2 for i in x], e2e, width=0.4, label="E2E p50")
+    ax2.set_xticks(list(x), labels)
+    ax2.set_ylabel("ms")
+    ax2.set_title("latency")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=35, labelsize=8)
+        for t in ax.get_xticklabels():
+            t.set_horizontalalignment("right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report_json(reports: Sequence[ModeReport], meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "modes": [dataclasses.asdict(r) for r in reports],
+        "targets": [
+            {**dataclasses.asdict(t), "verdict": t.verdict} for r in reports for t in r.targets
+        ],
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=(1, 2, 3, 4), default=None)
+    p.add_argument("--all", action="store_true", help="modes 1 2 3 4")
+    p.add_argument("--quick", action="store_true", help="tiny workloads (the smoke test)")
+    p.add_argument(
+        "--models",
+        "--model-args",
+        nargs="+",
+        default=["smollm2", "gemma3-270m"],
+        help="model sources: the first for modes 1, 3, 4; both for mode 2 "
+        "(short names or HF folders, e.g. tiny test models)",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument(
+        "--server-args", default="", help="extra flags for every radixmux server, one string"
+    )
+    p.add_argument("--peer-kv-bytes", type=int, default=1 << 30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    modes = [1, 2, 3, 4] if args.all else (args.modes or [1, 2, 3])
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    out = args.out or RESULTS_DIR / f"compare-{stamp}.json"
+    setup = Setup(
+        sources=tuple(args.models),
+        dtype=args.dtype,
+        sizes=QUICK if args.quick else FULL,
+        seed=args.seed,
+        logs=out.parent / f"{out.stem}-logs",
+        extra_args=tuple(args.server_args.split()),
+        progress=not args.no_progress,
+    )
+    t0 = time.monotonic()
+    reports: list[ModeReport] = []
+    runners: dict[int, Callable[[], ModeReport]] = {
+        1: lambda: mode_cache(setup),
+        2: lambda: mode_partition(setup),
+        3: lambda: mode_policy(setup),
+        4: lambda: mode_peers(
+            setup,
+            next(
+                (
+                    c
+                    for r in reports
+                    if r.mode == 1
+                    for c in r.configs
+                    if c.label == "radixmux cache"
+                ),
+                None,
+            ),
+            *load_peers(),
+            kv_bytes=args.peer_kv_bytes,
+        ),
+    }
+    for m in modes:
+        reports.append(runners[m]())
+    meta = {
+        "modes": modes,
+        "quick": args.quick,
+        "models": list(args.models),
+        "dtype": args.dtype,
+        "server_args": args.server_args,
+        "sizes": dataclasses.asdict(setup.sizes),
+        "cpus": os.cpu_count(),
+        "wall_s": time.monotonic() - t0,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "when": stamp,
+    }
+    write_json(report_json(reports, meta), out, "compare")
+    png = plot(reports, out.with_suffix(".png"))
+    print(format_report(reports))
+    print(f"\nwrote {out}" + (f" and {png}" if png else ""))
+    # Non-zero when a radixmux configuration failed or had errors (peers may be absent).
+    ours = [c for r in reports for c in r.configs if c.system == "radixmux"]
+    return 0 if all(c.result is not None and c.result.errors == 0 for c in ours) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
