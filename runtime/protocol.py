@@ -182,6 +182,8 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tree_nodes: int
     steps: int
     retractions: int = 0
+    # With --check-invariants: "ok", or what the cache's invariant check found.
+    invariants: str | None = None
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):

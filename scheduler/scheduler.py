@@ -481,7 +481,15 @@ class Scheduler:
             tree_nodes=cs.nodes,
             steps=self.steps,
             retractions=self.builder.retractions if self.builder else 0,
+            invariants=self._invariants() if self.args.check_invariants else None,
         )
+
+    def _invariants(self) -> str:
+        try:
+            self.check()
+        except AssertionError as exc:
+            return f"violated: {exc}"
+        return "ok"
 
     def check(self) -> None:
         """The cache's invariants, with every live request's slots."""

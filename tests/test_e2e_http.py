@@ -58,6 +58,24 @@ def server(models: dict[str, Path]) -> Iterator[tuple[Engine, str]]:
         engine.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_kv(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the shared server: nothing running, and every KV slot
+    is free or in the tree (the scheduler's invariant check)."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    _, url = request.getfixturevalue("server")
+    deadline = time.time() + 30
+    while True:
+        sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+        if all(m["running"] == 0 and m["waiting"] == 0 for m in sched["models"]):
+            break
+        assert time.time() < deadline, f"requests left running: {sched['models']}"
+        time.sleep(0.2)
+    assert sched["invariants"] == "ok", sched["invariants"]
+
+
 def greedy_text(folder: Path, prompt: str, n: int) -> str:
     """What transformers' own generate says, decoded like the server does."""
     tok = AutoTokenizer.from_pretrained(folder)
@@ -218,28 +236,12 @@ def test_disconnect_mid_stream_frees_the_request(server) -> None:
                 break  # one chunk, then hang up
     deadline = time.time() + 30
     while time.time() < deadline:
-        stats = httpx.get(f"{url}/get_server_info", timeout=30).json()
-        running = next(m for m in _model_stats(stats) if m["name"] == "a")["running"]
+        sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+        running = next(m for m in sched["models"] if m["name"] == "a")["running"]
         if running == 0:
             break
         time.sleep(0.5)
     assert running == 0
-
-
-def _model_stats(info: dict) -> list[dict]:
-    """The per-model scheduler status inside /get_server_info."""
-    stack = [info]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if (
-                isinstance(node.get("models"), list)
-                and node["models"]
-                and "running" in node["models"][0]
-            ):
-                return node["models"]
-            stack.extend(node.values())
-    raise AssertionError(f"no model stats in {info}")
 
 
 def test_faults_api_key_queue_full_and_dead_runner(models) -> None:
