@@ -540,11 +540,13 @@ def start_peer(
 def run_llamacpp_server(args: list[str]) -> None:
     """Run llama-cpp-python's OpenAI server with two fixes; runs in the llamacpp venv.
 
-    1. No weight repacking. On this AMX CPU the repacked ("extra buffer type")
-       weights crash on the first multi-token prompt. llama.cpp's own server has
-       ``--no-repack``; llama-cpp-python 0.3.36 exposes neither that nor the model
-       parameter ``use_extra_bufts``, so it is switched off in the defaults that
-       ``Llama()`` starts from.
+    1. No weight repacking. On an Intel AMX CPU (this project's machines have
+       been one) the repacked ("extra buffer type") weights crash on the first
+       multi-token prompt. llama.cpp's own server has ``--no-repack``;
+       llama-cpp-python 0.3.36 exposes neither that nor the model parameter
+       ``use_extra_bufts``, so it is switched off in the defaults that ``Llama()``
+       starts from. SmolLM2's Q4_1 tensors cannot be repacked anyway, so this
+       costs nothing where the CPU has no AMX.
     2. ``ignore_eos``. The benchmark asks every server for exactly ``max_tokens``
        tokens with vLLM's ``ignore_eos``; llama-cpp-python only knows
        ``min_tokens``, which masks one EOS id while generation stops on any

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -129,8 +132,21 @@ def test_transformers_peer_rejects_bad_request(tiny_server) -> None:
     assert "context" in resp.json()["error"]["message"]
 
 
-def test_stop_is_idempotent(tiny_model: Path) -> None:
-    server = peers.start_peer("transformers", model=str(tiny_model), timeout=180, progress=False)
+def test_stop_is_idempotent_and_reaches_the_group() -> None:
+    # A stand-in server: the shell dies on SIGINT, but its background child
+    # ignores SIGINT (as sh sets up), like a worker a server leaves behind.
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    server = peers.PeerServer("fake", "http://127.0.0.1:9", "fake", proc, "/dev/null")
     server.stop()
-    assert server.proc.poll() is not None
+    assert proc.poll() is not None
     server.stop()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the orphan is reaped by init, soon
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("a process of the stopped server's group is still alive")
