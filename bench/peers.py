@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PEERS = ("vllm", "llamacpp", "transformers")
 
@@ -538,7 +539,7 @@ def start_peer(
 
 
 def run_llamacpp_server(args: list[str]) -> None:
-    """Run llama-cpp-python's OpenAI server with two fixes; runs in the llamacpp venv.
+    """Run llama-cpp-python's OpenAI server with three fixes; runs in the llamacpp venv.
 
     1. No weight repacking. On an Intel AMX CPU (this project's machines have
        been one) the repacked ("extra buffer type") weights crash on the first
@@ -547,7 +548,13 @@ def run_llamacpp_server(args: list[str]) -> None:
        ``use_extra_bufts``, so it is switched off in the defaults that ``Llama()``
        starts from. SmolLM2's Q4_1 tensors cannot be repacked anyway, so this
        costs nothing where the CPU has no AMX.
-    2. ``ignore_eos``. The benchmark asks every server for exactly ``max_tokens``
+    2. ``usage`` when streaming. The stock server's streamed completions carry no
+       token counts; the chunk with ``finish_reason`` gains a ``usage`` object
+       (prompt tokens as llama.cpp tokenised them, tokens generated), as the
+       benchmark reads it from any chunk. Chat streams are converted from
+       completion chunks by llama-cpp-python and keep none (the benchmark then
+       counts one token per chunk).
+    3. ``ignore_eos``. The benchmark asks every server for exactly ``max_tokens``
        tokens with vLLM's ``ignore_eos``; llama-cpp-python only knows
        ``min_tokens``, which masks one EOS id while generation stops on any
        end-of-generation token. Requests gain an ``ignore_eos`` field that masks
@@ -570,6 +577,34 @@ def run_llamacpp_server(args: list[str]) -> None:
         return params
 
     lib.llama_model_default_params = no_repack
+
+    llama_cls = llama_cpp.Llama
+    generate = llama_cls.generate
+    create = llama_cls._create_completion
+
+    def counting_generate(self: Any, tokens: Sequence[int], *a: Any, **kw: Any) -> Iterator[int]:
+        # The completion loop appends every token generate() yields, but an
+        # end-of-generation one, which ends it.
+        self._peer_usage = [len(tokens), 0]
+        for tok in generate(self, tokens, *a, **kw):
+            if not lib.llama_vocab_is_eog(self._model.vocab, tok):
+                self._peer_usage[1] += 1
+            yield tok
+
+    def create_with_usage(self: Any, *a: Any, **kw: Any) -> Iterator[dict]:
+        for chunk in create(self, *a, **kw):
+            choices = chunk.get("choices") or [{}]
+            if kw.get("stream") and choices[0].get("finish_reason") is not None:
+                prompt, done = getattr(self, "_peer_usage", (0, 0))
+                chunk["usage"] = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": done,
+                    "total_tokens": prompt + done,
+                }
+            yield chunk
+
+    llama_cls.generate = counting_generate
+    llama_cls._create_completion = create_with_usage
 
     # The app module binds these names when imported, so replace them first.
     class CompletionRequest(types.CreateCompletionRequest):  # type: ignore[misc,valid-type]
