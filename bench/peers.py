@@ -403,7 +403,15 @@ def peer_command(
         ]  # fmt: skip
         # vLLM reads this as whole GiB; round up so a budget is never undercut.
         gib = max(1, math.ceil(kv_bytes / (1 << 30)))
-        return cmd, {"VLLM_CPU_KVCACHE_SPACE": str(gib)}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": str(gib),
+            # vLLM 0.32's AOT compile cache fails to load under torch 2.13
+            # ("'function' object has no attribute 'finalize_loading'"), so every
+            # start recompiled (~150 s here); the older cache path is reused
+            # (~70 s for a second start).
+            "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
+        }
+        return cmd, env
     if kind == "llamacpp":
         # The GGUF keeps its own (quantised) weight type: ``dtype`` does not apply.
         cmd = [
