@@ -494,7 +494,8 @@ def plot(reports: Sequence[ModeReport], path: Path) -> Path | None:
     ax2.bar([i - 0.2 for i in x], ttft, width=0.4, label="TTFT p50")
     ax2.bar([i + 0.2 for i in x], e2e, width=0.4, label="E2E p50")
     ax2.set_xticks(list(x), labels)
-    ax2.set_ylabel("ms")
+    ax2.set_ylabel("ms (log scale)")
+    ax2.set_yscale("log")  # queueing makes configurations differ by orders of magnitude
     ax2.set_title("latency")
     ax2.legend()
     for ax in (ax1, ax2):
