@@ -18,7 +18,6 @@ or start with :func:`spawn_runner`.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import traceback
 import msgspec
 
 from radixmux.memory.arena import ArenaSpec
+from radixmux.runtime.process import die_with_parent
 
 PARENT_CHECK_MS = 1000
 
@@ -59,16 +59,6 @@ def default_threads(num_runners: int) -> int:
     return max(1, (cores or 1) // max(1, num_runners))
 
 
-def _die_with_parent() -> None:
-    # Linux: the kernel sends SIGTERM when the parent exits. The poll loop's
-    # getppid check covers other systems and the race before prctl runs.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def serve(config: RunnerConfig) -> int:
     """Run the runner loop until shutdown; returns the process exit code."""
     import torch
@@ -77,7 +67,9 @@ def serve(config: RunnerConfig) -> int:
     from radixmux.model_runners import protocol as P
 
     parent = os.getppid()
-    _die_with_parent()
+    # Linux: the kernel sends SIGTERM when the parent exits. The poll loop's
+    # getppid check covers other systems and the race before prctl runs.
+    die_with_parent()
     # SIGTERM (from a launcher, or the kernel when the parent dies) unwinds
     # through the finally below, so the socket is closed, not abandoned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3 if os.getppid() != parent else 0))
