@@ -182,6 +182,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tree_nodes: int
     steps: int
     retractions: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens prefilled (not served from the cache)
     # With --check-invariants: "ok", or what the cache's invariant check found.
     invariants: str | None = None
 

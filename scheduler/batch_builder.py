@@ -110,7 +110,8 @@ class BatchBuilder:
         chunks: list[int] = []
         self._decodes(runner, waiting, reqs, chunks)
         budget = self.limits.chunked_prefill_size
-        for req in [r for r in runner.running if r.pending > 1]:
+        prefilling = [r for r in runner.running if r.pending > 1]
+        for req in prefilling:
             n = min(req.pending, budget)
             if n <= 0 or not self.kv.reserve(req, n):
                 break
@@ -118,7 +119,10 @@ class BatchBuilder:
             chunks.append(n)
             budget -= n
         if may_admit:
-            self._admit(runner, waiting, budget, reqs, chunks)
+            # Prompts still being prefilled count as "computing this prefix now"
+            # too: a new request sharing their uncached part waits for them.
+            computing = [r.tokens.tobytes() for r in prefilling]
+            self._admit(runner, waiting, budget, reqs, chunks, computing)
         if not reqs and runner.running:
             # Stuck: prompts being prefilled hold KV but none can grow. Free the
             # one with least progress so the others can go on.
@@ -161,12 +165,13 @@ class BatchBuilder:
         budget: int,
         reqs: list[Req],
         chunks: list[int],
+        computing: list[bytes],
     ) -> None:
         lim = self.limits
         if budget <= 0 or not waiting or len(runner.running) >= lim.max_running_requests:
             return
         cache = self.kv.cache if self.kv.use_cache else None
-        admitted: list[bytes] = []
+        admitted = list(computing)
         for req in order_waiting(lim.policy, waiting, cache, self.rng):
             if budget <= 0 or len(runner.running) >= lim.max_running_requests:
                 break
@@ -193,7 +198,7 @@ class BatchBuilder:
             admitted.append(req.tokens.tobytes())
 
     def _shares_uncached(self, req: Req, admitted: list[bytes]) -> bool:
-        """True when a request admitted this round will compute part of this
+        """True when a prompt being computed in this batch covers part of this
         one's uncached prompt: wait, and hit the cache next round instead."""
         mine = req.tokens.tobytes()
         return any(

@@ -90,6 +90,7 @@ class Scheduler:
         self.runners: dict[str, RunnerState] = {}
         self.requests: dict[str, Req] = {}
         self.steps = 0
+        self.prompt_tokens_computed = 0
         self.stopping = False
         self.cache: RadixCache | None = None
         self.kv: KVManager | None = None
@@ -374,6 +375,8 @@ class Scheduler:
                 outputs.append(self._output(req, [], "error", error=result.error, status=500))
             return outputs
         for req, n, out in zip(batch.reqs, batch.chunks, result.outputs, strict=True):
+            prompt = len(req.input_ids)
+            self.prompt_tokens_computed += max(0, min(req.kv_len + n, prompt) - req.kv_len)
             req.kv_len += n
             if req.aborted:
                 self._finish(req, keep=True)
@@ -481,6 +484,7 @@ class Scheduler:
             tree_nodes=cs.nodes,
             steps=self.steps,
             retractions=self.builder.retractions if self.builder else 0,
+            prompt_tokens_computed=self.prompt_tokens_computed,
             invariants=self._invariants() if self.args.check_invariants else None,
         )
 

@@ -198,6 +198,22 @@ def test_policies_and_pressure_keep_greedy_outputs(tiny_dirs: dict[str, Path], f
             assert stats.models[0].tokens_matched == 0 and stats.tree_nodes == 0
 
 
+def test_shared_prefix_is_prefilled_once_across_chunks(tiny_dirs: dict[str, Path]) -> None:
+    # A 96-token system prompt in 64-token chunks: while the first request
+    # prefills its second chunk, the rest of that batch's budget must not go to
+    # a second request recomputing the same system-prompt tokens.
+    system = list(range(1000, 1096))
+    prompts = [system + [7, 8, 9, i] for i in range(4)]
+    expected = [hf_greedy(tiny_dirs["a"], p, 3) for p in prompts]
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], chunked_prefill_size=64) as rt:
+        rids = [rt.submit("a", p, max_new=3) for p in prompts]
+        out = rt.collect(set(rids))
+        assert [out[r] for r in rids] == expected
+        computed = rt.control("stats").stats.prompt_tokens_computed
+        # The system prompt once, then each request's own tail (at most 4 + 1 each).
+        assert computed <= 96 + 4 * 5, computed
+
+
 def test_decode_out_of_kv_retracts_and_resumes(tiny_dirs: dict[str, Path]) -> None:
     prompts = [
         PROMPTS[2],
