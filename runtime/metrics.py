@@ -160,6 +160,15 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], float(value))
         yield g
-    steps = CounterMetricFamily("radixmux_scheduler_steps", "Scheduler loop steps")
-    steps.add_metric([], float(stats.steps))
-    yield steps
+    for name, doc, value in (
+        ("radixmux_scheduler_steps", "Batches run", stats.steps),
+        ("radixmux_retractions", "Running requests retracted for lack of KV", stats.retractions),
+        (
+            "radixmux_prompt_tokens_computed",
+            "Prompt tokens prefilled (not served from the cache)",
+            stats.prompt_tokens_computed,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(value))
+        yield c
