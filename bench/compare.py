@@ -250,6 +250,20 @@ def _ratio(a: BenchResult | None, b: BenchResult | None, key: str = "output_thro
     return getattr(a, key) / getattr(b, key)
 
 
+def _ratio_target(
+    mode: int, name: str, a: ConfigResult, b: ConfigResult, need: float, detail: str = ""
+) -> Target:
+    """``a``'s output throughput over ``b``'s, PASS at ``need`` or more."""
+    ratio = _ratio(a.result, b.result)
+    detail = detail or f"hit {_hit(a.result)} vs {_hit(b.result)}"
+    return Target(
+        mode,
+        name,
+        f"{ratio:.2f}x ({_tps(a.result)} vs {_tps(b.result)} out tok/s; {detail})",
+        _verdict(ratio >= need, a.result, b.result),
+    )
+
+
 def _hit(r: BenchResult | None) -> str:
     return "n/a" if r is None or r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
 
@@ -268,16 +282,7 @@ def mode_cache(setup: Setup) -> ModeReport:
     on = run_radixmux(setup, "radixmux cache", 1, [], cfg)
     off = run_radixmux(setup, "radixmux no-cache", 1, ["--disable-radix-cache"], cfg)
     rep.configs += [on, off]
-    ratio = _ratio(on.result, off.result)
-    rep.targets.append(
-        Target(
-            1,
-            "cache >= 5x no-cache throughput",
-            f"{ratio:.2f}x ({_tps(on.result)} vs {_tps(off.result)} out tok/s; "
-            f"hit {_hit(on.result)} vs {_hit(off.result)})",
-            _verdict(ratio >= 5.0, on.result, off.result),
-        )
-    )
+    rep.targets.append(_ratio_target(1, "cache >= 5x no-cache throughput", on, off, 5.0))
     return rep
 
 
@@ -323,16 +328,8 @@ def mode_partition(setup: Setup) -> ModeReport:
     uni = run_radixmux(setup, "unified", 2, [*base, "--kv-partition", "unified"], cfg)
     sta = run_radixmux(setup, "static", 2, [*base, "--kv-partition", "static"], cfg)
     rep.configs += [uni, sta]
-    ratio = _ratio(uni.result, sta.result)
-    rep.targets.append(
-        Target(
-            2,
-            "unified >= 1.3x static throughput",
-            f"{ratio:.2f}x ({_tps(uni.result)} vs {_tps(sta.result)} out tok/s; "
-            f"arena {kv / 2**20:.0f} MiB)",
-            _verdict(ratio >= 1.3, uni.result, sta.result),
-        )
-    )
+    name = "unified >= 1.3x static throughput"
+    rep.targets.append(_ratio_target(2, name, uni, sta, 1.3, f"arena {kv / 2**20:.0f} MiB"))
     hu = uni.result.cache_hit_rate if uni.result else None
     hs = sta.result.cache_hit_rate if sta.result else None
     rep.targets.append(
@@ -353,16 +350,7 @@ def mode_policy(setup: Setup) -> ModeReport:
     lpm = run_radixmux(setup, "lpm", 1, ["--schedule-policy", "lpm"], cfg)
     fcfs = run_radixmux(setup, "fcfs", 1, ["--schedule-policy", "fcfs"], cfg)
     rep.configs += [lpm, fcfs]
-    ratio = _ratio(lpm.result, fcfs.result)
-    rep.targets.append(
-        Target(
-            3,
-            "lpm >= fcfs throughput",
-            f"{ratio:.2f}x ({_tps(lpm.result)} vs {_tps(fcfs.result)} out tok/s; "
-            f"hit {_hit(lpm.result)} vs {_hit(fcfs.result)})",
-            _verdict(ratio >= 1.0, lpm.result, fcfs.result),
-        )
-    )
+    rep.targets.append(_ratio_target(3, "lpm >= fcfs throughput", lpm, fcfs, 1.0))
     return rep
 
 
