@@ -99,12 +99,14 @@ class BatchBuilder:
         self.retractions = 0
 
     def schedule_next_batch(
-        self, runner: RunnerState, waiting: list[Req], may_admit: bool = True
+        self, runner: RunnerState, waiting: list[Req], admit_cap: int | None = None
     ) -> ScheduledBatch | None:
         """The next batch for ``runner`` (None when it has nothing to do).
 
         Admitted requests move from ``waiting`` to ``runner.running``; retracted
-        ones go back to the front of ``waiting``.
+        ones go back to the front of ``waiting``. ``admit_cap`` bounds the KV
+        tokens newly admitted requests may take (the model's fair share left);
+        None means no bound.
         """
         reqs: list[Req] = []
         chunks: list[int] = []
@@ -118,16 +120,16 @@ class BatchBuilder:
             reqs.append(req)
             chunks.append(n)
             budget -= n
-        if may_admit:
+        if admit_cap is None or admit_cap > 0 or not runner.running:
             # Prompts still being prefilled count as "computing this prefix now"
             # too: a new request sharing their uncached part waits for them.
             computing = [r.tokens.tobytes() for r in prefilling]
-            self._admit(runner, waiting, budget, reqs, chunks, computing)
+            self._admit(runner, waiting, budget, reqs, chunks, computing, admit_cap)
         if not reqs and runner.running:
             # Stuck: prompts being prefilled hold KV but none can grow. Free the
             # one with least progress so the others can go on.
             self._retract(runner, waiting, self._least_progress(runner.running))
-            return self.schedule_next_batch(runner, waiting, may_admit=False)
+            return self.schedule_next_batch(runner, waiting, admit_cap=0)
         if not reqs:
             return None
         return ScheduledBatch(runner.runner_id, reqs, chunks)
@@ -166,6 +168,7 @@ class BatchBuilder:
         reqs: list[Req],
         chunks: list[int],
         computing: list[bytes],
+        cap: int | None,
     ) -> None:
         lim = self.limits
         if budget <= 0 or not waiting or len(runner.running) >= lim.max_running_requests:
@@ -180,6 +183,8 @@ class BatchBuilder:
                 self.kv.release(req, keep=False)
                 continue
             n = min(req.pending, budget)
+            if cap is not None and n > cap and runner.running:
+                break  # past this model's fair share while another model waits
             reserve = int(
                 lim.conservativeness * min(req.params.max_new_tokens, DECODE_RESERVE_TOKENS)
             )
@@ -195,6 +200,8 @@ class BatchBuilder:
             reqs.append(req)
             chunks.append(n)
             budget -= n
+            if cap is not None:
+                cap -= n
             admitted.append(req.tokens.tobytes())
 
     def _shares_uncached(self, req: Req, admitted: list[bytes]) -> bool:

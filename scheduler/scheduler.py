@@ -205,25 +205,26 @@ class Scheduler:
                 if not runner.up or runner.inflight is not None:
                     continue
                 batch = self.builder.schedule_next_batch(
-                    runner, model.waiting, may_admit=self._fair_share_allows(model)
+                    runner, model.waiting, admit_cap=self._fair_share_cap(model)
                 )
                 if batch is None:
                     continue
                 runner.inflight = batch
                 self._send_runner(runner.runner_id, batch.to_forward_batch())
 
-    def _fair_share_allows(self, model: ModelState) -> bool:
-        """Weighted fair share of the arena by priority: a model over its share
-        admits no more while another model has requests waiting."""
+    def _fair_share_cap(self, model: ModelState) -> int | None:
+        """Weighted fair share of the arena by priority, in tokens this model
+        may still admit while another model has requests waiting (None: no
+        bound). The batch builder still lets an idle runner start one request."""
         busy = [m for m in self.models.values() if m.waiting or m.running()]
-        others_waiting = any(m.waiting for m in busy if m is not model)
-        if not others_waiting or not model.running():
-            return True
+        if not any(m.waiting for m in busy if m is not model):
+            return None
         assert self.ctx.arena is not None
         total_priority = sum(m.arg.priority for m in busy)
         share = self.ctx.arena.total_bytes * model.arg.priority / total_priority
-        used = sum(len(r.slots) for r in model.running()) * model.info.layout.bytes_per_token
-        return used < share
+        bpt = model.info.layout.bytes_per_token
+        used = sum(len(r.slots) for r in model.running()) * bpt
+        return max(0, int(share - used) // bpt)
 
     def _send_runner(self, runner_id: str, msg: RP.RunnerRequest) -> None:
         self.runner_sock.send_multipart([runner_id.encode(), P.encode(msg)])

@@ -231,6 +231,30 @@ def test_decode_out_of_kv_retracts_and_resumes(tiny_dirs: dict[str, Path]) -> No
         assert rt.control("stats").stats.retractions > 0
 
 
+def test_fair_share_keeps_a_flooded_arena_open_to_the_other_model(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    # 12 blocks x 8 slots = 96 token slots: two of a's 48-token requests fill
+    # them. Model b sends one request after a's flood. Without fair share a's
+    # runner (dispatched first) takes every slot that frees up and b waits for
+    # a's whole queue; with it, a (over its half while b waits) stops admitting.
+    models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
+    flags = {"kv_cache_bytes": 12 * 4096, "kv_block_bytes": 4096, "schedule_conservativeness": 0}
+    with start_runtime(models, **flags) as rt:
+        flood = [rt.submit("a", [i] * 40, max_new=8) for i in range(1, 11)]
+        late = rt.submit("b", [9] * 24, max_new=4)
+        order: list[str] = []
+        dec = P.decoder(P.DetokenizerInbox)
+        while len(order) < 11:
+            assert rt.from_sched.poll(120_000)
+            for o in dec.decode(rt.from_sched.recv()).outputs:
+                assert o.error is None, o.error
+                if o.finish_reason:
+                    order.append(o.rid)
+        assert order.index(late) <= 4, order.index(late)
+        assert set(order) == {*flood, late}
+
+
 def test_two_models_and_replicas_share_one_arena(tiny_dirs: dict[str, Path]) -> None:
     models = [ModelArg(str(tiny_dirs["a"]), "a", replicas=2), ModelArg(str(tiny_dirs["b"]), "b")]
     exp_a = hf_greedy(tiny_dirs["a"], PROMPTS[0], 5)
