@@ -254,7 +254,6 @@ class RadixCache:
         cid = self._model_cache[model]
         q = as_token_bytes(tokens)
         limit = (len(q) // self._page_bytes) * self._page_bytes
-        now = self._clock()
         node = self._roots[spec.group]
         pos = 0
         parts: list[np.ndarray] = []
@@ -270,24 +269,22 @@ class RadixCache:
                 common = common_prefix_tokens(child.key, q[pos:limit])
                 child = self._split(child, common - common % self.page_size)
                 klen = len(child.key)
-            entry = child.entries[cid]
-            if record:
-                entry.last_access = now
-                entry.hits += 1
-            parts.append(entry.slots)
+            parts.append(child.entries[cid].slots)
             pos += klen
             node = child
             if partial:
                 break
         length = pos // 4
+        handle = CacheHandle(node, cid, length)
         if record:
-            self._count_match(model, len(q) // 4, length)
+            self.record(model, handle, len(q) // 4)
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return MatchResult(length, slots, CacheHandle(node, cid, length))
+        return MatchResult(length, slots, handle)
 
     def record(self, model: str, handle: CacheHandle, queried: int) -> None:
-        """Count a ``record=False`` match that was then used (a request admitted
-        after probing): statistics, access times and hit counts of its path."""
+        """Count a match: statistics, access times and hit counts of its path
+        (``match`` calls it; a scheduler calls it for a ``record=False`` probe
+        it then used)."""
         now = self._clock()
         node = handle.node
         while node.parent is not None:
