@@ -147,28 +147,45 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
     for reason, count in sorted(stats.evicted_tokens.items()):
         evicted.add_metric([reason], float(count))
     yield evicted
-    for name, doc, value in (
-        ("radixmux_arena_total_bytes", "Size of the KV arena", stats.arena_total_bytes),
-        ("radixmux_arena_free_bytes", "Free KV arena bytes", stats.arena_free_bytes),
+    for family, name, doc, value in (
         (
+            GaugeMetricFamily,
+            "radixmux_arena_total_bytes",
+            "Size of the KV arena",
+            stats.arena_total_bytes,
+        ),
+        (
+            GaugeMetricFamily,
+            "radixmux_arena_free_bytes",
+            "Free KV arena bytes",
+            stats.arena_free_bytes,
+        ),
+        (
+            GaugeMetricFamily,
             "radixmux_arena_fragmented_bytes",
             "Free slots inside blocks owned by a model",
             stats.arena_fragmented_bytes,
         ),
-        ("radixmux_tree_nodes", "Nodes in the unified radix tree", stats.tree_nodes),
-    ):
-        g = GaugeMetricFamily(name, doc)
-        g.add_metric([], float(value))
-        yield g
-    for name, doc, value in (
-        ("radixmux_scheduler_steps", "Batches run", stats.steps),
-        ("radixmux_retractions", "Running requests retracted for lack of KV", stats.retractions),
         (
+            GaugeMetricFamily,
+            "radixmux_tree_nodes",
+            "Nodes in the unified radix tree",
+            stats.tree_nodes,
+        ),
+        (CounterMetricFamily, "radixmux_scheduler_steps", "Batches run", stats.steps),
+        (
+            CounterMetricFamily,
+            "radixmux_retractions",
+            "Running requests retracted for lack of KV",
+            stats.retractions,
+        ),
+        (
+            CounterMetricFamily,
             "radixmux_prompt_tokens_computed",
             "Prompt tokens prefilled (not served from the cache)",
             stats.prompt_tokens_computed,
         ),
     ):
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], float(value))
-        yield c
+        metric = family(name, doc)
+        metric.add_metric([], float(value))
+        yield metric
