@@ -18,8 +18,7 @@ from types import ModuleType
 
 import httpx
 import pytest
-
-from tests.tiny_models import make_tiny_model_dir
+from tiny_models import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from tiny_models import make_tiny_model_dir
 
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners.info import ModelInfo
@@ -16,7 +17,6 @@ from radixmux.runtime.detokenizer import STOPPED_TTL_S, Detokenizer, Incremental
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
 from radixmux.runtime.server_args import ModelArg, ServerArgs
-from tests.tiny_models import make_tiny_model_dir
 
 # Emoji (with a skin-tone modifier) and CJK: byte-level BPE splits each
 # character over several tokens, so naive per-token decoding prints U+FFFD.

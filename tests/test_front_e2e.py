@@ -14,8 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
-from tests.tiny_models import make_tiny_model_dir
+from tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from tiny_models import make_tiny_model_dir
 
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners.info import ModelInfo
@@ -22,7 +23,6 @@ from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
 from radixmux.runtime.server_args import ModelArg, ServerArgs
-from tests.tiny_models import make_tiny_model_dir
 
 CONTEXT = 64
 
