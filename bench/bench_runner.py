@@ -27,7 +27,12 @@ from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.paged_attention import ATTN_NAME
-from radixmux.model_runners.protocol import ForwardBatch, SeqInput, pack_ids
+from radixmux.model_runners.protocol import (
+    ATTENTION_BACKENDS,
+    ForwardBatch,
+    SeqInput,
+    pack_ids,
+)
 
 PREFILL = 512
 CACHED = 448
@@ -143,7 +148,7 @@ def bench_dtype(loaded: LoadedModel, runner: ModelRunner, args) -> dict:
     # transformers has no prefix cache: a "hit" recomputes the whole prompt.
     res["transformers"]["hit_prefill_s"] = min(pre["transformers"])
     for b in args.batches:
-        prompts = rng.integers(100, vocab, (b, PROMPT)).tolist()
+        prompts = rng.integers(100, vocab, (b, args.prompt)).tolist()
         nxt_o, nxt_p = ours.start(prompts), plain.start(prompts)
         steps = {"radixmux": [], "transformers": []}
         for _ in range(args.steps):
@@ -167,6 +172,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps per batch size")
     ap.add_argument("--repeat", type=int, default=3, help="prefill repetitions (best kept)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS, help="decode attention"
+    )
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens before decoding")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -176,10 +185,11 @@ def main() -> None:
         # 3 MiB: a multiple of every K/V row size of SmolLM2 (768 B fp32, 384 B
         # bf16), so the runner gathers whole rows (see kv_store.py).
         block = 3 << 20
-        tokens = PREFILL * (args.repeat + 3) + sum(args.batches) * (PROMPT + args.steps + 1)
+        tokens = PREFILL * (args.repeat + 3) + sum(args.batches) * (args.prompt + args.steps + 1)
         arena = KVArena.create(tokens * layout.bytes_per_token // block + 4, block)
         try:
-            runner = ModelRunner(loaded, arena.view(BlockGeometry(layout, block, 1)))
+            view = arena.view(BlockGeometry(layout, block, 1))
+            runner = ModelRunner(loaded, view, args.attention_backend)
             rows.append({"dtype": dtype, **bench_dtype(loaded, runner, args)})
         finally:
             arena.destroy()
@@ -188,7 +198,7 @@ def main() -> None:
     print(
         f"\n{args.model}, {args.threads} thread(s); prefill = {PREFILL}-token prompt; "
         f"hit = {CACHED} cached + {PREFILL - CACHED} new (transformers has no prefix cache: "
-        f"it recomputes all {PREFILL}); decode = {args.steps} steps after a {PROMPT}-token "
+        f"it recomputes all {PREFILL}); decode = {args.steps} steps after a {args.prompt}-token "
         "prompt, 20th-percentile step, engines interleaved"
     )
     print(f"{'dtype':9} {'engine':13}" + "".join(f"{k:>18}" for k in keys))

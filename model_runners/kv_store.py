@@ -51,6 +51,12 @@ class KVStore:
             return blk * self.rows_per_block + off
         return torch.stack([blk, off])
 
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V as ``[rows, kv_heads * head_dim]`` tables (fast layout only)."""
+        if not self.fast:
+            raise ValueError("this arena view has no regular row grid")
+        return self._views[layer]
+
     def write(self, layer: int, addr: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at the 1-D addresses ``addr``."""
         kc, vc = self._views[layer]

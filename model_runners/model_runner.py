@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixmux.model_runners import paged_decode
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.loader import LoadedModel
 from radixmux.model_runners.paged_attention import (
@@ -17,6 +18,7 @@ from radixmux.model_runners.paged_attention import (
     paged_batch,
 )
 from radixmux.model_runners.protocol import (
+    ATTENTION_BACKENDS,
     ForwardBatch,
     ForwardResult,
     SeqInput,
@@ -45,7 +47,9 @@ class ModelRunner:
     layers, 2, slots_per_block, kv_heads, head_dim]``.
     """
 
-    def __init__(self, loaded: LoadedModel, kv: torch.Tensor) -> None:
+    def __init__(
+        self, loaded: LoadedModel, kv: torch.Tensor, attention_backend: str = "auto"
+    ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
         got = (kv.shape[1], kv.shape[2], kv.shape[4], kv.shape[5])
@@ -59,11 +63,27 @@ class ModelRunner:
         self.slots_per_block = self.store.slots_per_block
         self.num_slots = self.store.num_slots
         self.device = next(self.model.parameters()).device
+        self.use_kernel = self._pick_kernel(attention_backend)
         self.model.config._attn_implementation = ATTN_NAME
         for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
             cfg = getattr(sub, "config", None)
             if cfg is not None and hasattr(cfg, "_attn_implementation"):
                 cfg._attn_implementation = ATTN_NAME
+
+    def _pick_kernel(self, backend: str) -> bool:
+        """Whether decode attention runs in the C++ kernel (else gather + SDPA)."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {backend!r}: one of {ATTENTION_BACKENDS}")
+        if backend == "torch":
+            return False
+        usable = self.kv.device.type == "cpu" and self.store.fast
+        if backend == "cpp" and not usable:
+            raise ValueError("the cpp attention backend needs a CPU arena with a regular row grid")
+        if usable and paged_decode.load():
+            return True
+        if backend == "cpp":
+            raise RuntimeError(f"paged decode kernel not built: {paged_decode.error()}")
+        return False
 
     # ---- validation -------------------------------------------------------
     def _decode(self, seq: SeqInput) -> _Seq:
@@ -101,15 +121,8 @@ class ModelRunner:
         new_slots = np.concatenate([s.slots[-len(s.tokens) :] for s in seqs])
 
         dec = [i for i, n in enumerate(lens) if n == 1]
-        lmax = max((len(seqs[i].slots) for i in dec), default=0)
-        dec_slots = np.zeros((len(dec), lmax), dtype=np.int64)
-        dec_kpos = np.full((len(dec), lmax), -1, dtype=np.int64)
-        for r, i in enumerate(dec):
-            s = seqs[i]
-            L = len(s.slots)
-            dec_slots[r, lmax - L :] = s.slots
-            # Context keys end at the new token: positions end-L+1 .. end.
-            dec_kpos[r, lmax - L :] = np.arange(s.start_pos - L + 1, s.start_pos + 1)
+        dec_slots = np.concatenate([seqs[i].slots for i in dec]) if dec else np.zeros(0, np.int64)
+        dec_offsets = np.concatenate([[0], np.cumsum([len(seqs[i].slots) for i in dec])])
 
         extends = []
         for i, n in enumerate(lens):
@@ -130,10 +143,11 @@ class ModelRunner:
             store=store,
             write_addr=store.address(t(new_slots)),
             dec_rows=t(row0[dec]),
-            dec_addr=store.address(t(dec_slots)),
-            dec_k_pos=t(dec_kpos),
+            dec_slots=t(dec_slots),
+            dec_offsets=t(dec_offsets),
             dec_q_pos=t(positions[row0[dec]]),
             extends=extends,
+            use_kernel=self.use_kernel,
         )
         return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
 

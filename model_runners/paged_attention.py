@@ -10,8 +10,10 @@ layer with the projected, rotary-embedded (and q/k-normed) states; it
 2. attends each sequence's queries over its whole context, gathered from the
    arena by slot id:
 
-   * decodes (one new token) are batched: one padded gather over
-     ``[sequences, longest context]`` and one masked SDPA call per layer;
+   * decodes (one new token) go to the C++ kernel of ``paged_decode``, which
+     reads each context's K/V rows in place; where it is unavailable, one
+     padded gather over ``[sequences, longest context]`` and one masked SDPA
+     call per layer do the same;
    * extends (prefill chunks) run one SDPA call per sequence per layer, since
      their query lengths differ and padding them would waste quadratic work.
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from radixmux.model_runners.kv_store import KVStore
+from radixmux.model_runners.paged_decode import paged_decode
 
 ATTN_NAME = "radixmux_paged"
 
@@ -64,25 +67,58 @@ class ExtendSeq:
 
 @dataclass
 class PagedBatch:
-    """Per-forward metadata shared by every layer."""
+    """Per-forward metadata shared by every layer.
+
+    The decoding sequences' contexts are kept ragged (concatenated slots plus
+    offsets), which is what the C++ kernel reads; the torch fallback pads them
+    into a ``[Bd, Lmax]`` grid on first use.
+    """
 
     store: KVStore
     write_addr: torch.Tensor  # [T] where each new token's K/V go
     dec_rows: torch.Tensor  # [Bd] packed row of each decoding sequence
-    dec_addr: torch.Tensor  # [Bd, Lmax] context slots, right-aligned (padding on the left)
-    dec_k_pos: torch.Tensor  # [Bd, Lmax]; padding columns hold -1
+    dec_slots: torch.Tensor  # context slots of every decoding sequence, oldest first
+    dec_offsets: torch.Tensor  # [Bd + 1]: sequence i owns dec_slots[off[i]:off[i + 1]]
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
+    use_kernel: bool = False  # decode through the C++ kernel (else gather + SDPA)
     dec_masks: dict[int | None, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    _dec_grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+    _dec_flat: torch.Tensor | None = field(default=None, init=False)
+
+    def dec_addr(self) -> torch.Tensor:
+        """Store addresses of ``dec_slots`` (computed once, read by every layer)."""
+        if self._dec_flat is None:
+            self._dec_flat = self.store.address(self.dec_slots)
+        return self._dec_flat
+
+    def dec_padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(addresses ``[Bd, Lmax]``, key positions ``[Bd, Lmax]``), right-aligned.
+
+        Padding sits on the left with position -1 (and address 0, never read
+        unmasked), so every sequence's newest keys share the last columns.
+        """
+        if self._dec_grid is None:
+            lens = self.dec_offsets[1:] - self.dec_offsets[:-1]
+            lmax = int(lens.max())
+            col = torch.arange(lmax, device=lens.device)
+            lead = (lmax - lens)[:, None]  # padding columns per row
+            valid = col[None, :] >= lead
+            src = (self.dec_offsets[:-1, None] + col[None, :] - lead).clamp_min(0)
+            slots = torch.where(valid, self.dec_slots[src.clamp_max(self.dec_slots.numel() - 1)], 0)
+            k_pos = torch.where(valid, self.dec_q_pos[:, None] - (lmax - 1 - col)[None, :], -1)
+            self._dec_grid = (self.store.address(slots), k_pos)
+        return self._dec_grid
 
     def dec_mask(self, window: int | None) -> tuple[int, torch.Tensor | None]:
-        """(first column to read, ``[Bd, 1, 1, L]`` mask or None) of the decode group."""
+        """(first column to read, ``[Bd, 1, 1, L]`` mask or None) of the padded decode group."""
         if window not in self.dec_masks:
-            lmax = self.dec_k_pos.shape[1]
+            k_pos = self.dec_padded()[1]
+            lmax = k_pos.shape[1]
             # Right alignment puts every sequence's newest keys in the last
             # columns, so a window only needs the last ``window`` of them.
             first = max(0, lmax - window) if window is not None else 0
-            k = self.dec_k_pos[:, first:]
+            k = k_pos[:, first:]
             q = self.dec_q_pos[:, None]
             m = (k >= 0) & (k <= q)
             if window is not None:
@@ -126,6 +162,27 @@ def _attend(
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
+def _decode_by_gather(
+    batch: PagedBatch,
+    layer: int,
+    qd: torch.Tensor,
+    kv_heads: int,
+    scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention of ``qd [Bd, H, D]`` by copying contexts out and running SDPA."""
+    bd, heads, head_dim = qd.shape
+    first, mask = batch.dec_mask(window)
+    kd, vd = batch.store.gather(layer, batch.dec_padded()[0][..., first:])
+    kd = kd.to(qd.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
+    vd = vd.to(qd.dtype).transpose(1, 2)
+    # Grouped-query attention without repeating K/V: the G query heads of
+    # one KV head become G query rows against that head.
+    qd = qd.reshape(bd, kv_heads, heads // kv_heads, head_dim)
+    return _attend(qd, kd, vd, mask, scaling, softcap).reshape(bd, heads, head_dim)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -157,16 +214,22 @@ def paged_attention_forward(
     out = torch.empty_like(q)
 
     if batch.dec_rows.numel():
-        first, mask = batch.dec_mask(sliding_window)
-        bd = batch.dec_rows.shape[0]
-        kd, vd = store.gather(layer, batch.dec_addr[..., first:])
-        kd = kd.to(q.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
-        vd = vd.to(q.dtype).transpose(1, 2)
-        # Grouped-query attention without repeating K/V: the G query heads of
-        # one KV head become G query rows against that head.
         only_decodes = not batch.extends
-        qd = (q if only_decodes else q[batch.dec_rows]).reshape(bd, kv_heads, group, head_dim)
-        od = _attend(qd, kd, vd, mask, scaling, softcap).reshape(bd, heads, head_dim)
+        qd = q if only_decodes else q[batch.dec_rows]
+        if batch.use_kernel:
+            k_rows, v_rows = store.rows(layer)
+            od = paged_decode(
+                qd.contiguous(),
+                k_rows,
+                v_rows,
+                batch.dec_addr(),
+                batch.dec_offsets,
+                scaling if scaling is not None else head_dim**-0.5,
+                softcap,
+                sliding_window,
+            )
+        else:
+            od = _decode_by_gather(batch, layer, qd, kv_heads, scaling, sliding_window, softcap)
         if only_decodes:  # rows are already in batch order: no scatter needed
             return od.unsqueeze(0), None
         out[batch.dec_rows] = od

@@ -11,6 +11,9 @@ import numpy as np
 
 from radixmux.model_runners.info import ModelInfo
 
+# Decode attention: auto = the C++ kernel where it builds, else torch (gather + SDPA).
+ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+
 
 def pack_ids(ids: object) -> bytes:
     """A sequence of ints as packed int32 bytes."""

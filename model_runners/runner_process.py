@@ -47,6 +47,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     page_size: int = 1
     threads: int = 0
     num_runners: int = 1
+    attention_backend: str = "auto"
 
 
 def default_threads(num_runners: int) -> int:
@@ -90,7 +91,7 @@ def serve(config: RunnerConfig) -> int:
         loaded = load_model(config.model, config.dtype, config.device, name=config.name)
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
-        runner = ModelRunner(loaded, arena.view(geometry))
+        runner = ModelRunner(loaded, arena.view(geometry), config.attention_backend)
     except Exception as exc:
         sock.send(encoder.encode(P.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))
         sock.close()

@@ -200,6 +200,7 @@ class Launcher:
                     page_size=args.page_size,
                     threads=args.runner_threads,
                     num_runners=total,
+                    attention_backend=args.attention_backend,
                 )
                 with _children_ignore_sigint():
                     proc = spawn_runner(config)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from radixmux.memory.eviction import EVICTION_POLICIES
+from radixmux.model_runners.protocol import ATTENTION_BACKENDS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 KV_PARTITIONS = ("unified", "static")
@@ -82,6 +83,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     max_queued_requests: int = 1024
     tokenizer_workers: int = 1
     device: str = "cpu"
+    attention_backend: str = "auto"
     dtype: str = "float32"
     log_level: str = "info"
     chat_template: str | None = None
@@ -97,6 +99,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("kv_partition", self.kv_partition, KV_PARTITIONS)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("device", self.device, ("cpu", "cuda"))
         for name in (
             "page_size",
@@ -139,6 +142,11 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("max-queued-requests", int, "waiting requests per model before 429"),
     ("tokenizer-workers", int, "tokenizer processes"),
     ("device", str, "cpu or cuda"),
+    (
+        "attention-backend",
+        str,
+        f"{ATTENTION_BACKENDS}: decode attention in the C++ paged kernel or torch gather + SDPA",
+    ),
     ("dtype", str, f"model and KV dtype {DTYPES} (per model: --model ...,dtype=)"),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for models that have none"),

@@ -158,10 +158,22 @@ def arena() -> Iterator[KVArena]:
         a.destroy()
 
 
-def make_runner(loaded: LoadedModel, arena: KVArena, page_size: int = 1) -> ModelRunner:
+def make_runner(
+    loaded: LoadedModel, arena: KVArena, page_size: int = 1, backend: str = "auto"
+) -> ModelRunner:
     """Bind a loaded model to ``arena`` with its own layout."""
     geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, page_size)
-    return ModelRunner(loaded, arena.view(geometry))
+    return ModelRunner(loaded, arena.view(geometry), backend)
+
+
+@pytest.fixture(params=["cpp", "torch"])
+def backend(request) -> str:
+    """Each decode attention backend in turn (cpp skipped where it cannot build)."""
+    from radixmux.model_runners import paged_decode
+
+    if request.param == "cpp" and not paged_decode.load():
+        pytest.skip(f"paged decode kernel not built: {paged_decode.error()}")
+    return request.param
 
 
 def seq(

@@ -29,10 +29,10 @@ def _check(step_logits, driver, loaded, tol=TOL):
 
 
 @pytest.mark.parametrize("kind", ARCHS)
-def test_ragged_chunked_prefill_and_decode(kind, arena):
+def test_ragged_chunked_prefill_and_decode(kind, arena, backend):
     """16 sequences of different lengths: chunked prefills mixed with decodes."""
     loaded = tiny_model(kind)
-    driver = Sequences(make_runner(loaded, arena))
+    driver = Sequences(make_runner(loaded, arena, backend=backend))
     g = torch.Generator().manual_seed(1)
     prompts = {
         f"s{i}": torch.randint(0, 211, (int(n),), generator=g).tolist()
@@ -64,11 +64,11 @@ SLIDING = {
 
 
 @pytest.mark.parametrize("kind", sorted(SLIDING))
-def test_sliding_window_shorter_than_context(kind, arena):
+def test_sliding_window_shorter_than_context(kind, arena, backend):
     loaded = tiny_model(kind, **SLIDING[kind])
     windows = loaded.info.sliding_windows
     assert any(w is not None and w <= 5 for w in windows), windows
-    driver = Sequences(make_runner(loaded, arena))
+    driver = Sequences(make_runner(loaded, arena, backend=backend))
     g = torch.Generator().manual_seed(2)
     a = torch.randint(0, 211, (23,), generator=g).tolist()
     b = torch.randint(0, 211, (9,), generator=g).tolist()
@@ -86,10 +86,11 @@ def test_sliding_window_shorter_than_context(kind, arena):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_cached_prefix_served_from_arena(kind, arena):
+def test_cached_prefix_served_from_arena(kind, arena, backend):
     """A second sequence reuses the first one's prefix slots (a radix cache hit)."""
     loaded = tiny_model(kind)
-    runner = make_runner(loaded, arena)
+    runner = make_runner(loaded, arena, backend=backend)
+    assert runner.use_kernel == (backend == "cpp")
     pool = SlotPool(runner.num_slots, seed=3)
     ids = torch.randint(0, 211, (30,)).tolist()
     prefix_slots = pool.take(20)

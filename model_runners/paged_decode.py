@@ -1,0 +1,111 @@
+"""The C++ paged decode kernel: built once per machine, loaded into torch.ops.
+
+``kernels/paged_decode.cpp`` attends one query token per sequence over K/V
+rows read in place from the arena (no per-step gather). It is compiled with
+the machine's compiler on first use (about a minute, logged) into
+``$RADIXMUX_CACHE/kernels`` (default ``~/.cache/radixmux/kernels``), keyed by
+the source, torch's version and this CPU's instruction set, so later starts
+load it in milliseconds. Where it cannot be built (no compiler, no headers)
+:func:`load` says why once and the runner falls back to gather + SDPA, which
+gives the same results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("radixmux.kernels")
+
+SOURCE = Path(__file__).parent / "kernels" / "paged_decode.cpp"
+# Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
+# the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Where this source, torch and CPU's build lives."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+        key.update(part)
+    key.update(" ".join(CFLAGS).encode())
+    root = os.environ.get("RADIXMUX_CACHE") or Path.home() / ".cache" / "radixmux"
+    return Path(root) / "kernels" / f"paged_decode-{key.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (first time) and load the kernel; False, with the reason logged, if impossible."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        try:
+            from torch.utils import cpp_extension
+
+            target = build_dir()
+            target.mkdir(parents=True, exist_ok=True)
+            built = any(target.glob("*.so"))
+            if not built:
+                log.info("compiling the paged decode kernel into %s (once per machine)", target)
+            t0 = time.perf_counter()
+            cpp_extension.load(
+                name="radixmux_paged_decode",
+                sources=[str(SOURCE)],
+                build_directory=str(target),
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            if not built:
+                log.info("paged decode kernel built in %.1f s", time.perf_counter() - t0)
+            _state["ok"] = True
+        except Exception as exc:  # any build failure means: use the torch path
+            log.warning("paged decode kernel unavailable (%s); using gather + SDPA", exc)
+            _state["ok"] = False
+            _state["error"] = str(exc)
+        return bool(_state["ok"])
+
+
+def error() -> str:
+    """Why the last :func:`load` failed ('' if it did not)."""
+    return str(_state.get("error", ""))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    addr: torch.Tensor,
+    offsets: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention of ``q [B, H, D]`` over each sequence's rows ``addr[offsets[b]:offsets[b+1]]``.
+
+    ``k_rows``/``v_rows`` are one layer's ``[N, kv_heads * head_dim]`` row
+    tables of the arena; the result is ``[B, H, D]`` in ``q``'s dtype.
+    """
+    return torch.ops.radixmux.paged_decode(
+        q, k_rows, v_rows, addr, offsets, float(scale), float(softcap or 0.0), int(window or 0)
+    )
