@@ -82,6 +82,17 @@ class BenchConfig:
     api_key: str | None = None
     progress: bool = True
     label: str = ""
+    # Model -> base URL where models live on separate servers (e.g. one vLLM
+    # per model); a model not listed goes to ``base_url``.
+    model_urls: dict[str, str] = field(default_factory=dict)
+
+    def url_for(self, model: str) -> str:
+        """The base URL serving ``model``."""
+        return self.model_urls.get(model, self.base_url)
+
+    def server_urls(self, models: Sequence[str]) -> list[str]:
+        """Each distinct server behind ``models``, in order."""
+        return list(dict.fromkeys(self.url_for(m) for m in models))
 
 
 @dataclass
@@ -234,7 +245,7 @@ async def send_request(
     chunks: list[str] = []
     last = start
     try:
-        async with client.stream("POST", config.base_url + path, json=body) as resp:
+        async with client.stream("POST", config.url_for(session.model) + path, json=body) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")[:300]
                 rec.error = f"HTTP {resp.status_code}: {detail}"
@@ -322,6 +333,19 @@ async def scrape_hit_counters(
     return None
 
 
+async def scrape_servers(
+    client: httpx.AsyncClient, urls: Sequence[str], models: Sequence[str]
+) -> dict[str, tuple[float, float]] | None:
+    """:func:`scrape_hit_counters` over every server, merged; None if any lacks them."""
+    merged: dict[str, tuple[float, float]] = {}
+    for url in urls:
+        one = await scrape_hit_counters(client, url, models)
+        if one is None:
+            return None
+        merged.update(one)
+    return merged
+
+
 def _rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
     queried = after[0] - before[0]
     return (after[1] - before[1]) / queried if queried > 0 else 0.0
@@ -392,9 +416,9 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
             warm = warmup_sessions(words, models, config.warmup_requests, config.seed)
             await run_sessions(client, dataclasses.replace(config, concurrency=None), warm, False)
         models = sorted({s.model for s in sessions})
-        before = await scrape_hit_counters(client, config.base_url, models)
+        before = await scrape_servers(client, config.server_urls(models), models)
         records, wall = await run_sessions(client, config, sessions, config.progress)
-        after = await scrape_hit_counters(client, config.base_url, models)
+        after = await scrape_servers(client, config.server_urls(models), models)
     return summarise(config, sessions, records, wall, before, after)
 
 

@@ -304,14 +304,9 @@ def shift_kv_bytes(setup: Setup) -> int:
     return setup.sizes.shift_kv_tokens * per_token
 
 
-def mode_partition(setup: Setup) -> ModeReport:
-    """Mode 2: one unified arena vs fixed halves, two models, shifting load."""
-    rep = ModeReport(2, "--kv-partition unified vs static (multi-model shift, contended arena)")
-    if len(setup.sources) < 2:
-        rep.targets.append(Target(2, "unified >= 1.3x static", "needs two models", None))
-        return rep
-    kv = shift_kv_bytes(setup)
-    cfg = BenchConfig(
+def shift_config(setup: Setup) -> BenchConfig:
+    """Modes 2 and 5: the multi-model shift over the first two models."""
+    return BenchConfig(
         base_url="",
         models=[setup.served_name(0), setup.served_name(1)],
         workload="multi-model-shift",
@@ -322,10 +317,30 @@ def mode_partition(setup: Setup) -> ModeReport:
         warmup_requests=2 * setup.sizes.warmup,
         progress=setup.progress,
     )
+
+
+def shift_server_flags(kv: int) -> list[str]:
+    """The contended arena of modes 2 and 5."""
     # Blocks small enough that a model's share is many blocks, not a handful.
-    block = str(max(64 << 10, kv // 64))
-    base = ["--kv-cache-bytes", str(kv), "--kv-block-bytes", block]
-    uni = run_radixmux(setup, "unified", 2, [*base, "--kv-partition", "unified"], cfg)
+    return ["--kv-cache-bytes", str(kv), "--kv-block-bytes", str(max(64 << 10, kv // 64))]
+
+
+def run_unified(setup: Setup, kv: int) -> ConfigResult:
+    """radixmux serving both models from one unified arena of ``kv`` bytes (modes 2, 5)."""
+    flags = [*shift_server_flags(kv), "--kv-partition", "unified"]
+    return run_radixmux(setup, "unified", 2, flags, shift_config(setup))
+
+
+def mode_partition(setup: Setup) -> ModeReport:
+    """Mode 2: one unified arena vs fixed halves, two models, shifting load."""
+    rep = ModeReport(2, "--kv-partition unified vs static (multi-model shift, contended arena)")
+    if len(setup.sources) < 2:
+        rep.targets.append(Target(2, "unified >= 1.3x static", "needs two models", None))
+        return rep
+    kv = shift_kv_bytes(setup)
+    cfg = shift_config(setup)
+    base = shift_server_flags(kv)
+    uni = run_unified(setup, kv)
     sta = run_radixmux(setup, "static", 2, [*base, "--kv-partition", "static"], cfg)
     rep.configs += [uni, sta]
     name = "unified >= 1.3x static throughput"
@@ -371,6 +386,7 @@ def mode_peers(
     peers: ModuleType | None,
     why_not: str,
     kv_bytes: int = 1 << 30,
+    only: Sequence[str] | None = None,
 ) -> ModeReport:
     """Mode 4: each peer on mode 1's workload; ``ours`` is radixmux's run of it (or None)."""
     rep = ModeReport(4, "peers on generated-shared-prefix (same model, prompts, output lengths)")
@@ -379,6 +395,7 @@ def mode_peers(
         ours = run_radixmux(setup, "radixmux cache", 1, [], cfg)
     rep.configs.append(ours)
     kinds = tuple(getattr(peers, "PEERS", DEFAULT_PEERS)) if peers else DEFAULT_PEERS
+    kinds = tuple(only) if only else kinds
     for kind in kinds:
         out = ConfigResult(kind, kind, [])
         if peers is None:
@@ -431,6 +448,89 @@ def run_peer(
         out.result = asyncio.run(run_benchmark(c))
     finally:
         server.stop()
+    return out
+
+
+def mode_two_servers(
+    setup: Setup, ours: ConfigResult | None, peers: ModuleType | None, why_not: str
+) -> ModeReport:
+    """Mode 5: radixmux serving both models vs one vLLM server per model with the KV split.
+
+    Same total KV bytes (mode 2's contended arena) and the same two cores: each
+    vLLM server is pinned to one core, as radixmux gives each model's runner one
+    thread. ``ours`` is radixmux's unified run of mode 2 (or None: run it here).
+    """
+    rep = ModeReport(5, "one radixmux for two models vs two vLLM servers with the KV split")
+    name = "radixmux > two vLLM servers throughput at the same KV bytes"
+    if len(setup.sources) < 2:
+        rep.targets.append(Target(5, name, "needs two models", None))
+        return rep
+    kv = shift_kv_bytes(setup)
+    ours = ours or run_unified(setup, kv)
+    pair = ConfigResult("vllm x2 (KV split)", "vllm", [f"--kv-cache-memory-bytes {kv // 2}"] * 2)
+    if peers is None:
+        pair.unavailable = why_not
+    else:
+        pair = run_peer_per_model(setup, peers, "vllm", shift_config(setup), kv // 2, pair)
+    rep.configs += [ours, pair]
+    rep.targets.append(_ratio_target(5, name, ours, pair, 1.0, f"KV {kv / 2**20:.0f} MiB in all"))
+    return rep
+
+
+def run_peer_per_model(
+    setup: Setup,
+    peers: ModuleType,
+    kind: str,
+    cfg: BenchConfig,
+    kv_each: int,
+    out: ConfigResult,
+) -> ConfigResult:
+    """One ``kind`` server per model of ``cfg``, each on its own core with ``kv_each``
+    bytes of KV, started together; the workload routes each request to its model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cores = os.cpu_count() or 1
+    # Room for the workload's prompts in a small KV (vLLM refuses a KV smaller
+    # than one sequence of its max length).
+    extra = ["--max-model-len", "1024"] if kind == "vllm" else []
+
+    def start(i: int):
+        return peers.start_peer(
+            kind,
+            setup.sources[i],
+            free_port(),
+            setup.dtype,
+            kv_each,
+            extra_args=extra,
+            progress=setup.progress,
+            cpus=[i % cores],
+        )
+
+    print(f"[compare] {out.label}: starting one {kind} per model", file=sys.stderr)
+    with ThreadPoolExecutor(len(cfg.models)) as pool:
+        futures = [pool.submit(start, i) for i in range(len(cfg.models))]
+    servers, errors = [], []
+    for f in futures:
+        try:
+            servers.append(f.result())
+        except Exception as exc:  # a peer that cannot start is a finding, reported
+            errors.append(f"{type(exc).__name__}: {exc}")
+    try:
+        if errors:
+            out.unavailable = "; ".join(errors)
+            return out
+        urls = {s.served_model: s.base_url for s in servers}
+        c = dataclasses.replace(
+            cfg,
+            base_url=servers[0].base_url,
+            models=list(urls),
+            model_urls=urls,
+            label=out.label,
+        )
+        out.result = asyncio.run(run_benchmark(c))
+    finally:
+        for server in servers:
+            server.stop()
     return out
 
 
@@ -507,17 +607,22 @@ def report_json(reports: Sequence[ModeReport], meta: dict[str, Any]) -> dict[str
     }
 
 
+def earlier(reports: Sequence[ModeReport], mode: int, label: str) -> ConfigResult | None:
+    """A configuration an earlier mode of this run already measured (reused, not rerun)."""
+    return next((c for r in reports if r.mode == mode for c in r.configs if c.label == label), None)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=(1, 2, 3, 4), default=None)
-    p.add_argument("--all", action="store_true", help="modes 1 2 3 4")
+    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=(1, 2, 3, 4, 5), default=None)
+    p.add_argument("--all", action="store_true", help="modes 1 2 3 4 5")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the smoke test)")
     p.add_argument(
         "--models",
         "--model-args",
         nargs="+",
         default=["smollm2", "gemma3-270m"],
-        help="model sources: the first for modes 1, 3, 4; both for mode 2 "
+        help="model sources: the first for modes 1, 3, 4; both for modes 2 and 5 "
         "(short names or HF folders, e.g. tiny test models)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
@@ -525,6 +630,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--server-args", default="", help="extra flags for every radixmux server, one string"
     )
     p.add_argument("--peer-kv-bytes", type=int, default=1 << 30)
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        default=None,
+        help=f"mode 4's peers (default: {' '.join(DEFAULT_PEERS)})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
@@ -533,7 +644,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    modes = [1, 2, 3, 4] if args.all else (args.modes or [1, 2, 3])
+    modes = [1, 2, 3, 4, 5] if args.all else (args.modes or [1, 2, 3])
     stamp = time.strftime("%Y%m%dT%H%M%S")
     out = args.out or RESULTS_DIR / f"compare-{stamp}.json"
     setup = Setup(
@@ -553,19 +664,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         3: lambda: mode_policy(setup),
         4: lambda: mode_peers(
             setup,
-            next(
-                (
-                    c
-                    for r in reports
-                    if r.mode == 1
-                    for c in r.configs
-                    if c.label == "radixmux cache"
-                ),
-                None,
-            ),
+            earlier(reports, 1, "radixmux cache"),
             *load_peers(),
             kv_bytes=args.peer_kv_bytes,
+            only=args.peers,
         ),
+        5: lambda: mode_two_servers(setup, earlier(reports, 2, "unified"), *load_peers()),
     }
     for m in modes:
         reports.append(runners[m]())

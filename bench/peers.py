@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import fcntl
 import json
-import math
 import os
 import shutil
 import signal
@@ -384,11 +383,15 @@ def served_name(model: str) -> str:
 
 
 def peer_command(
-    kind: str, model: str, port: int, dtype: str, kv_bytes: int
+    kind: str, model: str, port: int, dtype: str, kv_bytes: int, cpus: Sequence[int] = ()
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment that start peer ``kind``."""
+    """The command line and extra environment that start peer ``kind``.
+
+    ``cpus``: the cores it may use (all when empty); the command is wrapped in
+    ``taskset`` and the peer's thread count set to match.
+    """
     name = served_name(model)
-    threads = str(os.cpu_count() or 1)
+    threads = str(len(cpus) or os.cpu_count() or 1)
     if kind == "vllm":
         cmd = [
             str(_venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
@@ -400,18 +403,21 @@ def peer_command(
             # Sampling defaults come from the request, not the model's
             # generation_config, as for the other servers.
             "--generation-config", "vllm",
+            # Exact bytes (VLLM_CPU_KVCACHE_SPACE only takes whole GiB).
+            "--kv-cache-memory-bytes", str(kv_bytes),
         ]  # fmt: skip
-        # vLLM reads this as whole GiB; round up so a budget is never undercut.
-        gib = max(1, math.ceil(kv_bytes / (1 << 30)))
         env = {
-            "VLLM_CPU_KVCACHE_SPACE": str(gib),
             # vLLM 0.32's AOT compile cache fails to load under torch 2.13
             # ("'function' object has no attribute 'finalize_loading'"), so every
             # start recompiled (~150 s here); the older cache path is reused
             # (~70 s for a second start).
             "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         }
-        return cmd, env
+        if cpus:
+            # Its compute threads on exactly these cores (auto binding would
+            # take core 0 for every server on the machine).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        return _pinned(cmd, cpus), env
     if kind == "llamacpp":
         # The GGUF keeps its own (quantised) weight type: ``dtype`` does not apply.
         cmd = [
@@ -428,7 +434,7 @@ def peer_command(
             # with concurrency > 1 must queue them instead.
             "--interrupt_requests", "false",
         ]  # fmt: skip
-        return cmd, {}
+        return _pinned(cmd, cpus), {}
     if kind == "transformers":
         cmd = [
             _project_python(), str(TRANSFORMERS_SERVER),
@@ -438,8 +444,12 @@ def peer_command(
             "--dtype", dtype,
             "--threads", threads,
         ]  # fmt: skip
-        return cmd, {}
+        return _pinned(cmd, cpus), {}
     raise PeerUnavailable(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
+
+
+def _pinned(cmd: list[str], cpus: Sequence[int]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cpus)), *cmd] if cpus else cmd
 
 
 def _tail(path: str, lines: int = 40) -> str:
@@ -470,14 +480,16 @@ def start_peer(
     timeout: float = 900.0,
     extra_args: Sequence[str] = (),
     progress: bool = True,
+    cpus: Sequence[int] = (),
 ) -> PeerServer:
     """Install (if needed) and start peer ``kind``; return once it answers HTTP.
 
     ``model`` is an embedded model's short name (``smollm2``, ``gemma3-270m``) or
     a path (an HF folder; a ``.gguf`` file for llamacpp). ``port=0`` picks a free
-    one. ``kv_bytes`` sizes vLLM's KV cache (whole GiB, rounded up); llama.cpp
+    one. ``kv_bytes`` sizes vLLM's KV cache (exactly); llama.cpp
     sizes its cache by context length and transformers by request, so they
-    ignore it. ``extra_args`` are appended to the server's command line.
+    ignore it. ``extra_args`` are appended to the server's command line;
+    ``cpus`` pins it to those cores (default: all).
 
     Raises PeerUnavailable, with the tail of the server's log, when it cannot be
     installed, exits, or does not answer ``/v1/models`` (or ``/health``) within
@@ -487,7 +499,7 @@ def start_peer(
         raise PeerUnavailable(f"unknown peer {kind!r}; known peers: {', '.join(PEERS)}")
     ensure_installed(kind, progress=progress)
     port = port or _free_port()
-    cmd, env = peer_command(kind, model, port, dtype, kv_bytes)
+    cmd, env = peer_command(kind, model, port, dtype, kv_bytes, cpus)
     cmd += list(extra_args)
     LOGS_DIR.mkdir(parents=True, exist_ok=True)
     log_path = str(LOGS_DIR / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log")

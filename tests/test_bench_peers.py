@@ -149,3 +149,30 @@ def test_stop_is_idempotent_and_reaches_the_group() -> None:
         time.sleep(0.1)
     else:
         pytest.fail("a process of the stopped server's group is still alive")
+
+
+def test_one_peer_per_model_with_pinned_cores(tmp_path: Path) -> None:
+    """compare's mode 5 machinery on the transformers peer: one server per model,
+    each pinned to its own core, the workload routed by model."""
+    sys.path.insert(0, str(ROOT))
+    from bench import compare
+
+    folders = [make_tiny_model_dir(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2))]
+    setup = compare.Setup(
+        tuple(map(str, folders)), "float32", compare.QUICK, 0, tmp_path / "logs", progress=False
+    )
+    out = compare.run_peer_per_model(
+        setup,
+        peers,
+        "transformers",
+        compare.shift_config(setup),
+        1 << 20,
+        compare.ConfigResult("transformers x2", "transformers", []),
+    )
+    assert out.unavailable is None, out.unavailable
+    r = out.result
+    assert r is not None and r.errors == 0, r and r.error_samples
+    assert set(r.per_model) == {"a", "b"}
+    assert all(f.requests > 0 for f in r.per_model.values())
+    cmd, _ = peers.peer_command("transformers", str(folders[0]), 1, "float32", 0, [1])
+    assert cmd[:3] == ["taskset", "-c", "1"] and cmd[cmd.index("--threads") + 1] == "1"

@@ -160,6 +160,30 @@ def test_bad_model_is_counted_as_errors(server: str, models: dict[str, Path]) ->
     assert r.error_samples and r.error_samples[0].startswith("HTTP 4")
 
 
+def test_model_urls_route_each_model_to_its_server(server: str, models: dict[str, Path]) -> None:
+    """Per-model URLs (mode 5: one peer server per model): "b" goes to a closed
+    port and fails, "a" still reaches the real server and succeeds."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sh = ShiftParams(8, (0.5, 0.5), 1, 24, 4, 2)
+    cfg = _config(
+        server,
+        models,
+        models=["a", "b"],
+        workload="multi-model-shift",
+        shift=sh,
+        warmup_requests=0,
+        model_urls={"a": server, "b": closed},
+    )
+    r = asyncio.run(run_benchmark(cfg))
+    assert r.per_model["a"].requests == 4 and r.per_model["b"].requests == 0
+    assert r.errors == 4 and r.completed == 4
+    assert r.hit_rate_source != "metrics"  # the closed "server" has no /metrics
+
+
 def test_metrics_scrape_reads_token_counters(server: str) -> None:
     import httpx
 
