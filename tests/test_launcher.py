@@ -62,6 +62,8 @@ def test_bad_model_source_is_a_clear_error(tmp_path):
         launcher.start()
     assert launcher.children == []
     assert_nothing_left(launcher)
+    with pytest.raises(ValueError, match=r"--attention-backend 'x': choose one of"):
+        ServerArgs(models=[ModelArg("smollm2", "s")], attention_backend="x")
     args = ServerArgs(models=[ModelArg("smollm2", "s")], chat_template=str(tmp_path / "t"), **SMALL)
     with pytest.raises(LaunchError, match=r"--chat-template .*: no such file"):
         Launcher(args).start()

@@ -119,6 +119,7 @@ def start_runtime(models: list[ModelArg], **flags: object) -> Iterator[Runtime]:
                     page_size=args.page_size,
                     threads=1,
                     num_runners=total,
+                    attention_backend=args.attention_backend,
                 )
                 rt.procs.append(spawn_runner(cfg))
         assert launcher.poll(180_000), "scheduler never reported"
@@ -179,7 +180,7 @@ def test_scheduler_serves_greedy_like_transformers(tiny_dirs: dict[str, Path]) -
     [
         {"disable_radix_cache": True},
         {"schedule_policy": "fcfs", "page_size": 4},
-        {"schedule_policy": "dfs-weight"},
+        {"schedule_policy": "dfs-weight", "attention_backend": "torch"},
         {"schedule_policy": "lof", "max_running_requests": 2},
         {"schedule_policy": "random", "kv_cache_bytes": 16 * 4096, "kv_block_bytes": 4096},
     ],
