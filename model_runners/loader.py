@@ -13,6 +13,7 @@ from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
 from radixmux.model_runners.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from radixmux.model_runners.info import ModelInfo, eos_ids, sliding_windows
+from radixmux.model_runners.packed_linear import pack_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,11 +81,15 @@ def load_model(
     device: str = "cpu",
     name: str | None = None,
     attn_implementation: str | None = None,
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
     ``attn_implementation`` is transformers' own (default: its choice) and only
     matters for plain use of ``model``; a ``ModelRunner`` switches it to paged.
+    ``pack_weights`` puts CPU linear weights in oneDNN's layout (see
+    ``packed_linear.py``); the fingerprints are taken before, from the weights
+    as stored.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,4 +109,6 @@ def load_model(
     )
     model.to(device).eval()
     info = describe(model, tokenizer, name or source, dtype, device)
+    if pack_weights and device == "cpu":
+        pack_linear_weights(model)
     return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

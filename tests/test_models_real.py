@@ -4,7 +4,9 @@ For SmolLM2 (Llama) and Gemma 3 270M, in float32: five prompts, greedy 32
 tokens, KV in the shared arena, token for token equal to ``generate``; the same
 when each prompt's first part comes from previously written slots (a cache
 hit) and when prompts are prefilled in several chunks. Final-position logits
-agree with a plain forward within 1e-3.
+agree with a plain forward within 1e-3. The runner's models are loaded as
+served (linear weights packed for oneDNN); every reference is a second copy
+loaded as plain transformers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ def real_arena():
 
 
 _reference: dict[str, list[list[int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def plain_models():
+    """Both models as plain transformers (no packed weights): the references."""
+    from radixmux.model_runners.loader import load_model
+
+    return {name: load_model(name, dtype="float32", pack_weights=False) for name in MODELS}
 
 
 def hf_generate(loaded, name: str) -> list[list[int]]:
@@ -113,9 +123,10 @@ def runner_generate(runner, tokenizer, mode: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("mode", ["whole", "cached", "chunked"])
 @pytest.mark.parametrize("name", MODELS)
-def test_greedy_matches_generate(name, mode, real_models, real_arena):
+def test_greedy_matches_generate(name, mode, real_models, plain_models, real_arena):
     loaded = real_models[name]
-    ref = hf_generate(loaded, name)
+    assert any(type(m).__name__ == "PackedLinear" for m in loaded.model.modules())
+    ref = hf_generate(plain_models[name], name)
     runner = make_runner(loaded, real_arena)
     got = runner_generate(runner, loaded.tokenizer, mode)
     for i, (r, g) in enumerate(zip(ref, got, strict=True)):
@@ -124,7 +135,7 @@ def test_greedy_matches_generate(name, mode, real_models, real_arena):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_final_logits_match_plain_forward(name, real_models, real_arena):
+def test_final_logits_match_plain_forward(name, real_models, plain_models, real_arena):
     from conftest import reference_logits
 
     loaded = real_models[name]
@@ -134,12 +145,12 @@ def test_final_logits_match_plain_forward(name, real_models, real_arena):
     batch = [seq(f"r{i}", p, pool.take(len(p)), 0) for i, p in enumerate(prompts)]
     got = runner.logits(batch)
     for i, p in enumerate(prompts):
-        ref = reference_logits(loaded.model, p)[-1]
+        ref = reference_logits(plain_models[name].model, p)[-1]
         err = (got[i] - ref).abs().max().item()
         assert err < 1e-3, f"{name} prompt {i}: max |diff| {err}"
 
 
-def test_gemma_past_its_sliding_window(real_models, real_arena):
+def test_gemma_past_its_sliding_window(real_models, plain_models, real_arena):
     """A 700-token context exceeds Gemma 3's 512-token window: sliding layers
     must forget what full-attention layers still see."""
     from conftest import Sequences, reference_logits
@@ -153,6 +164,6 @@ def test_gemma_past_its_sliding_window(real_models, real_arena):
     driver.step({"a": ids[400:698]})
     got = driver.step({"a": ids[698:699]})["a"]
     got2 = driver.step({"a": ids[699:700]})["a"]
-    ref = reference_logits(loaded.model, ids)
+    ref = reference_logits(plain_models["gemma3-270m"].model, ids)
     assert (got - ref[698]).abs().max() < 1e-3
     assert (got2 - ref[699]).abs().max() < 1e-3

@@ -156,3 +156,18 @@ def test_bfloat16_close_to_float32(arena):
     ref = reference_logits(loaded32.model, ids[:21])[-1]
     assert (got - ref).abs().max() < 0.05
     assert int(got.argmax()) == int(ref.argmax())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_linear_weights_match_plain(dtype):
+    """Packing every linear layer for oneDNN leaves the logits as they were."""
+    from radixmux.model_runners.packed_linear import PackedLinear, pack_linear_weights
+
+    plain = tiny_model("qwen2", dtype=dtype)  # q/k/v biases: the bias path too
+    packed = tiny_model("qwen2", dtype=dtype)
+    ids = torch.randint(0, 211, (19,)).tolist()
+    assert pack_linear_weights(packed.model) > 0
+    assert not any(type(m) is torch.nn.Linear for m in packed.model.modules())
+    assert any(m.bias is not None for m in packed.model.modules() if isinstance(m, PackedLinear))
+    diff = reference_logits(packed.model, ids) - reference_logits(plain.model, ids)
+    assert diff.abs().max() < (1e-4 if dtype == "float32" else 1e-2)
