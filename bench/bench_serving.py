@@ -59,6 +59,12 @@ HIT_COUNTERS = (
     ("radixmux_cache_tokens_queried_total", "radixmux_cache_tokens_saved_total"),
     ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
 )
+# radixmux counters whose growth over a run says where its time went.
+SERVER_COUNTERS = (
+    "radixmux_model_steps",
+    "radixmux_runner_busy_seconds",
+    "radixmux_prompt_tokens_computed",
+)
 
 
 @dataclass
@@ -169,6 +175,14 @@ class BenchResult:
     hit_rate_source: str  # "metrics", "usage" or "n/a"
     per_model: dict[str, ModelFigures]
     config: dict[str, Any]
+    # Growth of radixmux's work counters over the run (empty for peers).
+    server_counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def runner_busy(self) -> float | None:
+        """Runner-seconds of compute per second of wall time (radixmux only)."""
+        busy = self.server_counters.get("radixmux_runner_busy_seconds")
+        return None if busy is None or self.duration_s <= 0 else busy / self.duration_s
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -304,10 +318,10 @@ def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
 
 
 # ---- metrics --------------------------------------------------------------------------
-async def scrape_hit_counters(
-    client: httpx.AsyncClient, base_url: str, models: Sequence[str]
-) -> dict[str, tuple[float, float]] | None:
-    """Per model (queried, matched) prompt-token counters from ``/metrics``; None if absent."""
+async def scrape_samples(
+    client: httpx.AsyncClient, base_url: str
+) -> dict[str, dict[str, float]] | None:
+    """``/metrics`` as {sample name: {model label or "*": value}}; None if absent."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -325,6 +339,13 @@ async def scrape_hit_counters(
                 samples[s.name][name] = samples[s.name].get(name, 0.0) + s.value
     except ValueError:
         return None
+    return samples
+
+
+def hit_counters(
+    samples: dict[str, dict[str, float]], models: Sequence[str]
+) -> dict[str, tuple[float, float]] | None:
+    """Per model (queried, matched) prompt-token counters, from the first known pair."""
     for queried, matched in HIT_COUNTERS:
         if queried in samples and matched in samples:
             q, m = samples[queried], samples[matched]
@@ -333,17 +354,46 @@ async def scrape_hit_counters(
     return None
 
 
+def server_counters(samples: dict[str, dict[str, float]]) -> dict[str, float]:
+    """radixmux's work counters (:data:`SERVER_COUNTERS`), summed over models."""
+    out = {}
+    for name in SERVER_COUNTERS:
+        values = samples.get(name + "_total", samples.get(name))
+        if values is not None:
+            out[name] = sum(values.values())
+    return out
+
+
+async def scrape_hit_counters(
+    client: httpx.AsyncClient, base_url: str, models: Sequence[str]
+) -> dict[str, tuple[float, float]] | None:
+    """Per model (queried, matched) prompt-token counters from ``/metrics``; None if absent."""
+    samples = await scrape_samples(client, base_url)
+    return None if samples is None else hit_counters(samples, models)
+
+
+@dataclass
+class Snapshot:
+    """Counters of every server at one moment: hit counters (None if a server
+    lacks them) and radixmux's work counters."""
+
+    hits: dict[str, tuple[float, float]] | None
+    work: dict[str, float]
+
+
 async def scrape_servers(
     client: httpx.AsyncClient, urls: Sequence[str], models: Sequence[str]
-) -> dict[str, tuple[float, float]] | None:
-    """:func:`scrape_hit_counters` over every server, merged; None if any lacks them."""
-    merged: dict[str, tuple[float, float]] = {}
+) -> Snapshot:
+    """Every server's ``/metrics``, merged."""
+    hits: dict[str, tuple[float, float]] | None = {}
+    work: dict[str, float] = {}
     for url in urls:
-        one = await scrape_hit_counters(client, url, models)
-        if one is None:
-            return None
-        merged.update(one)
-    return merged
+        samples = await scrape_samples(client, url)
+        one = None if samples is None else hit_counters(samples, models)
+        hits = None if one is None or hits is None else {**hits, **one}
+        for name, value in server_counters(samples or {}).items():
+            work[name] = work.get(name, 0.0) + value
+    return Snapshot(hits, work)
 
 
 def _rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -427,8 +477,8 @@ def summarise(
     sessions: Sequence[Session],
     records: Sequence[RequestRecord],
     wall: float,
-    before: dict[str, tuple[float, float]] | None,
-    after: dict[str, tuple[float, float]] | None,
+    before: Snapshot,
+    after: Snapshot,
 ) -> BenchResult:
     """Figures of one run from its request records and the two metric snapshots."""
     ok = [r for r in records if r.ok]
@@ -442,15 +492,16 @@ def summarise(
 
     rate, source = None, "n/a"
     per_rate: dict[str, float | None] = dict.fromkeys(models)
-    if before is not None and after is not None:
+    hits_b, hits_a = before.hits, after.hits
+    if hits_b is not None and hits_a is not None:
         source = "metrics"
         zero = (0.0, 0.0)
-        tot_b = tuple(sum(v[i] for v in before.values()) for i in (0, 1))
-        tot_a = tuple(sum(v[i] for v in after.values()) for i in (0, 1))
+        tot_b = tuple(sum(v[i] for v in hits_b.values()) for i in (0, 1))
+        tot_a = tuple(sum(v[i] for v in hits_a.values()) for i in (0, 1))
         rate = _rate(tot_b, tot_a)  # type: ignore[arg-type]
         for m in models:
-            if m in after:
-                per_rate[m] = _rate(before.get(m, zero), after[m])
+            if m in hits_a:
+                per_rate[m] = _rate(hits_b.get(m, zero), hits_a[m])
     elif ok and all(r.cached_tokens is not None for r in ok) and in_tok:
         source = "usage"
         rate = sum(r.cached_tokens or 0 for r in ok) / in_tok
@@ -491,6 +542,7 @@ def summarise(
         hit_rate_source=source,
         per_model=per_model,
         config=_config_json(config),
+        server_counters={k: v - before.work.get(k, 0.0) for k, v in after.work.items()},
     )
 
 
@@ -511,7 +563,7 @@ def format_table(results: Sequence[BenchResult]) -> str:
     head = (
         f"{'configuration':<28} {'req/s':>6} {'in tok/s':>9} {'out tok/s':>9} "
         f"{'TTFT p50/p90/p99 ms':>22} {'ITL p50/p90/p99 ms':>20} "
-        f"{'E2E p50/p90/p99 ms':>22} {'hit':>6} {'err':>4}"
+        f"{'E2E p50/p90/p99 ms':>22} {'hit':>6} {'busy':>5} {'err':>4}"
     )
     rows = [head, "-" * len(head)]
     for r in results:
@@ -520,10 +572,11 @@ def format_table(results: Sequence[BenchResult]) -> str:
             return f"{_fmt(p.p50, '.0f')}/{_fmt(p.p90, '.0f')}/{_fmt(p.p99, '.0f')}"
 
         hit = "n/a" if r.cache_hit_rate is None else f"{r.cache_hit_rate:.1%}"
+        busy = "n/a" if r.runner_busy is None else f"{r.runner_busy:.2f}"
         rows.append(
             f"{r.label[:28]:<28} {r.request_throughput:>6.2f} {r.input_throughput:>9.1f} "
             f"{r.output_throughput:>9.1f} {trio(r.ttft_ms):>22} {trio(r.itl_ms):>20} "
-            f"{trio(r.e2e_ms):>22} {hit:>6} {r.errors:>4}"
+            f"{trio(r.e2e_ms):>22} {hit:>6} {busy:>5} {r.errors:>4}"
         )
     return "\n".join(rows)
 

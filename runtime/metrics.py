@@ -117,6 +117,10 @@ def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         "tokens_matched": _counter(
             "radixmux_cache_tokens_saved", "Prompt tokens matched in the cache (prefill saved)"
         ),
+        "steps": _counter("radixmux_model_steps", "Batches the model's runners ran"),
+        "runner_busy_seconds": _counter(
+            "radixmux_runner_busy_seconds", "Seconds the model's runners spent computing"
+        ),
     }
     for m in stats.models:
         for key, fam in fams.items():

@@ -169,6 +169,10 @@ class ModelStatus(msgspec.Struct, frozen=True):
     tokens_matched: int
     cached_tokens: int
     arena_bytes: int
+    steps: int = 0  # batches its runners ran
+    # Seconds its runners spent computing (forward + sampling); over wall time
+    # this is how busy the scheduler keeps them.
+    runner_busy_seconds: float = 0.0
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -49,6 +49,8 @@ class RunnerState:
     error: str | None = None
     running: list[Req] = field(default_factory=list)
     inflight: ScheduledBatch | None = None
+    steps: int = 0  # batches it has run
+    busy_s: float = 0.0  # seconds it spent in forward passes and sampling
 
 
 @dataclass

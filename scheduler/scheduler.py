@@ -351,6 +351,8 @@ class Scheduler:
             return
         runner.inflight = None
         self.steps += 1
+        runner.steps += 1
+        runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
         outputs = self.apply_result(batch, msg)
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
@@ -474,6 +476,8 @@ class Scheduler:
                     tokens_matched=c.tokens_matched,
                     cached_tokens=cs.cached_tokens[m.name],
                     arena_bytes=pool.blocks * usage.block_bytes,
+                    steps=sum(r.steps for r in m.runners),
+                    runner_busy_seconds=sum(r.busy_s for r in m.runners),
                 )
             )
         return P.SchedulerStats(

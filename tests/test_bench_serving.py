@@ -106,6 +106,11 @@ def test_shared_prefix_run(server: str, models: dict[str, Path]) -> None:
     assert r.cache_hit_rate > 0.3
     assert r.itl_ms.p50 is not None and r.itl_ms.p50 > 0
     assert set(r.per_model) == {"a"} and r.per_model["a"].requests == 8
+    # The server's work over the run: batches, runner compute, prompt tokens prefilled.
+    work = r.server_counters
+    assert work["radixmux_model_steps"] >= GSP.output_len
+    assert 0 < work["radixmux_prompt_tokens_computed"] < r.total_input_tokens
+    assert r.runner_busy is not None and 0 < r.runner_busy <= 1.05
 
 
 def test_multi_turn_chat_resends_the_conversation(server: str, models: dict[str, Path]) -> None:
