@@ -126,10 +126,10 @@ class Plain:
         return self._fwd(torch.tensor(nxt)[:, None], self.cache)
 
 
-def bench_dtype(loaded: LoadedModel, runner: ModelRunner, args) -> dict:
+def bench_dtype(loaded: LoadedModel, runner: ModelRunner, plain_model, args) -> dict:
     rng = np.random.default_rng(0)
     vocab = loaded.info.vocab_size
-    ours, plain = Ours(runner), Plain(loaded.model)
+    ours, plain = Ours(runner), Plain(plain_model)
     prompt = rng.integers(100, vocab, PREFILL).tolist()
     ours.prefill(prompt[:16])
     plain.prefill(prompt[:16])
@@ -190,7 +190,9 @@ def main() -> None:
         try:
             view = arena.view(BlockGeometry(layout, block, 1))
             runner = ModelRunner(loaded, view, args.attention_backend)
-            rows.append({"dtype": dtype, **bench_dtype(loaded, runner, args)})
+            # The baseline is transformers as shipped: its own copy, weights unpacked.
+            plain = load_model(args.model, dtype=dtype, pack_weights=False).model
+            rows.append({"dtype": dtype, **bench_dtype(loaded, runner, plain, args)})
         finally:
             arena.destroy()
 
