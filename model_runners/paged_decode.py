@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,31 +55,50 @@ def build_dir() -> Path:
     return Path(root) / "kernels" / f"paged_decode-{key.hexdigest()[:16]}"
 
 
+NAME = "radixmux_paged_decode"
+
+
+def _build(target: Path, library: Path) -> None:
+    """Compile into a private directory, then move the library into place.
+
+    No lock is shared between processes: two runners starting together each
+    build (a few seconds of duplicated work), and one killed mid-build leaves
+    only its own scratch directory, never a lock that would stall the others.
+    """
+    from torch.utils import cpp_extension
+
+    target.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the paged decode kernel into %s (once per machine)", target)
+    t0 = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target))
+    try:
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            build_directory=str(scratch),
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        os.replace(scratch / f"{NAME}.so", library)  # atomic: readers see all or nothing
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log.info("paged decode kernel built in %.1f s", time.perf_counter() - t0)
+
+
 def load() -> bool:
     """Build (first time) and load the kernel; False, with the reason logged, if impossible."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
         try:
-            from torch.utils import cpp_extension
-
             target = build_dir()
-            target.mkdir(parents=True, exist_ok=True)
-            built = any(target.glob("*.so"))
-            if not built:
-                log.info("compiling the paged decode kernel into %s (once per machine)", target)
-            t0 = time.perf_counter()
-            cpp_extension.load(
-                name="radixmux_paged_decode",
-                sources=[str(SOURCE)],
-                build_directory=str(target),
-                extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-            if not built:
-                log.info("paged decode kernel built in %.1f s", time.perf_counter() - t0)
+            library = target / f"{NAME}.so"
+            if library.exists():
+                torch.ops.load_library(str(library))
+            else:
+                _build(target, library)  # compiling also loads it
             _state["ok"] = True
         except Exception as exc:  # any build failure means: use the torch path
             log.warning("paged decode kernel unavailable (%s); using gather + SDPA", exc)
