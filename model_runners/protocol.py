@@ -76,6 +76,9 @@ class ForwardBatch(msgspec.Struct, tag="forward", frozen=True):
 
     batch_id: int
     seqs: list[SeqInput]
+    # torch threads to run it with (0: keep the runner's current count); the
+    # scheduler gives a runner more cores while the others have no work.
+    threads: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
@@ -105,6 +108,7 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     sample_ms: float = 0.0
     num_tokens: int = 0
     error: str | None = None
+    threads: int = 0  # torch threads it ran with
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):

@@ -50,14 +50,19 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     attention_backend: str = "auto"
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def default_threads(num_runners: int) -> int:
     """CPU cores divided among runners (at least one each).
 
     Oversubscribing collapses throughput on CPU: two threads per process under
     contention were measured 37x slower than one on a 576x1536 linear layer.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, num_runners))
+    return max(1, cpu_cores() // max(1, num_runners))
 
 
 def serve(config: RunnerConfig) -> int:
@@ -107,6 +112,7 @@ def serve(config: RunnerConfig) -> int:
 
 
 def _loop(sock, runner, parent: int) -> int:
+    import torch
     import zmq
 
     from radixmux.model_runners import protocol as P
@@ -128,6 +134,8 @@ def _loop(sock, runner, parent: int) -> int:
             continue
         if isinstance(msg, P.Shutdown):
             return 0
+        if msg.threads > 0 and msg.threads != torch.get_num_threads():
+            torch.set_num_threads(msg.threads)
         try:
             result = runner.forward(msg)
         except Exception as exc:  # a bug or an odd batch must not kill the model

@@ -173,6 +173,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     # Seconds its runners spent computing (forward + sampling); over wall time
     # this is how busy the scheduler keeps them.
     runner_busy_seconds: float = 0.0
+    threads: int = 0  # most torch threads one of its runners last ran with
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

@@ -51,6 +51,7 @@ class RunnerState:
     inflight: ScheduledBatch | None = None
     steps: int = 0  # batches it has run
     busy_s: float = 0.0  # seconds it spent in forward passes and sampling
+    threads: int = 0  # torch threads its last batch ran with
 
 
 @dataclass
@@ -62,7 +63,7 @@ class ScheduledBatch:
     chunks: list[int]
     batch_id: int = field(default_factory=lambda: next(_batch_ids))
 
-    def to_forward_batch(self) -> ForwardBatch:
+    def to_forward_batch(self, threads: int = 0) -> ForwardBatch:
         seqs = []
         for req, n in zip(self.reqs, self.chunks, strict=True):
             start = req.kv_len
@@ -78,7 +79,7 @@ class ScheduledBatch:
                     output_ids=pack_ids(req.output_ids),
                 )
             )
-        return ForwardBatch(self.batch_id, seqs)
+        return ForwardBatch(self.batch_id, seqs, threads)
 
 
 @dataclass

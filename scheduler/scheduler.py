@@ -28,6 +28,7 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.model_runners import protocol as RP
 from radixmux.model_runners.info import ModelInfo
+from radixmux.model_runners.runner_process import cpu_cores
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, report, run_process
@@ -90,6 +91,7 @@ class Scheduler:
         self.runners: dict[str, RunnerState] = {}
         self.requests: dict[str, Req] = {}
         self.steps = 0
+        self.cores = cpu_cores()
         self.prompt_tokens_computed = 0
         self.stopping = False
         self.cache: RadixCache | None = None
@@ -200,6 +202,7 @@ class Scheduler:
     def dispatch(self) -> None:
         """Give every idle runner with work its next batch."""
         assert self.builder is not None
+        threads = self._threads_per_runner()
         for model in self.models.values():
             for runner in model.runners:
                 if not runner.up or runner.inflight is not None:
@@ -210,7 +213,25 @@ class Scheduler:
                 if batch is None:
                     continue
                 runner.inflight = batch
-                self._send_runner(runner.runner_id, batch.to_forward_batch())
+                self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
+
+    def _threads_per_runner(self) -> int:
+        """The cores divided among runners that have work now (0: leave as set).
+
+        Compute follows load as memory does: while one model is idle its
+        runner's cores go to the busy ones. A runner mid-batch keeps its count
+        until that batch ends, so a newly busy runner briefly shares cores.
+        ``--runner-threads N`` fixes every runner at N instead.
+        """
+        if self.args.runner_threads or len(self.runners) < 2:
+            return 0
+        busy = sum(
+            1
+            for m in self.models.values()
+            for r in m.runners
+            if r.up and (r.inflight is not None or r.running or m.waiting)
+        )
+        return max(1, self.cores // max(1, busy))
 
     def _fair_share_cap(self, model: ModelState) -> int | None:
         """Weighted fair share of the arena by priority, in tokens this model
@@ -353,6 +374,7 @@ class Scheduler:
         self.steps += 1
         runner.steps += 1
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
+        runner.threads = msg.threads
         outputs = self.apply_result(batch, msg)
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
@@ -478,6 +500,7 @@ class Scheduler:
                     arena_bytes=pool.blocks * usage.block_bytes,
                     steps=sum(r.steps for r in m.runners),
                     runner_busy_seconds=sum(r.busy_s for r in m.runners),
+                    threads=max((r.threads for r in m.runners), default=0),
                 )
             )
         return P.SchedulerStats(

@@ -84,6 +84,12 @@ def _config(url: str, folders: dict[str, Path], **kw: object) -> BenchConfig:
     return BenchConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
+def _shift_config(
+    url: str, folders: dict[str, Path], shift: ShiftParams, **kw: object
+) -> BenchConfig:
+    return _config(url, folders, models=["a", "b"], workload="multi-model-shift", shift=shift, **kw)
+
+
 def _sane(r: BenchResult, n: int) -> None:
     assert r.errors == 0, r.error_samples
     assert r.num_requests == r.completed == n
@@ -141,18 +147,7 @@ def test_multi_model_shift_moves_share(server: str, models: dict[str, Path]) -> 
         question_len=8,
         output_len=4,
     )
-    r = asyncio.run(
-        run_benchmark(
-            _config(
-                server,
-                models,
-                models=["a", "b"],
-                workload="multi-model-shift",
-                shift=sh,
-                concurrency=3,
-            )
-        )
-    )
+    r = asyncio.run(run_benchmark(_shift_config(server, models, sh, concurrency=3)))
     _sane(r, 10)
     assert r.per_model["a"].requests == r.per_model["b"].requests == 5
     assert all(f.hit_rate is not None for f in r.per_model.values())
@@ -174,14 +169,8 @@ def test_model_urls_route_each_model_to_its_server(server: str, models: dict[str
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sh = ShiftParams(8, (0.5, 0.5), 1, 24, 4, 2)
-    cfg = _config(
-        server,
-        models,
-        models=["a", "b"],
-        workload="multi-model-shift",
-        shift=sh,
-        warmup_requests=0,
-        model_urls={"a": server, "b": closed},
+    cfg = _shift_config(
+        server, models, sh, warmup_requests=0, model_urls={"a": server, "b": closed}
     )
     r = asyncio.run(run_benchmark(cfg))
     assert r.per_model["a"].requests == 4 and r.per_model["b"].requests == 0

@@ -275,6 +275,21 @@ def test_two_models_and_replicas_share_one_arena(tiny_dirs: dict[str, Path]) -> 
         assert after["b"].cached_tokens == 0 and after["a"].cached_tokens > 0
 
 
+@pytest.mark.parametrize("fixed", [0, 1])
+def test_cores_follow_the_busy_model(tiny_dirs: dict[str, Path], fixed: int) -> None:
+    """With two models and only "a" busy, a's runner gets every core (it
+    starts with half); ``--runner-threads N`` pins it at N instead."""
+    from radixmux.model_runners.runner_process import cpu_cores
+
+    models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
+    with start_runtime(models, runner_threads=fixed) as rt:
+        rt.collect({rt.submit("a", PROMPTS[0], max_new=4)})
+        stats = {m.name: m for m in rt.control("stats").stats.models}
+        assert stats["a"].threads == (fixed or cpu_cores())
+        assert stats["b"].threads == 0  # never ran a batch
+        assert stats["a"].steps >= 4 and stats["a"].runner_busy_seconds > 0
+
+
 def test_abort_and_bad_requests(tiny_dirs: dict[str, Path]) -> None:
     with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], max_queued_requests=64) as rt:
         long = rt.submit("a", PROMPTS[0], max_new=200)
