@@ -151,7 +151,7 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for models that have none"),
     ("max-request-bytes", int, "largest HTTP body accepted (413 above)"),
-    ("runner-threads", int, "torch threads per runner (0: cores divided among runners)"),
+    ("runner-threads", int, "torch threads per runner (0: cores divided among runners with work)"),
     ("zmq-endpoint", str, "ZeroMQ endpoint for the Python client (default: in the runtime dir)"),
     ("runtime-dir", str, "where private sockets live (default: a new 0700 temp dir)"),
     ("seed", int, "base random seed"),
