@@ -15,12 +15,18 @@ Modes:
   3. ``--schedule-policy lpm`` vs ``fcfs`` on shuffled shared-prefix load (lpm >= fcfs);
   4. peers (vLLM CPU, llama.cpp, plain transformers) on mode 1's workload
      (radixmux >= every peer in output tokens/s and TTFT p50); a peer that cannot
-     be started is reported with the reason.
+     be started is reported with the reason;
+  5. two models: one radixmux server vs two vLLM servers, one per model, each
+     with half of mode 2's KV bytes and one core, on mode 2's workload
+     (target: radixmux's throughput higher at the same total KV memory);
+  6. multi-turn chat: radixmux with and without the cache, and vLLM (no target
+     in the issue; shown for the record; not in --all).
 
 Writes one JSON with every configuration and a PNG (throughput and latency per
 configuration) under ``bench/results/``, and prints the tables.
 
     .venv/bin/python bench/compare.py --modes 1 2 3 [--quick] [--models A B]
+    .venv/bin/python bench/compare.py --modes 2 5 --peers vllm --models smollm2 gemma3-270m
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from bench.bench_serving import (  # noqa: E402
     run_benchmark,
     write_json,
 )
-from bench.workloads import GSPParams, ShiftParams  # noqa: E402
+from bench.workloads import GSPParams, MultiTurnParams, ShiftParams  # noqa: E402
 
 DEFAULT_PEERS = ("vllm", "llamacpp", "transformers")
 START_TIMEOUT_S = 900.0  # a first start may convert GGUF weights
@@ -71,6 +77,7 @@ class Sizes:
     gsp: GSPParams
     shift: ShiftParams
     shift_concurrency: int
+    multi_turn: MultiTurnParams
     # Arena of mode 2, in tokens of the first model: the hot model's prefixes
     # plus its running requests fit in it, but not in half of it.
     shift_kv_tokens: int
@@ -81,6 +88,7 @@ FULL = Sizes(
     gsp=GSPParams(8, 8, 512, 32, 16),
     shift=ShiftParams(48, (0.8, 0.2), 6, 384, 32, 16),
     shift_concurrency=8,
+    multi_turn=MultiTurnParams(16, 4, 4, 256, 32, 16),
     shift_kv_tokens=3584,
     warmup=2,
 )
@@ -88,6 +96,7 @@ QUICK = Sizes(
     gsp=GSPParams(2, 4, 96, 8, 4),
     shift=ShiftParams(12, (0.8, 0.2), 2, 64, 8, 4),
     shift_concurrency=4,
+    multi_turn=MultiTurnParams(2, 2, 1, 32, 8, 4),
     shift_kv_tokens=2048,
     warmup=1,
 )
@@ -403,26 +412,66 @@ def mode_peers(
         else:
             out = run_peer(setup, peers, kind, cfg, kv_bytes)
         rep.configs.append(out)
-        r, o = out.result, ours.result
-        if r is None:
-            measured = f"unavailable: {out.unavailable}"
-            rep.targets.append(Target(4, f"radixmux >= {kind} out tok/s, TTFT p50", measured, None))
-            continue
-        tps_ok = o is not None and o.output_throughput >= r.output_throughput
-        ttft_ok = (
-            o is not None
-            and o.ttft_ms.p50 is not None
-            and r.ttft_ms.p50 is not None
-            and o.ttft_ms.p50 <= r.ttft_ms.p50
-        )
-        rep.targets.append(
-            Target(
-                4,
-                f"radixmux >= {kind} out tok/s, TTFT p50",
-                f"{_tps(o)} vs {_tps(r)} out tok/s; TTFT p50 {_ms(o)} vs {_ms(r)} ms",
-                _verdict(tps_ok and ttft_ok, o, r),
-            )
-        )
+        rep.targets.append(peer_target(4, kind, ours, out))
+    return rep
+
+
+def peer_target(mode: int, kind: str, ours: ConfigResult, peer: ConfigResult) -> Target:
+    """radixmux at least as fast as ``peer`` in output tokens/s and TTFT p50."""
+    name = f"radixmux >= {kind} out tok/s, TTFT p50"
+    r, o = peer.result, ours.result
+    if r is None:
+        return Target(mode, name, f"unavailable: {peer.unavailable}", None)
+    tps_ok = o is not None and o.output_throughput >= r.output_throughput
+    ttft_ok = (
+        o is not None
+        and o.ttft_ms.p50 is not None
+        and r.ttft_ms.p50 is not None
+        and o.ttft_ms.p50 <= r.ttft_ms.p50
+    )
+    measured = f"{_tps(o)} vs {_tps(r)} out tok/s; TTFT p50 {_ms(o)} vs {_ms(r)} ms"
+    return Target(mode, name, measured, _verdict(tps_ok and ttft_ok, o, r))
+
+
+def multi_turn_config(setup: Setup) -> BenchConfig:
+    """Mode 6: chats whose every turn resends the conversation so far."""
+    return BenchConfig(
+        base_url="",
+        models=[setup.served_name(0)],
+        workload="multi-turn",
+        api="chat",
+        tokenizer=setup.sources[0],
+        concurrency=setup.sizes.multi_turn.num_conversations,
+        seed=setup.seed,
+        multi_turn=setup.sizes.multi_turn,
+        warmup_requests=setup.sizes.warmup,
+        progress=setup.progress,
+    )
+
+
+def mode_multi_turn(
+    setup: Setup,
+    peers: ModuleType | None,
+    why_not: str,
+    kv_bytes: int,
+    only: Sequence[str] | None = None,
+) -> ModeReport:
+    """Mode 6 (no target in the issue; shown for the record): multi-turn chat,
+    radixmux with and without the cache, and peers (default: vLLM)."""
+    rep = ModeReport(6, "multi-turn chat (each turn resends the conversation)")
+    cfg = multi_turn_config(setup)
+    on = run_radixmux(setup, "radixmux chat", 1, [], cfg)
+    off = run_radixmux(setup, "radixmux chat no-cache", 1, ["--disable-radix-cache"], cfg)
+    rep.configs += [on, off]
+    rep.targets.append(_ratio_target(6, "chat: cache >= no-cache throughput", on, off, 1.0))
+    for kind in only or ("vllm",):
+        out = ConfigResult(kind, kind, [])
+        if peers is None:
+            out.unavailable = why_not
+        else:
+            out = run_peer(setup, peers, kind, cfg, kv_bytes)
+        rep.configs.append(out)
+        rep.targets.append(peer_target(6, kind, on, out))
     return rep
 
 
@@ -614,7 +663,7 @@ def earlier(reports: Sequence[ModeReport], mode: int, label: str) -> ConfigResul
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=(1, 2, 3, 4, 5), default=None)
+    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=range(1, 7), default=None)
     p.add_argument("--all", action="store_true", help="modes 1 2 3 4 5")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the smoke test)")
     p.add_argument(
@@ -634,7 +683,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--peers",
         nargs="+",
         default=None,
-        help=f"mode 4's peers (default: {' '.join(DEFAULT_PEERS)})",
+        help=f"peers of modes 4 and 6 (default: {' '.join(DEFAULT_PEERS)}; vllm in mode 6)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -670,6 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             only=args.peers,
         ),
         5: lambda: mode_two_servers(setup, earlier(reports, 2, "unified"), *load_peers()),
+        6: lambda: mode_multi_turn(setup, *load_peers(), args.peer_kv_bytes, args.peers),
     }
     for m in modes:
         reports.append(runners[m]())
