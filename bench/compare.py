@@ -287,12 +287,26 @@ def _verdict(ok: bool, *results: BenchResult | None) -> bool | None:
 def mode_cache(setup: Setup) -> ModeReport:
     """Mode 1: the radix cache vs none on generated-shared-prefix."""
     rep = ModeReport(1, "radix cache vs --disable-radix-cache (generated-shared-prefix)")
-    cfg = gsp_config(setup)
-    on = run_radixmux(setup, "radixmux cache", 1, [], cfg)
-    off = run_radixmux(setup, "radixmux no-cache", 1, ["--disable-radix-cache"], cfg)
-    rep.configs += [on, off]
-    rep.targets.append(_ratio_target(1, "cache >= 5x no-cache throughput", on, off, 5.0))
+    labels = ("radixmux cache", "radixmux no-cache")
+    cache_vs_no_cache(rep, setup, gsp_config(setup), labels, "cache >= 5x no-cache throughput", 5)
     return rep
+
+
+def cache_vs_no_cache(
+    rep: ModeReport,
+    setup: Setup,
+    cfg: BenchConfig,
+    labels: tuple[str, str],
+    target: str,
+    need: float,
+) -> ConfigResult:
+    """Run ``cfg`` on radixmux with the cache and without, add both and their
+    throughput ratio (PASS at ``need``) to ``rep``; returns the cached run."""
+    on = run_radixmux(setup, labels[0], 1, [], cfg)
+    off = run_radixmux(setup, labels[1], 1, ["--disable-radix-cache"], cfg)
+    rep.configs += [on, off]
+    rep.targets.append(_ratio_target(rep.mode, target, on, off, need))
+    return on
 
 
 def shift_kv_bytes(setup: Setup) -> int:
@@ -405,6 +419,21 @@ def mode_peers(
     rep.configs.append(ours)
     kinds = tuple(getattr(peers, "PEERS", DEFAULT_PEERS)) if peers else DEFAULT_PEERS
     kinds = tuple(only) if only else kinds
+    add_peers(rep, setup, ours, kinds, cfg, peers, why_not, kv_bytes)
+    return rep
+
+
+def add_peers(
+    rep: ModeReport,
+    setup: Setup,
+    ours: ConfigResult,
+    kinds: Sequence[str],
+    cfg: BenchConfig,
+    peers: ModuleType | None,
+    why_not: str,
+    kv_bytes: int,
+) -> None:
+    """Run each peer on ``cfg`` (or record why not) and its target against ``ours``."""
     for kind in kinds:
         out = ConfigResult(kind, kind, [])
         if peers is None:
@@ -412,8 +441,7 @@ def mode_peers(
         else:
             out = run_peer(setup, peers, kind, cfg, kv_bytes)
         rep.configs.append(out)
-        rep.targets.append(peer_target(4, kind, ours, out))
-    return rep
+        rep.targets.append(peer_target(rep.mode, kind, ours, out))
 
 
 def peer_target(mode: int, kind: str, ours: ConfigResult, peer: ConfigResult) -> Target:
@@ -460,18 +488,9 @@ def mode_multi_turn(
     radixmux with and without the cache, and peers (default: vLLM)."""
     rep = ModeReport(6, "multi-turn chat (each turn resends the conversation)")
     cfg = multi_turn_config(setup)
-    on = run_radixmux(setup, "radixmux chat", 1, [], cfg)
-    off = run_radixmux(setup, "radixmux chat no-cache", 1, ["--disable-radix-cache"], cfg)
-    rep.configs += [on, off]
-    rep.targets.append(_ratio_target(6, "chat: cache >= no-cache throughput", on, off, 1.0))
-    for kind in only or ("vllm",):
-        out = ConfigResult(kind, kind, [])
-        if peers is None:
-            out.unavailable = why_not
-        else:
-            out = run_peer(setup, peers, kind, cfg, kv_bytes)
-        rep.configs.append(out)
-        rep.targets.append(peer_target(6, kind, on, out))
+    labels = ("radixmux chat", "radixmux chat no-cache")
+    on = cache_vs_no_cache(rep, setup, cfg, labels, "chat: cache >= no-cache throughput", 1)
+    add_peers(rep, setup, on, only or ("vllm",), cfg, peers, why_not, kv_bytes)
     return rep
 
 

@@ -2,7 +2,7 @@
 
 ``kernels/paged_decode.cpp`` attends one query token per sequence over K/V
 rows read in place from the arena (no per-step gather). It is compiled with
-the machine's compiler on first use (about a minute, logged) into
+the machine's compiler on first use (10-30 s here, logged) into
 ``$RADIXMUX_CACHE/kernels`` (default ``~/.cache/radixmux/kernels``), keyed by
 the source, torch's version and this CPU's instruction set, so later starts
 load it in milliseconds. Where it cannot be built (no compiler, no headers)

@@ -107,7 +107,10 @@ def test_disconnect_frees_the_request(server: str) -> None:
         body = {"model": "m", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            next(r.iter_lines())
+            # Hold the line iterator: dropping it closes the stream, which is a
+            # real disconnect (the server then rightly frees the request early).
+            lines = r.iter_lines()
+            next(lines)
             assert scheduler_load(http)[0] == 1
         deadline = time.monotonic() + 5
         while scheduler_load(http) != (0, 0) and time.monotonic() < deadline:
