@@ -105,7 +105,7 @@ class PagedBatch:
             lead = (lmax - lens)[:, None]  # padding columns per row
             valid = col[None, :] >= lead
             src = (self.dec_offsets[:-1, None] + col[None, :] - lead).clamp_min(0)
-            slots = torch.where(valid, self.dec_slots[src.clamp_max(self.dec_slots.numel() - 1)], 0)
+            slots = torch.where(valid, self.dec_slots[src], 0)
             k_pos = torch.where(valid, self.dec_q_pos[:, None] - (lmax - 1 - col)[None, :], -1)
             self._dec_grid = (self.store.address(slots), k_pos)
         return self._dec_grid

@@ -90,7 +90,6 @@ class Scheduler:
         self.models: dict[str, ModelState] = {}
         self.runners: dict[str, RunnerState] = {}
         self.requests: dict[str, Req] = {}
-        self.steps = 0
         self.cores = cpu_cores()
         self.prompt_tokens_computed = 0
         self.stopping = False
@@ -371,7 +370,6 @@ class Scheduler:
             log.warning("runner %s: result for unknown batch %d", runner_id, msg.batch_id)
             return
         runner.inflight = None
-        self.steps += 1
         runner.steps += 1
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
         runner.threads = msg.threads
@@ -510,7 +508,7 @@ class Scheduler:
             arena_free_bytes=usage.free_blocks * usage.block_bytes,
             arena_fragmented_bytes=usage.fragmented_bytes,
             tree_nodes=cs.nodes,
-            steps=self.steps,
+            steps=sum(r.steps for r in self.runners.values()),
             retractions=self.builder.retractions if self.builder else 0,
             prompt_tokens_computed=self.prompt_tokens_computed,
             invariants=self._invariants() if self.args.check_invariants else None,
