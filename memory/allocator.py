@@ -136,14 +136,41 @@ class KVAllocator:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
-    def _blocks_available(self, pool: _Pool) -> int:
-        """Free blocks this pool may take: respects its cap and others' floors."""
+    def _blocks_available(self, pool: _Pool, donor: _Pool | None = None) -> int:
+        """Free blocks this pool may take: respects its cap and others' floors.
+
+        With ``donor``: as if one of the donor's blocks were free too.
+        """
         owned = len(pool.blocks)
         reserved_for_others = sum(
-            max(0, p.floor_blocks - len(p.blocks)) for p in self._pools.values() if p is not pool
+            max(0, p.floor_blocks - len(p.blocks) + (p is donor))
+            for p in self._pools.values()
+            if p is not pool
         )
-        by_global = len(self._free_blocks) - reserved_for_others
+        by_global = len(self._free_blocks) + (donor is not None) - reserved_for_others
         return max(0, min(by_global, pool.cap_blocks - owned))
+
+    def may_grow(self, key: str) -> bool:
+        """Whether the pool is below its cap (a block freed elsewhere could become its)."""
+        pool = self._pool(key)
+        return len(pool.blocks) < pool.cap_blocks
+
+    def gains_block(self, key: str, donor: str) -> bool:
+        """Whether emptying one of ``donor``'s blocks would let pool ``key`` take
+        one more block (not if its cap or ``donor``'s floor keeps it)."""
+        pool = self._pool(key)
+        return self._blocks_available(pool, self._pool(donor)) > self._blocks_available(pool)
+
+    def block_of(self, key: str, slots: SlotArray) -> np.ndarray:
+        """The arena block each slot of pool ``key`` lives in."""
+        return np.asarray(slots, dtype=np.int64) // self._pool(key).geometry.slots_per_block
+
+    def block_pool(self, block: int) -> str | None:
+        """The pool that owns ``block`` (None when free)."""
+        return self._block_owner[block]
+
+    def used_slots_in_block(self, block: int) -> int:
+        return int(self._block_used[block]) * self.page_size
 
     def free_slots_for(self, key: str) -> int:
         """Slots an ``alloc`` for this pool could get right now."""

@@ -123,6 +123,8 @@ class CacheStats:
     nodes: int
     evicted_tokens: dict[str, int]  # by reason
     total: ModelCounters = field(default_factory=ModelCounters)
+    # Capacity evictions made to give each model room (any pool's tokens).
+    evicted_for: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +139,21 @@ class _Cache:
     @property
     def orphaned(self) -> bool:
         return not self.models
+
+
+# An eviction heap item: (policy key, push order, node, cache id, entry).
+_Candidate = tuple[tuple[float, ...], int, Node, int, _Entry]
+
+
+@dataclass
+class _BlockOption:
+    """Another pool's block that eviction could empty for a needy pool."""
+
+    block: int
+    pool: str
+    used: int  # slots in use (all of them unlocked cache entries)
+    key: tuple[float, ...]  # the most valuable entry lost with it (policy order)
+    entries: list[tuple[Node, int]]
 
 
 def as_token_bytes(tokens: Tokens) -> bytes:
@@ -181,7 +198,7 @@ class RadixCache:
         # is checked when it reaches the top (entry gone, locked, no longer a
         # leaf or touched since: dropped or re-pushed), so the hot paths only
         # push when an entry becomes an unlocked leaf.
-        self._heap: list[tuple[tuple[float, ...], int, Node, int, _Entry]] = []
+        self._heaps: dict[str, list[_Candidate]] = {}  # per pool
         self._seq = itertools.count()
         self._ticks = itertools.count(1)
         self._clock = clock or (lambda: float(next(self._ticks)))
@@ -193,6 +210,7 @@ class RadixCache:
         self._next_cache = itertools.count()
         self._counters: dict[str, ModelCounters] = {}
         self._evicted: Counter[str] = Counter()
+        self._evicted_for: Counter[str] = Counter()  # capacity evictions made for each model
         self._locks: Counter[tuple[Node, int]] = Counter()
         self._nodes = 0
 
@@ -460,31 +478,32 @@ class RadixCache:
         return self._policy_key(cache.orphaned, entry.last_access, entry.hits, cache.weight)
 
     def _offer(self, node: Node, cid: int, entry: _Entry) -> None:
-        """Make a new unlocked leaf entry an eviction candidate."""
-        heapq.heappush(self._heap, (self._key(cid, entry), next(self._seq), node, cid, entry))
+        """Make a new unlocked leaf entry an eviction candidate (in its pool's heap)."""
+        heap = self._heaps.setdefault(self._caches[cid].pool, [])
+        heapq.heappush(heap, (self._key(cid, entry), next(self._seq), node, cid, entry))
 
-    def _compact_heap(self) -> None:
-        """Rebuild the candidate heap when stale items outnumber live ones."""
-        self._heap = [
+    def _compact_heap(self, pool: str) -> None:
+        """Rebuild a pool's candidate heap when stale items outnumber live ones."""
+        heap = [
             (self._key(cid, node.entries[cid]), next(self._seq), node, cid, node.entries[cid])
             for cid, cache in self._caches.items()
+            if cache.pool == pool
             for node in cache.leaves
             if not node.entries[cid].lock_ref
         ]
-        heapq.heapify(self._heap)
+        heapq.heapify(heap)
+        self._heaps[pool] = heap
 
-    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
-        """Free unlocked leaf entries across all models, lowest policy key
-        first, until at least ``num_tokens`` tokens or ``num_bytes`` bytes are
-        free. Returns tokens freed (less only if everything left is locked)."""
-        if num_tokens <= 0 and num_bytes <= 0:
-            return 0
-        live = sum(len(c.leaves) for c in self._caches.values())
-        if len(self._heap) > 2 * live + 64:
-            self._compact_heap()
-        heap = self._heap
-        tokens = nbytes = 0
-        while heap and tokens < (num_tokens or 1 << 62) and nbytes < (num_bytes or 1 << 62):
+    def _head(self, pool: str) -> _Candidate | None:
+        """The pool's lowest-key evictable entry, dropping stale heap items on the way."""
+        heap = self._heaps.get(pool)
+        if not heap:
+            return None
+        live = sum(len(c.leaves) for c in self._caches.values() if c.pool == pool)
+        if len(heap) > 2 * live + 64:
+            self._compact_heap(pool)
+            heap = self._heaps[pool]
+        while heap:
             key, _, node, cid, entry = heap[0]
             if node.entries.get(cid) is not entry or entry.lock_ref or entry.child_refs:
                 heapq.heappop(heap)
@@ -493,22 +512,101 @@ class RadixCache:
             if current != key:  # touched since it was pushed
                 heapq.heapreplace(heap, (current, next(self._seq), node, cid, entry))
                 continue
-            heapq.heappop(heap)
-            freed = self._remove_entry(node, cid, "capacity")
+            return heap[0]
+        return None
+
+    def _evict_head(self, candidate: _Candidate) -> int:
+        _, _, node, cid, _ = candidate
+        heapq.heappop(self._heaps[self._caches[cid].pool])
+        return self._remove_entry(node, cid, "capacity")
+
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
+        """Free unlocked leaf entries across all models, lowest policy key
+        first, until at least ``num_tokens`` tokens or ``num_bytes`` bytes are
+        free. Returns tokens freed (less only if everything left is locked)."""
+        if num_tokens <= 0 and num_bytes <= 0:
+            return 0
+        tokens = nbytes = 0
+        while tokens < (num_tokens or 1 << 62) and nbytes < (num_bytes or 1 << 62):
+            heads = [h for h in map(self._head, list(self._heaps)) if h is not None]
+            if not heads:
+                break
+            best = min(heads, key=lambda h: (h[0], h[1]))
+            freed = self._evict_head(best)
             tokens += freed
-            nbytes += freed * self._caches[cid].bytes_per_token
+            nbytes += freed * self._caches[best[3]].bytes_per_token
         return tokens
 
     def evict_for(self, model: str, num_tokens: int) -> bool:
-        """Evict (by policy, across models) until ``num_tokens`` slots can be
-        allocated for ``model``. False if locked entries leave too little room."""
+        """Evict until ``num_tokens`` slots can be allocated for ``model``;
+        False if locked entries leave too little room.
+
+        Only what can give this model room goes, cheapest (by policy) first:
+        the model's own pool's entries (freed slots are its to reuse), and,
+        while the pool may still take blocks, whole blocks of other pools that
+        hold nothing but unlocked cache entries, fewest used slots first. A
+        slot freed in another pool's block is of no use until the whole block
+        is empty, so another model's cache is never wiped for nothing.
+        """
         pool = self.pool_of(model)
+        blocks: list[_BlockOption] | None = None  # built on first need
+        freed = 0
         while not self.allocator.can_alloc(pool, num_tokens):
-            short = self.allocator.pages_for(num_tokens) * self.page_size
-            short -= self.allocator.free_slots_for(pool)
-            if self.evict(num_tokens=max(short, self.page_size)) == 0:
-                return False
-        return True
+            own = self._head(pool)
+            option = None
+            if self.allocator.may_grow(pool):
+                if blocks is None:
+                    blocks = self._emptiable_blocks(pool)
+                while blocks and not self.allocator.gains_block(pool, blocks[0].pool):
+                    blocks.pop(0)  # that pool is at its floor: its block stays reserved
+                option = blocks[0] if blocks else None
+            if own is None and option is None:
+                break
+            if option is None or (own is not None and own[0] <= option.key):
+                freed += self._evict_head(own)
+            else:
+                blocks.pop(0)
+                freed += self._empty_block(option)
+        self._evicted_for[model] += freed
+        return self.allocator.can_alloc(pool, num_tokens)
+
+    def _emptiable_blocks(self, pool: str) -> list[_BlockOption]:
+        """Other pools' blocks whose every used slot is an unlocked cache entry,
+        fewest used slots first (then least valuable), with the entries to drop."""
+        alloc = self.allocator
+        tally: Counter[int] = Counter()
+        locked: set[int] = set()
+        entries: dict[int, list[tuple[Node, int]]] = {}
+        keys: dict[int, tuple[float, ...]] = {}
+        for root in self._roots.values():
+            for node in _walk(root):
+                for cid, entry in node.entries.items():
+                    other = self._caches[cid].pool
+                    if other == pool:
+                        continue
+                    ids, counts = np.unique(alloc.block_of(other, entry.slots), return_counts=True)
+                    for block, count in zip(ids.tolist(), counts.tolist(), strict=True):
+                        tally[block] += count
+                        if entry.lock_ref:
+                            locked.add(block)
+                        entries.setdefault(block, []).append((node, cid))
+                        key = self._key(cid, entry)
+                        keys[block] = max(keys.get(block, key), key)
+        options = [
+            _BlockOption(block, alloc.block_pool(block), used, keys[block], entries[block])
+            for block, used in tally.items()
+            if block not in locked and used == alloc.used_slots_in_block(block)
+        ]
+        options.sort(key=lambda o: (o.used, o.key))
+        return options
+
+    def _empty_block(self, option: _BlockOption) -> int:
+        """Drop every entry with slots in the block (with what hangs below it)."""
+        freed = 0
+        for node, cid in option.entries:
+            if node.entries.get(cid) is not None:  # not gone with an earlier subtree
+                freed += self._drop_all([cid], "capacity", under=node)
+        return freed
 
     def _drop_all(self, cids: Iterable[int], reason: str, under: Node | None = None) -> int:
         """Free every unlocked entry of ``cids`` (in ``under``'s subtree if given),
@@ -617,6 +715,7 @@ class RadixCache:
             nodes=self._nodes,
             evicted_tokens={r: self._evicted[r] for r in EVICTION_REASONS},
             total=total,
+            evicted_for={m: self._evicted_for[m] for m in self._models},
         )
 
     def python_bytes(self) -> int:
@@ -629,6 +728,11 @@ class RadixCache:
                 for entry in node.entries.values():
                     total += sys.getsizeof(entry) + entry.slots.nbytes + 112
         return total
+
+    @property
+    def locks_held(self) -> int:
+        """Lock references currently held on the tree (0 on an idle server)."""
+        return sum(self._locks.values())
 
     def cache_id(self, model: str) -> int:
         """The cache ``model`` reads and writes now (changes on ``invalidate``)."""
@@ -656,16 +760,31 @@ class RadixCache:
         return out
 
     # ---- invariants ------------------------------------------------------------
-    def check_invariants(self, held: Mapping[str, Iterable[np.ndarray]] | None = None) -> None:
+    def check_invariants(
+        self,
+        held: Mapping[str, Iterable[np.ndarray]] | None = None,
+        locks: Iterable[CacheHandle] | None = None,
+    ) -> None:
         """Raise AssertionError if the tree, its locks or the allocator disagree.
 
         ``held`` maps a pool (``pool_of(model)``) to the slot arrays live
         requests own outside the tree; when given, every allocated slot must
-        be exactly one of: in the tree, held by a request.
+        be exactly one of: in the tree, held by a request. ``locks`` are the
+        handles live requests hold, as their owner tracks them; when given,
+        the tree's lock counts must be exactly those (a lock nobody holds is
+        a leak the tree's own record cannot reveal).
         """
         self.allocator.check()
+        recorded = Counter({key: n for key, n in self._locks.items() if n})
+        if locks is not None:
+            claimed = Counter((h.node, h.cache_id) for h in locks)
+            assert recorded == claimed, (
+                f"{sum(recorded.values())} locks in the tree but live requests hold "
+                f"{sum(claimed.values())} ({sum((recorded - claimed).values())} leaked, "
+                f"{sum((claimed - recorded).values())} missing)"
+            )
         expected_locks: Counter[tuple[int, int]] = Counter()
-        for (node, cid), count in self._locks.items():
+        for (node, cid), count in recorded.items():
             n = node
             while n.parent is not None:
                 expected_locks[(id(n), cid)] += count
@@ -702,7 +821,7 @@ class RadixCache:
                     tree_slots.setdefault(self._caches[cid].pool, []).append(entry.slots)
                     tokens[cid] += len(entry.slots)
         assert nodes == self._nodes, f"node count {self._nodes} != {nodes}"
-        offered = {id(item[4]) for item in self._heap}
+        offered = {id(item[4]) for heap in self._heaps.values() for item in heap}
         for cid, cache in self._caches.items():
             assert cache.cached_tokens == tokens[cid], "cached token count drifted"
             assert cache.leaves == leaves[cid], "leaf index drifted"

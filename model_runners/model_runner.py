@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from radixmux.model_runners.protocol import (
     unpack_ids,
 )
 from radixmux.model_runners.sampling import sample
+
+log = logging.getLogger("radixmux.runner")
 
 
 class BatchError(ValueError):
@@ -174,24 +177,61 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
-        """Run one ForwardBatch and sample; a bad batch gives ``error`` set, never raises."""
+        """Run one ForwardBatch and sample; never raises.
+
+        A malformed batch gives ``error`` set. When the pass or the sampling
+        fails on a well-formed batch, each sequence is retried alone (writing
+        its K/V again to the same slots is harmless), so only the sequences
+        that fail by themselves get ``SeqOutput.error`` and their batch-mates
+        still get their tokens.
+        """
         t0 = time.perf_counter()
         try:
             seqs = [self._decode(s) for s in fb.seqs]
             if not seqs:
                 raise BatchError("empty batch")
-            rows = [i for i, s in enumerate(fb.seqs) if s.sample]
-            logits = self._logits(seqs, rows)
         except BatchError as exc:
             return ForwardResult(fb.batch_id, error=str(exc))
+        try:
+            outputs, t1 = self._run(fb.seqs, seqs)
+        except Exception as exc:
+            log.exception("batch %d failed", fb.batch_id)
+            if len(seqs) == 1:
+                outputs = [SeqOutput(fb.seqs[0].rid, -1, error=_describe(exc))]
+            else:  # find the sequences that fail on their own
+                outputs = [self._run_alone(s, d) for s, d in zip(fb.seqs, seqs, strict=True)]
+            t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        return ForwardResult(
+            fb.batch_id,
+            outputs,
+            forward_ms=(t1 - t0) * 1e3,
+            sample_ms=(t2 - t1) * 1e3,
+            num_tokens=sum(len(s.tokens) for s in seqs),
+            threads=torch.get_num_threads(),
+        )
+
+    def _run_alone(self, seq: SeqInput, decoded: _Seq) -> SeqOutput:
+        """One sequence of a failed batch, run by itself: its output or its error."""
+        try:
+            return self._run([seq], [decoded])[0][0]
+        except Exception as exc:
+            log.exception("rid=%s failed on its own", seq.rid)
+            return SeqOutput(seq.rid, -1, error=_describe(exc))
+
+    def _run(self, inputs: list[SeqInput], seqs: list[_Seq]) -> tuple[list[SeqOutput], float]:
+        """Forward and sample some sequences; returns the outputs and when the
+        forward ended (``perf_counter``)."""
+        rows = [i for i, s in enumerate(inputs) if s.sample]
+        logits = self._logits(seqs, rows)
         t1 = time.perf_counter()
-        params = [fb.seqs[i].params for i in rows]
+        params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
         picked = sample(logits, params, outs) if rows else None
         outputs = []
         by_row = {r: j for j, r in enumerate(rows)}
         eos = set(self.info.eos_token_ids)
-        for i, s in enumerate(fb.seqs):
+        for i, s in enumerate(inputs):
             j = by_row.get(i)
             if j is None or picked is None:
                 outputs.append(SeqOutput(s.rid, -1))
@@ -210,12 +250,8 @@ class ModelRunner:
                 vals = picked.top_logprobs[j, : p.top_logprobs].tolist()
                 top = list(zip(ids, vals, strict=True))
             outputs.append(SeqOutput(s.rid, token, lp, top, finish))
-        t2 = time.perf_counter()
-        return ForwardResult(
-            fb.batch_id,
-            outputs,
-            forward_ms=(t1 - t0) * 1e3,
-            sample_ms=(t2 - t1) * 1e3,
-            num_tokens=sum(len(s.tokens) for s in seqs),
-            threads=torch.get_num_threads(),
-        )
+        return outputs, t1
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

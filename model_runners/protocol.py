@@ -89,7 +89,8 @@ class SeqOutput(msgspec.Struct, frozen=True):
     """The sampled token of one sequence (``token_id == -1`` when not sampled).
 
     ``finish_reason`` is ``"stop"`` (a stop / EOS token), ``"length"``
-    (``max_new_tokens`` reached with this token) or ``None``.
+    (``max_new_tokens`` reached with this token) or ``None``. ``error`` is set
+    (and ``token_id`` is -1) when this sequence failed on its own.
     """
 
     rid: str
@@ -97,6 +98,7 @@ class SeqOutput(msgspec.Struct, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    error: str | None = None  # this sequence alone failed (its batch-mates did not)
 
 
 class ForwardResult(msgspec.Struct, tag="result", frozen=True):

@@ -6,6 +6,7 @@ on every endpoint (OpenAI and native), so one client-side handler fits all.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, TypeVar
 
@@ -17,6 +18,17 @@ from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime.protocol import ServedModel
 
 T = TypeVar("T")
+
+FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+# Past this a repetition penalty only turns logits into extreme values.
+MAX_REPETITION_PENALTY = 100.0
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -121,22 +133,25 @@ def check_sampling(
     def bad(field: str, why: str) -> APIError:
         return APIError(400, f"'{prefix}{field}' {why}", f"{prefix}{field}")
 
+    for field in FLOAT_PARAMS:  # NaN passes every range check below
+        if not math.isfinite(getattr(p, field)):
+            raise bad(field, "must be a finite number")
     if p.max_new_tokens < 1:
         raise bad(max_tokens_name, "must be >= 1")
     if p.temperature < 0:
         raise bad("temperature", "must be >= 0")
     if not 0 < p.top_p <= 1:
         raise bad("top_p", "must be in (0, 1]")
-    if p.top_k < 0:
-        raise bad("top_k", "must be >= 0, or -1 to disable")
+    if not 0 <= p.top_k <= vocab_size:
+        raise bad("top_k", f"must be in [0, {vocab_size}] (the vocabulary size), or -1 to disable")
     if not 0 <= p.min_p <= 1:
         raise bad("min_p", "must be in [0, 1]")
     if not -2 <= p.frequency_penalty <= 2:
         raise bad("frequency_penalty", "must be in [-2, 2]")
     if not -2 <= p.presence_penalty <= 2:
         raise bad("presence_penalty", "must be in [-2, 2]")
-    if p.repetition_penalty <= 0:
-        raise bad("repetition_penalty", "must be > 0")
+    if not 0 < p.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}]")
     if p.seed is not None and not 0 <= p.seed < 2**63:
         raise bad("seed", "must be in [0, 2**63)")
     if not 0 <= p.top_logprobs <= 20:

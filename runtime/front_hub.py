@@ -130,7 +130,9 @@ class Generation:
         self.done = True
         self.finish_reason = "abort"
         self.hub.metrics.requests.labels(self.model, "abort").inc()
-        self.hub.abort(self.rid, reason)
+        # Nothing back yet: the request may still be in a tokenizer worker,
+        # behind this abort (which goes straight to the scheduler).
+        self.hub.abort(self.rid, reason, early=self.last is None)
         log.info("rid=%s aborted model=%s reason=%s", self.rid, self.model, reason)
 
 
@@ -147,6 +149,9 @@ class RequestHub:
         self.controls: dict[str, asyncio.Future[P.ControlReply]] = {}
         self._decoder = P.decoder(P.FrontInbox)
         self._pending_sends: set[asyncio.Future] = set()
+        # False until the launcher says every process is up: until then the
+        # front answers "starting" (a tokenizer worker may still be loading).
+        self.ready = False
 
     async def run(self) -> None:
         """The reader task: route every message on the front's PULL socket."""
@@ -162,6 +167,9 @@ class RequestHub:
                     self._deliver(out.rid, out)
             elif isinstance(msg, P.RequestError):
                 self._deliver(msg.rid, msg)
+            elif isinstance(msg, P.ServerReady):
+                self.ready = True
+                log.info("every process is ready")
             else:
                 fut = self.controls.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
@@ -178,6 +186,8 @@ class RequestHub:
     @contextlib.asynccontextmanager
     async def generate(self, req: P.GenerateRequest, source: str) -> AsyncIterator[Generation]:
         """Submit ``req`` and yield its :class:`Generation`; leaving early aborts it."""
+        if not self.ready:
+            raise APIError(503, "the server is starting; retry when /health answers 200")
         gen = Generation(self, req)
         self.live[req.rid] = gen
         log.info(
@@ -195,9 +205,9 @@ class RequestHub:
             self.live.pop(req.rid, None)
             gen.abandon("client disconnected")
 
-    def abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, early: bool = False) -> None:
         """Tell the scheduler to stop ``rid`` (callable from cleanup code: never awaits)."""
-        self._send_later(self.scheduler, P.encode(P.AbortRequest(rid, reason)))
+        self._send_later(self.scheduler, P.encode(P.AbortRequest(rid, reason, early)))
 
     def _send_later(self, sock: zmq.asyncio.Socket, data: bytes) -> None:
         # pyzmq sends at once when it can; the future only lingers under backpressure.

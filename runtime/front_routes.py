@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ from radixmux.runtime.front_stream import serve_generation
 
 if TYPE_CHECKING:
     from radixmux.runtime.front import Front
+
+log = logging.getLogger("radixmux.front")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 HEALTH_TIMEOUT_S = 5.0
@@ -85,16 +88,20 @@ def build_app(front: Front) -> ASGIApp:
         return json_response(O.model_list([model], front.started).data[0])
 
     async def health(request: Request) -> Response:
+        if not front.hub.ready:
+            body = APIError(503, "the server is starting").body()
+            return json_response({"status": "starting", **body}, 503)
         try:
             stats = await _stats(HEALTH_TIMEOUT_S)
         except APIError as exc:
             return json_response({"status": "unavailable", **exc.body()}, 503)
+        states = _model_states(front.served, stats)
         down = _down_models(front.served, stats)
         if not down:
-            return json_response({"status": "ok"})
-        why = "; ".join(f"model '{name}' is down: {reason}" for name, reason in down.items())
+            return json_response({"status": "ok", "models": states})
+        why = "; ".join(f"model '{name}' is {states[name]}: {r}" for name, r in down.items())
         body = APIError(503, why).body()
-        return json_response({"status": "unhealthy", "down": down, **body}, 503)
+        return json_response({"status": "degraded", "models": states, "down": down, **body}, 503)
 
     async def health_generate(request: Request) -> Response:
         try:
@@ -226,6 +233,12 @@ async def _drain(gen: Any) -> None:
         pass
 
 
+def _model_states(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+    """Each served model's state: serving, restarting or down."""
+    reported = {m.name: m.state for m in stats.models}
+    return {name: reported.get(name, "down") for name in served}
+
+
 def _down_models(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
     """Served models that are not up, with the reason the scheduler gives."""
     reported = {m.name: m for m in stats.models}
@@ -261,7 +274,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    # The details are for the operator, not the client.
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return APIError(500, "internal server error (the server log has details)").response()
 
 
 class ApiKeyGuard:

@@ -11,9 +11,13 @@ Start order (each step waits for the ready messages it needs):
 
 A process that reports ``ProcessFailed`` or exits during start-up stops the
 launch with a ``LaunchError`` naming it and why; everything already started is
-stopped first. While serving, a runner that exits is reported to the scheduler
-(``RunnerDied``: its model's requests fail, the others keep serving); a core
-process that exits ends the server. ``stop()`` shuts down in reverse data-flow
+stopped first. Once the runners have reported ready, a runner that exits (now
+or while serving) is reported to the scheduler (``RunnerDied``: its requests
+fail or move to a replica, the other models keep serving) and restarted after
+a backoff, at most ``MAX_RESTARTS`` times in ``RESTART_WINDOW_S`` (then it
+stays down, and ``/health`` and the log say so). A core process that exits
+ends the server. When every process is ready the front is told
+(``ServerReady``); until then it answers "starting". ``stop()`` shuts down in reverse data-flow
 order (front, tokenizer workers, scheduler and runners, detokenizer) and leaves
 no process, socket or arena file behind.
 """
@@ -30,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -40,6 +45,9 @@ from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
 from radixmux.runtime.server_args import ServerArgs
 
+if TYPE_CHECKING:
+    from radixmux.model_runners.runner_process import RunnerConfig
+
 log = logging.getLogger("radixmux.launcher")
 
 SCHEDULER_READY_TIMEOUT_S = 900.0  # runners load weights (and may convert) first
@@ -48,6 +56,11 @@ POLL_MS = 250  # monitoring cadence: no busy loop
 FAILED_GRACE_S = 2.0  # after a child exits, how long to wait for the reason it reports
 GRACEFUL_S = 10.0  # ShutdownProcess / SIGTERM, then this long before escalating
 KILL_WAIT_S = 3.0
+# Runner supervision: restart a dead runner after a growing pause, and give up
+# on one that keeps dying (a crash loop would only burn CPU).
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+MAX_RESTARTS = 10
+RESTART_WINDOW_S = 600.0
 
 
 class LaunchError(RuntimeError):
@@ -112,6 +125,10 @@ class Launcher:
         self._inbox: zmq.Socket | None = None
         self._to_scheduler: zmq.Socket | None = None
         self._to_detokenizer: zmq.Socket | None = None
+        self._to_front: zmq.Socket | None = None
+        self._runner_configs: dict[str, RunnerConfig] = {}
+        self._restarts: dict[str, list[float]] = {}  # runner id -> restart times
+        self._due: dict[str, float] = {}  # runner id -> when to start it again
         self._ready: dict[str, P.ProcessReady] = {}
         self._stop_requested = threading.Event()
         self._started = False
@@ -149,6 +166,7 @@ class Launcher:
         self._inbox = socket(self._zctx, zmq.PULL, eps.launcher, bind=True)
         self._to_scheduler = socket(self._zctx, zmq.PUSH, eps.scheduler, bind=False)
         self._to_detokenizer = socket(self._zctx, zmq.PUSH, eps.detokenizer, bind=False)
+        self._to_front = socket(self._zctx, zmq.PUSH, eps.front, bind=False)
         spec = self._arena.spec
         log.info(
             "runtime dir %s, arena %s (%d MiB)",
@@ -171,6 +189,7 @@ class Launcher:
                 module, ProcessContext(name, args, eps, served=self.served, arena=spec), name
             )
         self._wait_ready(names, READY_TIMEOUT_S)
+        self._to_front.send(P.encode(P.ServerReady()))
         self._started = True
         log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
 
@@ -182,7 +201,7 @@ class Launcher:
         log.info("started %s (pid %d)", name, self.children[-1].proc.pid)
 
     def _spawn_runners(self) -> None:
-        from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
+        from radixmux.model_runners.runner_process import RunnerConfig
 
         args = self.args
         total = sum(m.replicas for m in args.models)
@@ -202,12 +221,54 @@ class Launcher:
                     num_runners=total,
                     attention_backend=args.attention_backend,
                 )
-                with _children_ignore_sigint():
-                    proc = spawn_runner(config)
-                self.children.append(Child(f"runner {rid}", proc, runner_id=rid))
-                log.info(
-                    "started runner %s (pid %d) for %s", rid, self.children[-1].proc.pid, m.source
-                )
+                self._runner_configs[rid] = config
+                self._start_runner(rid)
+
+    def _start_runner(self, rid: str) -> None:
+        from radixmux.model_runners.runner_process import spawn_runner
+
+        config = self._runner_configs[rid]
+        with _children_ignore_sigint():
+            proc = spawn_runner(config)
+        self.children.append(Child(f"runner {rid}", proc, runner_id=rid))
+        log.info("started runner %s (pid %d) for %s", rid, proc.pid, config.model)
+
+    def _runner_exited(self, child: Child, code: int) -> None:
+        """Report a runner's death to the scheduler and plan its restart."""
+        rid = child.runner_id
+        assert rid is not None
+        self.children.remove(child)
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(rid, []) if now - t < RESTART_WINDOW_S]
+        restarting = len(recent) < MAX_RESTARTS and not self._stop_requested.is_set()
+        if restarting:
+            delay = RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)]
+            self._due[rid] = now + delay
+            self._restarts[rid] = [*recent, now]
+            log.error("%s exited with code %d; restarting it in %.0f s", child.name, code, delay)
+        else:
+            log.error(
+                "%s exited with code %d; not restarting it (%d restarts in the last %.0f s)",
+                child.name,
+                code,
+                len(recent),
+                RESTART_WINDOW_S,
+            )
+        with contextlib.suppress(zmq.ZMQError):
+            msg = P.RunnerDied(rid, code, restarting)
+            self._to_scheduler.send(P.encode(msg), zmq.NOBLOCK)
+
+    def _supervise_runners(self) -> None:
+        """Notice dead runners and start the ones whose backoff has passed."""
+        for child in list(self.children):
+            code = child.proc.poll()
+            if child.runner_id is not None and code is not None:
+                self._runner_exited(child, code)
+        now = time.monotonic()
+        for rid, due in list(self._due.items()):
+            if due <= now:
+                del self._due[rid]
+                self._start_runner(rid)
 
     def _wait_ready(self, names: list[str], timeout: float) -> None:
         """Wait for ``ProcessReady`` from each of ``names``; fail fast on any failure."""
@@ -217,6 +278,10 @@ class Launcher:
                 missing = [n for n in names if n not in self._ready]
                 raise LaunchError(f"{', '.join(missing)} not ready after {timeout:.0f}s")
             self._receive(POLL_MS)
+            if "scheduler" in self._ready:
+                # The runners have been ready: a death now is an ordinary
+                # runner death (restarted), not a failed start.
+                self._supervise_runners()
             dead = next((c for c in self.children if c.proc.poll() is not None), None)
             if dead is not None:
                 # The process (or the scheduler, for a runner) usually reports
@@ -265,16 +330,10 @@ class Launcher:
                 self._receive(POLL_MS)
             except LaunchError as exc:  # a late failure report: logged, the exit decides
                 log.error("%s", exc)
+            self._supervise_runners()
             for child in list(self.children):
                 code = child.proc.poll()
                 if code is None:
-                    continue
-                if child.runner_id is not None:
-                    log.error("%s exited with code %d; its model's requests fail", child.name, code)
-                    self.children.remove(child)
-                    with contextlib.suppress(zmq.ZMQError):
-                        msg = P.RunnerDied(child.runner_id, code)
-                        self._to_scheduler.send(P.encode(msg), zmq.NOBLOCK)
                     continue
                 if self._stop_requested.is_set():
                     return 0  # e.g. Ctrl-C reached the front too: not a failure
@@ -289,6 +348,7 @@ class Launcher:
         if self._stopped:
             return
         self._stopped = True
+        self._due.clear()  # no runner restarts from here on
         t0 = time.monotonic()
         by_kind = {
             "front": [c for c in self.children if c.name == "front"],
@@ -346,7 +406,7 @@ class Launcher:
         _wait_all(alive, KILL_WAIT_S)
 
     def _cleanup(self) -> None:
-        for sock in (self._inbox, self._to_scheduler, self._to_detokenizer):
+        for sock in (self._inbox, self._to_scheduler, self._to_detokenizer, self._to_front):
             if sock is not None:
                 sock.close(linger=0)
         if self._zctx is not None:

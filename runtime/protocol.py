@@ -71,10 +71,16 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
-    """Stop a request now and free its KV (client gone, stop string, timeout)."""
+    """Stop a request now and free its KV (client gone, stop string, timeout).
+
+    ``early``: the front had no reply for it yet, so the request may still be
+    in a tokenizer worker; the scheduler remembers the abort for a while and
+    drops the request if it arrives later.
+    """
 
     rid: str
     reason: str = "abort"
+    early: bool = False
 
 
 class RequestError(msgspec.Struct, tag="error", frozen=True):
@@ -146,8 +152,9 @@ class TextBatch(msgspec.Struct, tag="text", frozen=True):
 
 # ---- control --------------------------------------------------------------------
 class ControlRequest(msgspec.Struct, tag="control", frozen=True):
-    """Operations the front asks of the scheduler: ``stats``, ``flush_cache``,
-    ``invalidate`` (``model`` required)."""
+    """Operations the front asks of the scheduler: ``stats``, ``check`` (stats
+    with the invariant check run now), ``flush_cache``, ``invalidate``
+    (``model`` required)."""
 
     req_id: str
     op: str
@@ -174,6 +181,13 @@ class ModelStatus(msgspec.Struct, frozen=True):
     # this is how busy the scheduler keeps them.
     runner_busy_seconds: float = 0.0
     threads: int = 0  # most torch threads one of its runners last ran with
+    state: str = "serving"  # serving (a runner is up), restarting, or down (gave up)
+    runner_pids: list[int] = msgspec.field(default_factory=list)
+    restarts: int = 0  # runner restarts after a death or a hang
+    # Capacity evictions made to give this model room, and KV tokens it was
+    # given: their ratio is what its admissions cost other cached prefixes.
+    evicted_for_tokens: int = 0
+    kv_allocated_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -188,8 +202,13 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     steps: int
     retractions: int = 0
     prompt_tokens_computed: int = 0  # prompt tokens prefilled (not served from the cache)
-    # With --check-invariants: "ok", or what the cache's invariant check found.
+    # "ok", or what the invariant check found (with --check-invariants, or
+    # when asked for with op "check").
     invariants: str | None = None
+    locks_held: int = 0  # lock references on the tree (0 on an idle server)
+    request_owned_slots: int = 0  # KV slots requests hold outside the tree
+    aborted_before_arrival: int = 0  # requests dropped: their abort came first
+    contained_failures: int = 0  # messages/results whose handling raised
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):
@@ -215,10 +234,17 @@ class ProcessFailed(msgspec.Struct, tag="process_failed", frozen=True):
 
 
 class RunnerDied(msgspec.Struct, tag="runner_died", frozen=True):
-    """The launcher saw a runner process exit; its model's requests fail."""
+    """The launcher saw a runner process exit; its requests fail (or move to a
+    live replica). ``restarting``: a new process is on its way (it sends
+    ``Ready`` when up); False when the launcher gave up on it."""
 
     runner_id: str
     exitcode: int
+    restarting: bool = False
+
+
+class ServerReady(msgspec.Struct, tag="server_ready", frozen=True):
+    """Launcher to front: every process is up; stop answering "starting"."""
 
 
 class ShutdownProcess(msgspec.Struct, tag="shutdown_process", frozen=True):
@@ -229,7 +255,7 @@ class ShutdownProcess(msgspec.Struct, tag="shutdown_process", frozen=True):
 TokenizerInbox = GenerateRequest | ShutdownProcess
 SchedulerInbox = TokenizedRequest | AbortRequest | ControlRequest | RunnerDied | ShutdownProcess
 DetokenizerInbox = TokenBatch | ShutdownProcess
-FrontInbox = TextBatch | RequestError | ControlReply
+FrontInbox = TextBatch | RequestError | ControlReply | ServerReady
 LauncherInbox = ProcessReady | ProcessFailed
 
 _encoder = msgspec.msgpack.Encoder()

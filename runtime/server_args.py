@@ -17,6 +17,8 @@ from radixmux.model_runners.protocol import ATTENTION_BACKENDS
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 KV_PARTITIONS = ("unified", "static")
 DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL = "smollm2"
 
 
@@ -93,6 +95,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     runtime_dir: str | None = None
     check_invariants: bool = False
     seed: int = 0
+    runner_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -100,7 +103,14 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         _one_of("kv_partition", self.kv_partition, KV_PARTITIONS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _one_of("device", self.device, ("cpu", "cuda"))
+        _one_of("device", self.device, DEVICES)
+        if self.device != "cpu":
+            # The arena is host shared memory and no CUDA path has been tested:
+            # a GPU model would fail at its first forward, so refuse it now.
+            raise ValueError(
+                f"--device {self.device}: radixmux has no tested CUDA path yet (the KV arena "
+                "lives in host shared memory); use --device cpu"
+            )
         for name in (
             "page_size",
             "max_running_requests",
@@ -108,10 +118,24 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             "max_queued_requests",
             "tokenizer_workers",
             "kv_cache_bytes",
+            "kv_block_bytes",
+            "max_request_bytes",
+            "runner_timeout",
         ):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.schedule_conservativeness < 0:
+        if self.kv_cache_bytes < self.kv_block_bytes:
+            raise ValueError(
+                f"--kv-cache-bytes {self.kv_cache_bytes} is smaller than one block "
+                f"(--kv-block-bytes {self.kv_block_bytes})"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port}: must be in [0, 65535]")
+        if self.runner_threads < 0:
+            raise ValueError("--runner-threads must be >= 0 (0: divide the cores)")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level {self.log_level!r}: choose one of {list(LOG_LEVELS)}")
+        if not self.schedule_conservativeness >= 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
         if not self.models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
@@ -141,7 +165,7 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("kv-partition", str, f"{KV_PARTITIONS}: static gives each model a fixed share"),
     ("max-queued-requests", int, "waiting requests per model before 429"),
     ("tokenizer-workers", int, "tokenizer processes"),
-    ("device", str, "cpu or cuda"),
+    ("device", str, "cpu (cuda is refused until a CUDA path is built and tested)"),
     (
         "attention-backend",
         str,
@@ -155,6 +179,12 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("zmq-endpoint", str, "ZeroMQ endpoint for the Python client (default: in the runtime dir)"),
     ("runtime-dir", str, "where private sockets live (default: a new 0700 temp dir)"),
     ("seed", int, "base random seed"),
+    (
+        "runner-timeout",
+        float,
+        "seconds a runner may take to answer one batch before it is treated as hung "
+        "(killed and restarted)",
+    ),
 ]
 _SWITCHES: list[tuple[str, str]] = [
     ("disable-radix-cache", "no prefix cache: every prompt is prefilled in full"),

@@ -188,9 +188,9 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
             log.info("rid=%s rejected %d: %s", msg.rid, exc.status, exc.message)
             to_front.send(P.encode(P.RequestError(msg.rid, exc.status, exc.message, exc.param)))
             continue
-        except Exception as exc:  # a tokenizer bug must fail the request, not the worker
+        except Exception:  # a tokenizer bug must fail the request, not the worker
             log.exception("rid=%s tokenization failed", msg.rid)
-            err = P.RequestError(msg.rid, 500, f"tokenization failed: {type(exc).__name__}: {exc}")
+            err = P.RequestError(msg.rid, 500, "tokenization failed (the server log has details)")
             to_front.send(P.encode(err))
             continue
         log.debug("rid=%s model=%s %d prompt tokens", msg.rid, msg.model, len(out.input_ids) // 4)

@@ -19,6 +19,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -45,13 +46,20 @@ class RunnerState:
 
     runner_id: str
     model: str
-    up: bool = False
+    state: str = "starting"  # starting, up, restarting (a new process is coming), down
     error: str | None = None
+    pid: int | None = None
+    restarts: int = 0
     running: list[Req] = field(default_factory=list)
     inflight: ScheduledBatch | None = None
+    sent_at: float = 0.0  # time.monotonic() when ``inflight`` was sent
     steps: int = 0  # batches it has run
     busy_s: float = 0.0  # seconds it spent in forward passes and sampling
     threads: int = 0  # torch threads its last batch ran with
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
 
 
 @dataclass
@@ -156,11 +164,18 @@ class BatchBuilder:
         log.info(
             "rid=%s retracted (out of KV) after %d tokens; requeued", req.rid, len(req.output_ids)
         )
+        self.requeue(runner, waiting, req)
+        req.retractions += 1
+        self.retractions += 1
+
+    def requeue(self, runner: RunnerState, waiting: list[Req], req: Req) -> None:
+        """Take a running request off ``runner`` and put it first in ``waiting``.
+
+        Its computed KV goes into the cache, so it resumes (on whichever runner
+        of the model admits it next) where it was, with the same output."""
         runner.running.remove(req)
         self.kv.release(req, keep=True)
         req.runner = None
-        req.retractions += 1
-        self.retractions += 1
         waiting.insert(0, req)
 
     def _admit(
@@ -181,21 +196,14 @@ class BatchBuilder:
         for req in order_waiting(lim.policy, waiting, cache, self.rng):
             if budget <= 0 or len(runner.running) >= lim.max_running_requests:
                 break
-            self.kv.lookup(req)
-            if self.kv.use_cache and self._shares_uncached(req, admitted):
+            self.kv.lookup(req)  # locks the matched path: every exit below releases it
+            verdict = self._admissible(req, runner, budget, cap, admitted)
+            if verdict != "admit":
                 self.kv.release(req, keep=False)
+                if verdict == "stop":
+                    break
                 continue
             n = min(req.pending, budget)
-            if cap is not None and n > cap and runner.running:
-                break  # past this model's fair share while another model waits
-            reserve = int(
-                lim.conservativeness * min(req.params.max_new_tokens, DECODE_RESERVE_TOKENS)
-            )
-            if not self.kv.reserve(req, n) or (
-                runner.running and reserve and not self.kv.room_for(req, reserve)
-            ):
-                self.kv.release(req, keep=False)
-                break  # out of KV: later requests would not fit either
             self.kv.admitted(req)
             waiting.remove(req)
             req.runner = runner.runner_id
@@ -206,6 +214,25 @@ class BatchBuilder:
             if cap is not None:
                 cap -= n
             admitted.append(req.tokens.tobytes())
+
+    def _admissible(
+        self, req: Req, runner: RunnerState, budget: int, cap: int | None, admitted: list[bytes]
+    ) -> Literal["admit", "skip", "stop"]:
+        """Whether a looked-up request runs now: ``admit`` (its first chunk's KV
+        is reserved), ``skip`` (wait a round: it shares a prefix being computed)
+        or ``stop`` (no later request may be admitted this round either)."""
+        if self.kv.use_cache and self._shares_uncached(req, admitted):
+            return "skip"
+        n = min(req.pending, budget)
+        if cap is not None and n > cap and runner.running:
+            return "stop"  # past this model's fair share while another model waits
+        lim = self.limits
+        reserve = int(lim.conservativeness * min(req.params.max_new_tokens, DECODE_RESERVE_TOKENS))
+        if not self.kv.reserve(req, n) or (
+            runner.running and reserve and not self.kv.room_for(req, reserve)
+        ):
+            return "stop"  # out of KV: later requests would not fit either
+        return "admit"
 
     def _shares_uncached(self, req: Req, admitted: list[bytes]) -> bool:
         """True when a prompt being computed in this batch covers part of this

@@ -8,6 +8,8 @@ them or frees them.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from radixmux.memory.radix_cache import RadixCache
@@ -25,6 +27,7 @@ class KVManager:
         self.cache = cache
         self.use_cache = use_cache
         self.page = cache.page_size
+        self.allocated_tokens: Counter[str] = Counter()  # KV slots given, per model
 
     def lookup(self, req: Req) -> None:
         """Match and lock the longest cached prefix (leaving a token to compute).
@@ -68,6 +71,7 @@ class KVManager:
             new = self.cache.allocator.alloc(pool, need)
         if new is None:
             return False
+        self.allocated_tokens[req.model] += len(new)
         req.slots = np.concatenate([req.slots, new])
         return True
 

@@ -16,11 +16,16 @@ Run as ``python -m radixmux.scheduler.scheduler '<ProcessContext JSON>'``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -40,6 +45,12 @@ from radixmux.scheduler.request import Req
 log = logging.getLogger("radixmux.scheduler")
 
 READY_TIMEOUT_S = 1800.0
+# An abort that arrives before its request (still being tokenized) is kept this
+# long, and at most this many, waiting for the request to show up.
+EARLY_ABORT_TTL_S = 600.0
+EARLY_ABORT_MAX = 100_000
+# What a client sees when the server failed on its request; details go to the log.
+INTERNAL_ERROR = "internal error while serving this request (the server log has details)"
 
 
 class StartupError(RuntimeError):
@@ -64,6 +75,15 @@ class ModelState:
     def up(self) -> bool:
         return any(r.up for r in self.runners)
 
+    @property
+    def state(self) -> str:
+        """serving (a runner is up), restarting (one is on its way back) or down."""
+        if self.up:
+            return "serving"
+        if any(r.state in ("starting", "restarting") for r in self.runners):
+            return "restarting"
+        return "down"
+
     def running(self) -> list[Req]:
         return [req for r in self.runners for req in r.running]
 
@@ -83,6 +103,9 @@ class Scheduler:
         ep = ctx.endpoints
         self.inbox = socket(zctx, zmq.PULL, ep.scheduler, bind=True)
         self.runner_sock = socket(zctx, zmq.ROUTER, ep.runners, bind=True)
+        # A restarted runner reconnects under the same identity: let it take
+        # the identity over even if the dead one's pipe is not closed yet.
+        self.runner_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.to_detok = socket(zctx, zmq.PUSH, ep.detokenizer, bind=False)
         self.to_front = socket(zctx, zmq.PUSH, ep.front, bind=False)
         self.inbox_decoder = P.decoder(P.SchedulerInbox)
@@ -92,6 +115,9 @@ class Scheduler:
         self.requests: dict[str, Req] = {}
         self.cores = cpu_cores()
         self.prompt_tokens_computed = 0
+        self.early_aborts: OrderedDict[str, float] = OrderedDict()  # rid -> expiry
+        self.aborted_before_arrival = 0
+        self.contained_failures = 0
         self.stopping = False
         self.cache: RadixCache | None = None
         self.kv: KVManager | None = None
@@ -102,6 +128,7 @@ class Scheduler:
         """Collect every runner's Ready; raise StartupError naming a failed one."""
         expected = {rid: m for m in self.args.models for rid in runner_ids(m)}
         infos: dict[str, ModelInfo] = {}
+        pids: dict[str, int] = {}
         poller = zmq.Poller()
         poller.register(self.runner_sock, zmq.POLLIN)
         poller.register(self.inbox, zmq.POLLIN)
@@ -128,10 +155,13 @@ class Scheduler:
                     raise StartupError(f"runner {rid} failed to start: {msg.error}")
                 if isinstance(msg, RP.Ready) and rid in expected:
                     infos[rid] = msg.info
+                    pids[rid] = msg.pid
                     log.info("runner %s ready (pid %d, %.1fs load)", rid, msg.pid, msg.load_seconds)
-        return self._build_state(infos)
+        return self._build_state(infos, pids)
 
-    def _build_state(self, infos: dict[str, ModelInfo]) -> list[P.ServedModel]:
+    def _build_state(
+        self, infos: dict[str, ModelInfo], pids: dict[str, int]
+    ) -> list[P.ServedModel]:
         args = self.args
         arena = self.ctx.arena
         assert arena is not None
@@ -145,7 +175,7 @@ class Scheduler:
             keys = {infos[i].kv_share_key for i in ids}
             if len(keys) != 1:
                 raise StartupError(f"replicas of {arg.name} loaded different weights: {keys}")
-            states = [RunnerState(i, arg.name, up=True) for i in ids]
+            states = [RunnerState(i, arg.name, state="up", pid=pids[i]) for i in ids]
             self.models[arg.name] = ModelState(arg, info, states)
             self.runners.update({s.runner_id: s for s in states})
             specs.append(
@@ -183,11 +213,19 @@ class Scheduler:
             events = dict(poller.poll(1000))
             if self.inbox in events:
                 while self._poll_once(self.inbox):
-                    self.handle(self.inbox_decoder.decode(self.inbox.recv()))
+                    raw = self.inbox.recv()
+                    with self._contained("inbox message", self._inbox_rids(raw)):
+                        self.handle(self.inbox_decoder.decode(raw))
             if self.runner_sock in events:
                 while self._poll_once(self.runner_sock):
                     ident, raw = self.runner_sock.recv_multipart()
-                    self.on_runner_message(ident.decode(), raw)
+                    runner = self.runners.get(ident.decode())
+                    rids = (
+                        [r.rid for r in runner.inflight.reqs] if runner and runner.inflight else []
+                    )
+                    with self._contained(f"reply of runner {ident.decode()}", rids):
+                        self.on_runner_message(ident.decode(), raw)
+            self.check_timeouts()
             if not self.stopping:
                 self.dispatch()
         for runner in self.runners.values():
@@ -198,6 +236,74 @@ class Scheduler:
     def _poll_once(sock: zmq.Socket) -> bool:
         return bool(sock.poll(0, zmq.POLLIN))
 
+    # ---- fault containment -----------------------------------------------------------
+    @contextlib.contextmanager
+    def _contained(self, what: str, rids: list[str]) -> Iterator[None]:
+        """Handle one event; if it raises, log it, fail the requests it concerns
+        (500, no internals) and keep serving: one bad message never ends the loop."""
+        try:
+            yield
+        except Exception:
+            self.contained_failures += 1
+            log.exception("error handling %s (rids %s); failing those requests", what, rids)
+            self._fail_requests(rids, 500, INTERNAL_ERROR)
+
+    def _inbox_rids(self, raw: bytes) -> list[str]:
+        """The request an undecodable or failing inbox message was about, if any."""
+        with contextlib.suppress(Exception):
+            rid = msgspec.msgpack.decode(raw).get("rid")
+            if isinstance(rid, str):
+                return [rid]
+        return []
+
+    def _fail_requests(self, rids: list[str], status: int, message: str) -> None:
+        """End each tracked request with an error; untracked ones get a RequestError."""
+        outputs = []
+        for rid in rids:
+            req = self.requests.get(rid)
+            try:
+                if req is None:
+                    self._reject(rid, status, message)
+                    continue
+                self._drop(req)
+                outputs.append(self._output(req, [], "error", error=message, status=status))
+            except Exception:  # state too broken to release cleanly: at least answer
+                log.exception("rid=%s could not be released cleanly", rid)
+                self.requests.pop(rid, None)
+                self._reject(rid, status, message)
+        if outputs:
+            self.to_detok.send(P.encode(P.TokenBatch(outputs)))
+
+    def _drop(self, req: Req) -> None:
+        """Forget a request wherever it is, freeing its KV (nothing is cached)."""
+        model = self.models[req.model]
+        if req in model.waiting:
+            model.waiting.remove(req)
+        if req.runner is not None or req.handle is not None or len(req.slots):
+            self._finish(req, keep=False)
+        else:
+            self._forget(req)
+
+    def check_timeouts(self) -> None:
+        """A runner that has not answered a batch within ``--runner-timeout`` is
+        hung: kill it (the launcher restarts it) and fail or move its requests."""
+        limit = self.args.runner_timeout
+        now = time.monotonic()
+        for runner in self.runners.values():
+            if runner.up and runner.inflight is not None and now - runner.sent_at > limit:
+                log.error(
+                    "runner %s did not answer batch %d within %.0f s; killing it",
+                    runner.runner_id,
+                    runner.inflight.batch_id,
+                    limit,
+                )
+                if runner.pid is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(runner.pid, signal.SIGKILL)
+                self.runner_lost(
+                    runner, f"runner {runner.runner_id} hung (no answer in {limit:g} s)", True
+                )
+
     def dispatch(self) -> None:
         """Give every idle runner with work its next batch."""
         assert self.builder is not None
@@ -206,13 +312,16 @@ class Scheduler:
             for runner in model.runners:
                 if not runner.up or runner.inflight is not None:
                     continue
-                batch = self.builder.schedule_next_batch(
-                    runner, model.waiting, admit_cap=self._fair_share_cap(model)
-                )
-                if batch is None:
-                    continue
-                runner.inflight = batch
-                self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
+                rids = [r.rid for r in runner.running]
+                with self._contained(f"scheduling for runner {runner.runner_id}", rids):
+                    batch = self.builder.schedule_next_batch(
+                        runner, model.waiting, admit_cap=self._fair_share_cap(model)
+                    )
+                    if batch is None:
+                        continue
+                    runner.inflight = batch
+                    runner.sent_at = time.monotonic()
+                    self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
 
     def _threads_per_runner(self) -> int:
         """The cores divided among runners that have work now (0: leave as set).
@@ -254,11 +363,11 @@ class Scheduler:
         if isinstance(msg, P.TokenizedRequest):
             self.enqueue(msg)
         elif isinstance(msg, P.AbortRequest):
-            self.abort(msg.rid, msg.reason)
+            self.abort(msg.rid, msg.reason, msg.early)
         elif isinstance(msg, P.ControlRequest):
             self.to_front.send(P.encode(self.control(msg)))
         elif isinstance(msg, P.RunnerDied):
-            self.runner_died(msg.runner_id, msg.exitcode)
+            self.runner_died(msg)
         elif isinstance(msg, P.ShutdownProcess):
             self.stopping = True
 
@@ -267,12 +376,20 @@ class Scheduler:
         self.to_front.send(P.encode(P.RequestError(rid, status, message, param)))
 
     def enqueue(self, msg: P.TokenizedRequest) -> None:
+        if self.early_aborts.pop(msg.rid, None) is not None:
+            self.aborted_before_arrival += 1
+            log.info("rid=%s dropped: aborted before it reached the scheduler", msg.rid)
+            return
+        if msg.rid in self.requests:
+            self._reject(msg.rid, 400, "a request with this id is already running", "rid")
+            return
         model = self.models.get(msg.model)
         if model is None:
             self._reject(msg.rid, 404, f"model {msg.model!r} is not served", "model")
             return
         if not model.up:
-            self._reject(msg.rid, 503, f"model {msg.model!r} is down: {model.down_reason}")
+            why = "restarting" if model.state == "restarting" else "down"
+            self._reject(msg.rid, 503, f"model {msg.model!r} is {why}: {model.down_reason}")
             return
         if len(model.waiting) >= self.args.max_queued_requests:
             self._reject(
@@ -305,10 +422,12 @@ class Scheduler:
         assert self.cache is not None
         return self.cache.allocator.capacity_slots(self.cache.pool_of(model.name))
 
-    def abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, early: bool = False) -> None:
         req = self.requests.get(rid)
         if req is None:
-            return  # already finished
+            if early:  # maybe still in a tokenizer worker: drop it when it comes
+                self._remember_early_abort(rid)
+            return  # else already finished
         model = self.models[req.model]
         if req in model.waiting:
             model.waiting.remove(req)
@@ -320,6 +439,13 @@ class Scheduler:
                 return
             self._finish(req, keep=True)
         log.info("rid=%s aborted: %s", rid, reason)
+
+    def _remember_early_abort(self, rid: str) -> None:
+        now = time.monotonic()
+        aborts = self.early_aborts
+        while aborts and (len(aborts) >= EARLY_ABORT_MAX or next(iter(aborts.values())) < now):
+            aborts.popitem(last=False)
+        aborts[rid] = now + EARLY_ABORT_TTL_S
 
     def _forget(self, req: Req) -> None:
         self.requests.pop(req.rid, None)
@@ -334,34 +460,87 @@ class Scheduler:
         self.kv.release(req, keep=keep)
         self._forget(req)
 
-    def runner_died(self, runner_id: str, code: int) -> None:
-        runner = self.runners.get(runner_id)
-        if runner is None or not runner.up:
+    def runner_died(self, msg: P.RunnerDied) -> None:
+        """The launcher saw a runner exit (and restarts it unless it gave up)."""
+        runner = self.runners.get(msg.runner_id)
+        if runner is None:
             return
-        runner.up = False
-        runner.error = f"runner {runner_id} exited with code {code}"
+        why = f"runner {msg.runner_id} exited with code {msg.exitcode}"
+        if runner.up:
+            self.runner_lost(runner, why, msg.restarting)
+        else:  # already failed over (e.g. killed after a hang): just track the restart
+            runner.state = "restarting" if msg.restarting else "down"
+            self._update_down_reason(self.models[runner.model], runner.error or why)
+        if not msg.restarting:
+            log.error(
+                "runner %s will not be restarted: its model has no live runner", runner.runner_id
+            )
+
+    def runner_lost(self, runner: RunnerState, why: str, restarting: bool) -> None:
+        """Take a dead or hung runner out of service. Its running requests move
+        to a live replica of the model (same greedy output: they resume from
+        their tokens so far) or fail with 503; with no live replica left, the
+        model's waiting requests fail too."""
+        runner.state = "restarting" if restarting else "down"
+        runner.error = why
         runner.inflight = None
+        if restarting:
+            runner.restarts += 1
         model = self.models[runner.model]
-        log.error("%s; failing its %d running requests", runner.error, len(runner.running))
-        failed = list(runner.running)
-        if not model.up:
-            model.down_reason = runner.error
-            failed += model.waiting
-            model.waiting.clear()
-        outputs = []
-        for req in failed:
-            if req.runner is not None:
-                self._finish(req, keep=False)
-            else:
-                self._forget(req)
-            outputs.append(self._output(req, [], "error", error=runner.error, status=503))
-        if outputs:
-            self.to_detok.send(P.encode(P.TokenBatch(outputs)))
+        moved = list(runner.running)
+        failed: list[Req] = []
+        if model.up:
+            assert self.builder is not None
+            for req in reversed(moved):
+                self.builder.requeue(runner, model.waiting, req)
+        else:
+            failed = moved + model.waiting
+        log.error(
+            "%s; %d requests moved to a replica, %d failed",
+            why,
+            len(moved) - len(failed),
+            len(failed),
+        )
+        self._update_down_reason(model, why)
+        self._fail_requests(
+            [r.rid for r in failed], 503, f"model {model.name!r} is unavailable: {why}"
+        )
+
+    def _update_down_reason(self, model: ModelState, why: str) -> None:
+        model.down_reason = None if model.up else why
+
+    def runner_ready(self, runner: RunnerState, msg: RP.Ready) -> None:
+        """A restarted runner is back: its model serves again."""
+        model = self.models[runner.model]
+        expected = model.info.kv_share_key
+        if msg.info.kv_share_key != expected or msg.info.layout != model.info.layout:
+            # Its KV would not match what the tree holds for this model.
+            log.error("runner %s came back with different weights; not using it", runner.runner_id)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(msg.pid, signal.SIGKILL)
+            return
+        runner.state = "up"
+        runner.pid = msg.pid
+        runner.error = None
+        self._update_down_reason(model, "")
+        log.info(
+            "runner %s back in service (pid %d, %.1fs load, restart %d)",
+            runner.runner_id,
+            msg.pid,
+            msg.load_seconds,
+            runner.restarts,
+        )
 
     # ---- runner replies ----------------------------------------------------------------
     def on_runner_message(self, runner_id: str, raw: bytes) -> None:
         runner = self.runners.get(runner_id)
         msg = self.runner_decoder.decode(raw)
+        if runner is not None and isinstance(msg, RP.Ready) and not runner.up:
+            self.runner_ready(runner, msg)
+            return
+        if runner is not None and isinstance(msg, RP.Failed):
+            log.error("runner %s failed to restart: %s", runner_id, msg.error)
+            return  # its exit reaches us as RunnerDied; the launcher decides what next
         if runner is None or not isinstance(msg, RP.ForwardResult):
             log.warning("unexpected message from runner %s: %s", runner_id, type(msg).__name__)
             return
@@ -387,17 +566,26 @@ class Scheduler:
         outputs: list[P.RequestOutput] = []
         if result.error is not None:
             log.error(
-                "runner %s batch %d failed: %s",
+                "runner %s batch %d failed (rids %s): %s",
                 batch.runner_id,
                 batch.batch_id,
-                result.error.splitlines()[0],
+                ",".join(r.rid for r in batch.reqs),
+                result.error,
             )
             for req in batch.reqs:
-                req.aborted = "error"
                 self._finish(req, keep=False)
-                outputs.append(self._output(req, [], "error", error=result.error, status=500))
+                outputs.append(self._output(req, [], "error", error=INTERNAL_ERROR, status=500))
             return outputs
+        if len(result.outputs) != len(batch.reqs):
+            raise ValueError(
+                f"batch {batch.batch_id}: {len(result.outputs)} outputs for {len(batch.reqs)} seqs"
+            )
         for req, n, out in zip(batch.reqs, batch.chunks, result.outputs, strict=True):
+            if out.error is not None:
+                log.error("rid=%s failed in runner %s: %s", req.rid, batch.runner_id, out.error)
+                self._finish(req, keep=False)
+                outputs.append(self._output(req, [], "error", error=INTERNAL_ERROR, status=500))
+                continue
             prompt = len(req.input_ids)
             self.prompt_tokens_computed += max(0, min(req.kv_len + n, prompt) - req.kv_len)
             req.kv_len += n
@@ -458,8 +646,8 @@ class Scheduler:
     # ---- control ------------------------------------------------------------------------
     def control(self, msg: P.ControlRequest) -> P.ControlReply:
         assert self.cache is not None
-        if msg.op == "stats":
-            return P.ControlReply(msg.req_id, True, stats=self.stats())
+        if msg.op in ("stats", "check"):
+            return P.ControlReply(msg.req_id, True, stats=self.stats(check=msg.op == "check"))
         if msg.op == "flush_cache":
             freed = self.cache.flush()
             log.info("cache flushed: %d tokens freed", freed)
@@ -474,7 +662,7 @@ class Scheduler:
             )
         return P.ControlReply(msg.req_id, False, f"unknown control op {msg.op!r}")
 
-    def stats(self) -> P.SchedulerStats:
+    def stats(self, check: bool = False) -> P.SchedulerStats:
         assert self.cache is not None and self.ctx.arena is not None
         cs = self.cache.stats()
         usage = self.cache.allocator.usage()
@@ -499,6 +687,11 @@ class Scheduler:
                     steps=sum(r.steps for r in m.runners),
                     runner_busy_seconds=sum(r.busy_s for r in m.runners),
                     threads=max((r.threads for r in m.runners), default=0),
+                    state=m.state,
+                    runner_pids=[r.pid for r in m.runners if r.up and r.pid is not None],
+                    restarts=sum(r.restarts for r in m.runners),
+                    evicted_for_tokens=cs.evicted_for.get(m.name, 0),
+                    kv_allocated_tokens=self.kv.allocated_tokens[m.name] if self.kv else 0,
                 )
             )
         return P.SchedulerStats(
@@ -511,7 +704,11 @@ class Scheduler:
             steps=sum(r.steps for r in self.runners.values()),
             retractions=self.builder.retractions if self.builder else 0,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            invariants=self._invariants() if self.args.check_invariants else None,
+            invariants=self._invariants() if check or self.args.check_invariants else None,
+            locks_held=self.cache.locks_held,
+            request_owned_slots=sum(len(r.owned_slots) for r in self.requests.values()),
+            aborted_before_arrival=self.aborted_before_arrival,
+            contained_failures=self.contained_failures,
         )
 
     def _invariants(self) -> str:
@@ -522,10 +719,22 @@ class Scheduler:
         return "ok"
 
     def check(self) -> None:
-        """The cache's invariants, with every live request's slots."""
+        """The cache's invariants, checked against what the scheduler itself
+        tracks (not the tree's own record): the tree's locks are exactly those
+        of tracked running requests, every allocated slot is in the tree or
+        owned by one of them, and a waiting request holds no KV at all. So an
+        idle server holds zero locks and zero request-owned slots."""
         assert self.cache is not None and self.kv is not None
-        live = [req for m in self.models.values() for req in m.running()]
-        self.cache.check_invariants(held=self.kv.held_slots(live))
+        running = [req for m in self.models.values() for req in m.running()]
+        tracked = set(map(id, self.requests.values()))
+        assert all(id(r) in tracked for r in running), "a runner runs an untracked request"
+        for req in self.requests.values():
+            if req.runner is None:
+                assert req.handle is None and not len(req.slots), f"rid={req.rid} waits holding KV"
+        self.cache.check_invariants(
+            held=self.kv.held_slots(running),
+            locks=[r.handle for r in running if r.handle is not None],
+        )
 
 
 def _fixed_share(spec: ModelSpec, share: int, block_bytes: int) -> ModelSpec:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
 
@@ -117,6 +118,7 @@ def stats(models: list[str], down: dict[str, str] | None = None) -> P.SchedulerS
             P.ModelStatus(
                 name=m,
                 up=m not in down,
+                state="down" if m in down else "serving",
                 error=down.get(m),
                 waiting=3,
                 running=2,
@@ -155,6 +157,7 @@ class Peers(threading.Thread):
         self.requests: queue.Queue[P.GenerateRequest] = queue.Queue()
         self.aborts: queue.Queue[P.AbortRequest] = queue.Queue()
         self.controls: queue.Queue[P.ControlRequest] = queue.Queue()
+        self.say_ready = threading.Event()  # set: tell the front every process is up
         self._halt = threading.Event()
 
     def _sock(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
@@ -175,7 +178,11 @@ class Peers(threading.Thread):
         tok_dec = P.decoder(P.TokenizerInbox)
         sched_dec = P.decoder(P.SchedulerInbox)
         active: dict[str, tuple[float, Iterator[Step]]] = {}
+        told_ready = False
         while not self._halt.is_set():
+            if self.say_ready.is_set() and not told_ready:
+                self.front.send(P.encode(P.ServerReady()))
+                told_ready = True
             now = time.monotonic()
             wait = min([due - now for due, _ in active.values()] + [0.05])
             for sock, _ in poller.poll(max(0, int(wait * 1000))):
@@ -232,6 +239,16 @@ class RunningFront:
         self.proc: subprocess.Popen = spawn("front", ctx)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def wait_announced(self, timeout: float = 20.0) -> None:
+        """Wait until the front has heard that the server is up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=5).json().get("status") != "starting":
+                    return
+            assert time.monotonic() < deadline, "the front never left 'starting'"
+            time.sleep(0.05)
+
     def stop(self) -> int | None:
         """SIGTERM the front; its exit code (None if it had to be killed). Idempotent."""
         if self.proc.returncode is not None:
@@ -249,11 +266,18 @@ class RunningFront:
 
 
 @contextlib.contextmanager
-def running_front(served: list[P.ServedModel], **args: Any) -> Iterator[RunningFront]:
+def running_front(
+    served: list[P.ServedModel], announce: bool = True, **args: Any
+) -> Iterator[RunningFront]:
+    """A front whose peers, once it reports ready, tell it the server is up
+    (``announce=False``: they never do, so it keeps answering "starting")."""
     front = RunningFront(served, **args)
     try:
         ready = front.peers.ready()
         assert isinstance(ready, P.ProcessReady), ready
+        if announce:
+            front.peers.say_ready.set()
+            front.wait_announced()
         yield front
     finally:
         front.stop()

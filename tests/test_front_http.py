@@ -356,12 +356,34 @@ def test_error_mid_stream(front: RunningFront, http: httpx.Client) -> None:
 
 def test_health(front: RunningFront, http: httpx.Client) -> None:
     r = http.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "models": {"chat": "serving", "base": "serving"}}
     front.peers.stats = stats(["chat", "base"], down={"base": "runner exited with code -9"})
     r = http.get("/health")
-    assert r.status_code == 503
+    assert r.status_code == 503 and r.json()["status"] == "degraded"
+    assert r.json()["models"] == {"chat": "serving", "base": "down"}
     assert r.json()["down"] == {"base": "runner exited with code -9"}
     assert "base" in r.json()["error"]["message"]
+
+
+def test_starting_until_every_process_is_ready() -> None:
+    # The front listens before the launcher has heard from every process (a
+    # tokenizer worker may still load): until told, it is "starting", and it
+    # takes no request, whatever the scheduler says.
+    with running_front([served_model("chat")], announce=False) as front:
+        client = httpx.Client(base_url=front.url, timeout=10)
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "starting"
+        r = client.post("/v1/completions", json={"model": "chat", "prompt": "x"})
+        assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
+        assert front.peers.requests.empty()
+        front.peers.say_ready.set()
+        deadline = time.time() + 10
+        while client.get("/health").status_code != 200:
+            assert time.time() < deadline, "never became ready"
+            time.sleep(0.05)
+        r = client.post("/v1/completions", json={"model": "chat", "prompt": "x"})
+        assert r.status_code == 200, r.text
 
 
 def test_health_generate(front: RunningFront, http: httpx.Client) -> None:

@@ -276,3 +276,85 @@ def test_unknown_model_is_clear() -> None:
         cache.match("nope", [1])
     with pytest.raises(ValueError, match="already registered"):
         cache.register_model(ModelSpec("a", "g1", "wa", TINY))
+
+
+def two_pools(num_blocks: int, cap_blocks: int | None = None) -> RadixCache:
+    """Models ``a`` and ``b`` (same layout, different weights) over one arena;
+    with ``cap_blocks`` each pool is fixed at that many blocks (a static split)."""
+    cap = None if cap_blocks is None else cap_blocks * 4096
+    floor = cap or 0
+    return make_cache(
+        num_blocks=num_blocks,
+        models=(
+            ModelSpec("a", "g", "wa", TINY, floor_bytes=floor, cap_bytes=cap),
+            ModelSpec("b", "g", "wb", TINY, floor_bytes=floor, cap_bytes=cap),
+        ),
+    )
+
+
+def test_evict_for_a_capped_pool_spares_other_models() -> None:
+    # Static split, 2 blocks each. a's entries are the oldest (lowest LRU key),
+    # yet freeing them cannot give b a slot: b must evict its own.
+    cache = two_pools(num_blocks=4, cap_blocks=2)
+    for i in range(4):  # a: 4 x 32 tokens = its 2 blocks, all older than b's
+        serve(cache, "a", [100 * i + t for t in range(1, 33)])
+    for i in range(4):
+        serve(cache, "b", [100 * i + t for t in range(1, 33)])
+    assert not cache.allocator.can_alloc("wb", 32)
+    assert cache.evict_for("b", 32)
+    assert cache.cached_tokens("a") == 128  # untouched
+    assert cache.cached_tokens("b") == 96
+    assert cache.stats().evicted_for == {"a": 0, "b": 32}
+    cache.check_invariants(held={})
+
+
+def test_evict_for_empties_whole_blocks_closest_to_empty_first() -> None:
+    # Unified arena of 3 blocks of 64 slots. a fills block 0 and half of block 1
+    # with requests; then half of block 1 is freed. b (owning block 2, full)
+    # needs a block: emptying block 1 (32 used) beats block 0 (64 used), and
+    # a's block 0 entries must stay even though they are older.
+    cache = two_pools(num_blocks=3)
+    pool_a = cache.allocator
+    old = serve(cache, "a", list(range(1, 65)))  # block 0, oldest
+    serve(cache, "b", list(range(1000, 1064)))  # b's block
+    m = cache.match("b", list(range(1000, 1064)))
+    cache.lock(m.handle)  # b's own KV is in use: only a's blocks can help
+    serve(cache, "a", list(range(200, 232)))  # 32 slots in a's second block
+    assert len(np.unique(pool_a.block_of("wa", old))) == 1
+    assert cache.evict_for("b", 10)
+    assert cache.match("a", list(range(1, 65)), record=False).length == 64  # kept
+    assert cache.match("a", list(range(200, 232)), record=False).length == 0
+    assert cache.stats().evicted_for["b"] == 32
+    cache.unlock(m.handle)
+    cache.check_invariants(held={})
+
+
+def test_evict_for_skips_blocks_it_cannot_empty() -> None:
+    # a's only block holds a locked entry beside an unlocked one: nothing of a
+    # can give b a block, so b gets no room and a keeps its unlocked entry too.
+    cache = two_pools(num_blocks=2)
+    serve(cache, "a", list(range(1, 33)))
+    serve(cache, "a", list(range(100, 132)))
+    busy = cache.match("a", list(range(100, 132)))
+    cache.lock(busy.handle)
+    serve(cache, "b", list(range(1, 65)))
+    mb = cache.match("b", list(range(1, 65)))
+    cache.lock(mb.handle)
+    assert not cache.evict_for("b", 1)
+    assert cache.cached_tokens("a") == 64
+    cache.unlock(busy.handle)
+    cache.unlock(mb.handle)
+    cache.check_invariants(held={})
+
+
+def test_check_invariants_catches_a_lock_nobody_holds() -> None:
+    cache = make_cache()
+    serve(cache, "a", [1, 2, 3, 4])
+    m = cache.match("a", [1, 2, 3, 4])
+    cache.lock(m.handle)
+    cache.check_invariants(held={}, locks=[m.handle])
+    assert cache.locks_held == 1
+    with pytest.raises(AssertionError, match="1 leaked"):
+        cache.check_invariants(held={}, locks=[])
+    cache.unlock(m.handle)
+    cache.check_invariants(held={}, locks=[])

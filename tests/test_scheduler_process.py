@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ import torch
 import zmq
 from tiny_models import make_tiny_model_dir
 
-from radixmux.memory.arena import KVArena
+from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.runtime import protocol as P
@@ -52,6 +54,7 @@ class Runtime:
     to_sched: zmq.Socket
     from_sched: zmq.Socket  # detokenizer side
     front: zmq.Socket  # errors and control replies
+    arena_spec: ArenaSpec
     procs: list[subprocess.Popen] = field(default_factory=list)
     served: list[P.ServedModel] = field(default_factory=list)
 
@@ -99,6 +102,7 @@ def start_runtime(models: list[ModelArg], **flags: object) -> Iterator[Runtime]:
         socket(zctx, zmq.PUSH, ep.scheduler, bind=False),
         socket(zctx, zmq.PULL, ep.detokenizer, bind=True),
         socket(zctx, zmq.PULL, ep.front, bind=True),
+        arena.spec,
     )
     try:
         rt.procs.append(
@@ -322,3 +326,137 @@ def test_runner_death_fails_only_its_model(tiny_dirs: dict[str, Path]) -> None:
         assert status["a"].up and not status["b"].up
     assert np.all([p.poll() is not None for p in rt.procs])
     assert not os.path.exists(rt.endpoints.runtime_dir)
+
+
+def _idle_and_clean(rt: Runtime) -> P.SchedulerStats:
+    """The scheduler's independent check on an idle server: no request, no
+    lock, no request-owned slot, invariants ok."""
+    stats = rt.control("check").stats
+    assert stats is not None
+    assert all(m.running == 0 and m.waiting == 0 for m in stats.models), stats.models
+    assert stats.invariants == "ok", stats.invariants
+    assert stats.locks_held == 0 and stats.request_owned_slots == 0
+    return stats
+
+
+def test_fair_share_contention_leaks_no_lock(tiny_dirs: dict[str, Path]) -> None:
+    # Two models flood a small arena: a model past its fair share stops
+    # admitting after its cache lookup locked a path. That lock must be given
+    # back: afterwards nothing is locked and a flush leaves the tree empty.
+    models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
+    flags = {"kv_cache_bytes": 12 * 4096, "kv_block_bytes": 4096, "schedule_conservativeness": 0}
+    with start_runtime(models, **flags) as rt:
+        system = list(range(300, 324))
+        rids = {rt.submit(m, system + [i] * 16, max_new=6) for i in range(8) for m in ("a", "b")}
+        rt.collect(rids)
+        _idle_and_clean(rt)
+        assert rt.control("flush_cache").ok
+        stats = _idle_and_clean(rt)
+        assert [m.cached_tokens for m in stats.models] == [0, 0]
+        assert stats.arena_free_bytes == stats.arena_total_bytes
+
+
+def test_abort_that_overtakes_its_request_drops_it(tiny_dirs: dict[str, Path]) -> None:
+    # The front sends aborts straight to the scheduler but requests through a
+    # tokenizer worker, so an abort can come first. The request must not run.
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")]) as rt:
+        rt.to_sched.send(P.encode(P.AbortRequest("early-1", "client disconnected", early=True)))
+        sp = SamplingParams(max_new_tokens=50, ignore_eos=True)
+        late = P.TokenizedRequest("early-1", "a", P.pack_ids(PROMPTS[2]), sp)
+        rt.to_sched.send(P.encode(late))
+        ok = rt.submit("a", PROMPTS[3], max_new=3)
+        dec = P.decoder(P.DetokenizerInbox)
+        seen: set[str] = set()
+        while ok not in seen or rt.from_sched.poll(500):
+            assert rt.from_sched.poll(60_000)
+            for o in dec.decode(rt.from_sched.recv()).outputs:
+                if o.finish_reason:
+                    seen.add(o.rid)
+                assert o.rid != "early-1", "an aborted request ran"
+        assert _idle_and_clean(rt).aborted_before_arrival == 1
+
+
+def test_bad_message_and_bad_row_fail_alone(tiny_dirs: dict[str, Path]) -> None:
+    # A message whose handling raises fails its own request (500, nothing
+    # internal in the text) and the loop goes on; a sampling parameter that
+    # makes the runner raise fails its row, not its batch-mates.
+    with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")]) as rt:
+        sp = SamplingParams(max_new_tokens=4)
+        rt.to_sched.send(P.encode(P.TokenizedRequest("torn", "a", b"\x01\x02\x03", sp)))
+        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        assert isinstance(err, P.RequestError) and err.rid == "torn" and err.status == 500
+        assert "Error" not in err.message and "Traceback" not in err.message
+        good = rt.submit("a", PROMPTS[0], max_new=6)
+        bad = rt.submit("a", PROMPTS[1], max_new=6, temperature=1.0, top_k=10**9)
+        dec = P.decoder(P.DetokenizerInbox)
+        tokens: list[int] = []
+        failed = None
+        while len(tokens) < 6 or failed is None:
+            assert rt.from_sched.poll(60_000)
+            for o in dec.decode(rt.from_sched.recv()).outputs:
+                if o.rid == bad:
+                    failed = o
+                elif o.rid == good:
+                    assert o.error is None, o.error
+                    tokens += o.new_token_ids
+        assert failed.status == 500 and failed.finish_reason == "error"
+        assert "topk" not in failed.error and "Error" not in failed.error
+        assert tokens == hf_greedy(tiny_dirs["a"], PROMPTS[0], 6)
+        assert _idle_and_clean(rt).contained_failures == 1
+
+
+def test_hung_runner_is_killed_and_a_new_one_serves(tiny_dirs: dict[str, Path]) -> None:
+    models = [ModelArg(str(tiny_dirs["a"]), "a")]
+    with start_runtime(models, runner_timeout=3.0) as rt:
+        runner = rt.procs[1]
+        os.kill(runner.pid, signal.SIGSTOP)  # hangs mid-batch from here on
+        rid = rt.submit("a", PROMPTS[0], max_new=8)
+        dec = P.decoder(P.DetokenizerInbox)
+        assert rt.from_sched.poll(30_000), "a hung runner held its request"
+        (o,) = dec.decode(rt.from_sched.recv()).outputs
+        assert o.rid == rid and o.status == 503 and "hung" in o.error
+        assert runner.wait(10) == -signal.SIGKILL
+        (m,) = rt.control("stats").stats.models
+        assert m.state == "restarting" and m.restarts == 1
+        # What the launcher does next: the same runner id comes back.
+        cfg = RunnerConfig(
+            models[0].source, rt.arena_spec, rt.endpoints.runners, "a#0", "a", threads=1
+        )
+        rt.procs.append(spawn_runner(cfg))
+        deadline = time.time() + 120
+        while rt.control("stats").stats.models[0].state != "serving":
+            assert time.time() < deadline, "the new runner never came into service"
+            time.sleep(0.2)
+        again = rt.submit("a", PROMPTS[0], max_new=8)
+        assert rt.collect({again})[again] == hf_greedy(tiny_dirs["a"], PROMPTS[0], 8)
+        _idle_and_clean(rt)
+
+
+def test_dead_replica_hands_its_requests_to_the_other(tiny_dirs: dict[str, Path]) -> None:
+    models = [ModelArg(str(tiny_dirs["a"]), "a", replicas=2)]
+    prompts = [p + [i] for i in range(6) for p in PROMPTS[:2]]
+    expected = [hf_greedy(tiny_dirs["a"], p, 24) for p in prompts]
+    with start_runtime(models) as rt:
+        rids = [rt.submit("a", p, max_new=24) for p in prompts]
+        dec = P.decoder(P.DetokenizerInbox)
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        while sum(map(len, out.values())) < 2 * len(rids):  # both replicas are at work
+            assert rt.from_sched.poll(60_000)
+            for o in dec.decode(rt.from_sched.recv()).outputs:
+                out[o.rid] += o.new_token_ids
+        runner = rt.procs[1]
+        runner.kill()
+        runner.wait()
+        rt.to_sched.send(P.encode(P.RunnerDied("a#0", runner.returncode, restarting=False)))
+        done: set[str] = set()
+        while done != set(rids):
+            assert rt.from_sched.poll(60_000)
+            for o in dec.decode(rt.from_sched.recv()).outputs:
+                assert o.error is None, o.error
+                out[o.rid] += o.new_token_ids
+                if o.finish_reason:
+                    done.add(o.rid)
+        assert [out[r] for r in rids] == expected
+        (m,) = rt.control("stats").stats.models
+        assert m.state == "serving" and m.replicas_up == 1
+        _idle_and_clean(rt)
