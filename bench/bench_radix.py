@@ -16,7 +16,8 @@ Phases (each ends with ``check_invariants()``, outside every timed region):
 1. ``unified``: the trace through one tree over an arena big enough for all of it.
 2. ``separate``: the same trace, one tree and one allocator per model.
 3. ``pressure``: the same trace through one tree over a small arena, so requests
-   evict first (each ``cache.evict`` call timed).
+   evict first (each ``cache.evict_for`` call timed: it evicts what gives that
+   model room).
 4. ``targets``: the three issue targets, each case constructed explicitly.
 
 Usage::
@@ -367,20 +368,14 @@ def hit_rate(caches: Sequence[RadixCache]) -> float:
 perf = time.perf_counter_ns
 
 
-def make_room(cache: RadixCache, pool: str, n: int, t: Timings) -> bool:
-    """Evict (each ``evict`` call timed) until ``n`` slots can be allocated in ``pool``.
-
-    Mirrors ``RadixCache.evict_for`` so that every ``evict`` call is measured.
-    """
-    alloc = cache.allocator
-    while not alloc.can_alloc(pool, n):
-        short = alloc.pages_for(n) * cache.page_size - alloc.free_slots_for(pool)
-        t0 = perf()
-        freed = cache.evict(num_tokens=max(short, cache.page_size))
-        t.add("evict", perf() - t0, freed)
-        if freed == 0:
-            return False
-    return True
+def make_room(cache: RadixCache, model: str, n: int, t: Timings) -> bool:
+    """``cache.evict_for`` (timed as "evict") until ``n`` slots can be allocated for ``model``."""
+    before = cache.stats().evicted_for[model]
+    t0 = perf()
+    ok = cache.evict_for(model, n)
+    elapsed = perf() - t0
+    t.add("evict", elapsed, cache.stats().evicted_for[model] - before)
+    return ok
 
 
 def serve(cache: RadixCache, req: Request, t: Timings) -> bool:
@@ -397,7 +392,7 @@ def serve(cache: RadixCache, req: Request, t: Timings) -> bool:
     new = cache.allocator.alloc(pool, extra)
     t.add("alloc", perf() - t0, extra)
     if new is None:
-        new = cache.allocator.alloc(pool, extra) if make_room(cache, pool, extra, t) else None
+        new = cache.allocator.alloc(pool, extra) if make_room(cache, req.model, extra, t) else None
     if new is None:
         cache.unlock(m.handle)
         return False

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixmux.runtime.protocol import SchedulerStats
+from radixmux.runtime.protocol import ModelStatus, SchedulerStats
 
 # Latency buckets from 5 ms to 2 min: CPU runners are slow, GPUs fast.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -121,17 +121,39 @@ def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         "runner_busy_seconds": _counter(
             "radixmux_runner_busy_seconds", "Seconds the model's runners spent computing"
         ),
+        "restarts": _counter("radixmux_runner_restarts", "Runner restarts after a death or hang"),
+        "evicted_for_tokens": _counter(
+            "radixmux_evicted_for_tokens",
+            "Cached tokens (of any model) evicted to give this model room",
+        ),
+        "kv_allocated_tokens": _counter(
+            "radixmux_kv_allocated_tokens", "KV slots allocated to this model's requests"
+        ),
+        "evicted_per_admitted": _gauge(
+            "radixmux_evicted_tokens_per_admitted_token",
+            "Tokens evicted for this model / KV tokens it was given",
+        ),
     }
+    state = GaugeMetricFamily(
+        "radixmux_model_state",
+        "1 for the model's state: serving, restarting or down",
+        labels=["model", "state"],
+    )
     for m in stats.models:
         for key, fam in fams.items():
-            if key == "hit_rate":
-                value = m.tokens_matched / m.tokens_queried if m.tokens_queried else 0.0
-            elif key == "up":
-                value = float(m.up)
-            else:
-                value = float(getattr(m, key))
-            fam.add_metric([m.name], value)
+            fam.add_metric([m.name], _model_value(m, key))
+        for name in ("serving", "restarting", "down"):
+            state.add_metric([m.name, name], float(m.state == name))
     yield from fams.values()
+    yield state
+
+
+def _model_value(m: ModelStatus, key: str) -> float:
+    if key == "hit_rate":
+        return m.tokens_matched / m.tokens_queried if m.tokens_queried else 0.0
+    if key == "evicted_per_admitted":
+        return m.evicted_for_tokens / m.kv_allocated_tokens if m.kv_allocated_tokens else 0.0
+    return float(getattr(m, key))
 
 
 def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
@@ -188,6 +210,30 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
             "radixmux_prompt_tokens_computed",
             "Prompt tokens prefilled (not served from the cache)",
             stats.prompt_tokens_computed,
+        ),
+        (
+            GaugeMetricFamily,
+            "radixmux_cache_locks_held",
+            "Lock references requests hold on the radix tree",
+            stats.locks_held,
+        ),
+        (
+            GaugeMetricFamily,
+            "radixmux_request_owned_kv_slots",
+            "KV slots requests hold outside the radix tree",
+            stats.request_owned_slots,
+        ),
+        (
+            CounterMetricFamily,
+            "radixmux_aborted_before_arrival",
+            "Requests dropped because their abort reached the scheduler first",
+            stats.aborted_before_arrival,
+        ),
+        (
+            CounterMetricFamily,
+            "radixmux_contained_failures",
+            "Scheduler events whose handling failed (their requests got a 500)",
+            stats.contained_failures,
         ),
     ):
         metric = family(name, doc)

@@ -129,6 +129,8 @@ def stats(models: list[str], down: dict[str, str] | None = None) -> P.SchedulerS
                 tokens_matched=40,
                 cached_tokens=64,
                 arena_bytes=4096,
+                evicted_for_tokens=30,
+                kv_allocated_tokens=120,
             )
             for m in models
         ],

@@ -213,11 +213,24 @@ def test_disconnect_mid_stream_aborts(front: RunningFront, http: httpx.Client) -
         rid = r.headers["x-request-id"]
     abort = next_abort(front)
     assert abort.rid == rid and abort.reason == "client disconnected"
+    assert not abort.early  # the scheduler had answered: it knows the request
 
     # Non-streaming: the client gives up waiting; the front notices and aborts too.
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
     assert next_abort(front).reason == "client disconnected"
+
+
+def test_disconnect_before_any_reply_is_an_early_abort(
+    front: RunningFront, http: httpx.Client
+) -> None:
+    # Nothing came back yet (the prompt may still be in a tokenizer worker):
+    # the abort says so, so the scheduler can drop the request when it comes.
+    front.peers.script = lambda req: iter([5.0])
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={"model": "chat", "prompt": "p"}, timeout=0.5)
+    abort = next_abort(front)
+    assert abort.reason == "client disconnected" and abort.early
 
 
 CMPL, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
@@ -244,6 +257,14 @@ def chat(*messages: dict) -> dict:
         (CMPL, cmpl(top_p=0), 400, "top_p"),
         (CMPL, cmpl(top_p=1.5), 400, "top_p"),
         (CMPL, cmpl(top_k=-2), 400, "top_k"),
+        (CMPL, cmpl(top_k=1001), 400, "top_k"),  # past the vocabulary (1000)
+        (CMPL, cmpl(repetition_penalty=1e9), 400, "repetition_penalty"),
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"top_k": 5000}},
+            400,
+            "sampling_params.top_k",
+        ),
         (CMPL, cmpl(stop=[""]), 400, "stop"),
         (CMPL, cmpl(prompt=[1, 5000]), 400, "prompt"),
         (CMPL, cmpl(prompt=["a", "b"]), 400, "prompt"),
@@ -419,6 +440,10 @@ def test_metrics(front: RunningFront, http: httpx.Client) -> None:
     assert samples[("radixmux_running_requests", (("model", "base"),))] == 2
     assert samples[("radixmux_arena_bytes", (("model", "base"),))] == 4096
     assert samples[("radixmux_evicted_tokens_total", (("reason", "capacity"),))] == 12
+    per_admitted = ("radixmux_evicted_tokens_per_admitted_token", (("model", "base"),))
+    assert samples[per_admitted] == pytest.approx(0.25)
+    assert samples[("radixmux_model_state", (("model", "chat"), ("state", "serving")))] == 1
+    assert samples[("radixmux_model_state", (("model", "chat"), ("state", "down")))] == 0
     assert (
         samples[("radixmux_requests_total", (("finish_reason", "length"), ("model", "base")))] >= 1
     )

@@ -15,9 +15,11 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from tiny_models import make_tiny_model_dir
 
@@ -143,7 +145,10 @@ def test_engine_generates_survives_runner_death_stops_on_core_death(tiny):
         assert again[0].text == outs[0].text  # greedy
         assert engine.generate(["x"], {"max_new_tokens": 2}, model="b")[0].completion_tokens >= 1
 
-        # A runner's death is survivable: reported to the scheduler, the rest serves.
+        # A runner's death is survivable: reported to the scheduler, the rest
+        # serves, and the runner is restarted: its model comes back.
+        url = f"http://127.0.0.1:{engine.args.port}"
+        assert httpx.get(f"{url}/health").json()["models"] == {"a": "serving", "b": "serving"}
         runner = next(c for c in launcher.children if c.name == "runner b#0")
         runner.proc.kill()
         deadline = time.monotonic() + 10
@@ -151,6 +156,10 @@ def test_engine_generates_survives_runner_death_stops_on_core_death(tiny):
             time.sleep(0.1)
         assert runner not in launcher.children and engine._monitor.is_alive()
         assert engine.generate(["Hi"], {"max_new_tokens": 2}, model="a")[0].completion_tokens
+        wait_serving(url, "b")
+        model_b = next(m for m in server_info(url)["models"] if m["name"] == "b")
+        assert model_b["restarts"] == 1 and model_b["runner_pids"] != [runner.proc.pid]
+        assert engine.generate(["x"], {"max_new_tokens": 2}, model="b")[0].completion_tokens
         # A core process's death ends the monitor with a non-zero exit code.
         next(c for c in launcher.children if c.name == "detokenizer").proc.kill()
         engine._monitor.join(10)
@@ -186,6 +195,82 @@ def test_launch_py_serves_and_stops_on_sigint(tiny, tmp_path):
         assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
     assert not (tmp_path / "rt").exists()
     assert arena_files(proc.pid) == []
+
+
+def server_info(url: str) -> dict:
+    return httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+
+
+def wait_serving(url: str, model: str, timeout: float = 60.0) -> None:
+    """Wait until ``/health`` reports ``model`` serving again."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health", timeout=30).json().get("models", {}).get(model) != "serving":
+        assert time.monotonic() < deadline, f"{model} never came back"
+        time.sleep(0.2)
+
+
+@needs_stack
+@pytest.mark.timeout(300)
+def test_runner_death_while_the_rest_starts_is_not_a_failed_start(tiny):
+    # The runners are ready, the tokenizer worker and front still loading: a
+    # runner that dies now is restarted like any other, not a failed start.
+    launcher = Launcher(ServerArgs(models=[ModelArg(str(tiny["a"]), "a")], **SMALL))
+    killed: list[int] = []
+
+    def kill_the_runner_once_ready() -> None:
+        deadline = time.monotonic() + 180
+        while "scheduler" not in launcher._ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        runner = next(c for c in launcher.children if c.runner_id == "a#0")
+        runner.proc.kill()
+        killed.append(runner.proc.pid)
+
+    # start() runs on the main thread: children die with the thread that
+    # started them (PR_SET_PDEATHSIG), as they should with the launcher.
+    killer = threading.Thread(target=kill_the_runner_once_ready, daemon=True)
+    killer.start()
+    try:
+        launcher.start()
+        killer.join(10)
+        assert killed, "the runner was not killed during start-up"
+        monitor = threading.Thread(target=launcher.wait, daemon=True)
+        monitor.start()
+        url = f"http://127.0.0.1:{launcher.args.port}"
+        wait_serving(url, "a")
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert server_info(url)["models"][0]["restarts"] == 1
+        launcher.request_stop()
+        monitor.join(10)
+    finally:
+        launcher.stop()
+    assert_nothing_left(launcher)
+
+
+@pytest.mark.timeout(30)
+def test_flags_that_cannot_work_are_refused_at_start():
+    model = [ModelArg("smollm2", "s")]
+    with pytest.raises(ValueError, match=r"--device cuda: .*no tested CUDA path"):
+        ServerArgs(models=model, device="cuda")
+    for flags, message in (
+        ({"kv_block_bytes": 0}, "--kv-block-bytes must be positive"),
+        ({"kv_cache_bytes": 1 << 20, "kv_block_bytes": 2 << 20}, "smaller than one block"),
+        ({"runner_timeout": float("nan")}, "--runner-timeout must be positive"),
+        ({"port": 70000}, "--port 70000"),
+        ({"runner_threads": -1}, "--runner-threads"),
+        ({"log_level": "loud"}, "--log-level"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(models=model, **flags)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "no tested CUDA path" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def _zombie_or_gone(pid: int) -> bool:
