@@ -348,6 +348,39 @@ class RadixCache:
         # they stay valid: a handle on `child` still covers both halves.
         return upper
 
+    # ---- sharing ---------------------------------------------------------------
+    def shared_prefixes(
+        self, handles: Sequence[CacheHandle | None], min_tokens: int = 1
+    ) -> list[tuple[int, list[int]]]:
+        """Group matched paths by the longest cached prefix they share.
+
+        Returns ``(prefix tokens, member indices into handles)`` per group of
+        two or more: each member's deepest ancestor (of at least
+        ``min_tokens``) that another member also passes through, in the same
+        cache. Members of a group hold the same slot ids for that prefix, so
+        it can be read once for all of them (shared-prefix decode attention).
+        One level only: a request is in at most one group.
+        """
+        paths: list[list[tuple[Node, int, int]]] = []  # (node, cache id, depth) leaf first
+        passing: Counter[tuple[Node, int]] = Counter()
+        for handle in handles:
+            path = []
+            if handle is not None:
+                node, depth = handle.node, handle.length
+                while node.parent is not None and depth >= min_tokens:
+                    path.append((node, handle.cache_id, depth))
+                    passing[(node, handle.cache_id)] += 1
+                    depth -= node.num_tokens
+                    node = node.parent
+            paths.append(path)
+        groups: dict[tuple[Node, int], tuple[int, list[int]]] = {}
+        for i, path in enumerate(paths):
+            for node, cid, depth in path:
+                if passing[(node, cid)] > 1:
+                    groups.setdefault((node, cid), (depth, []))[1].append(i)
+                    break
+        return [g for g in groups.values() if len(g[1]) > 1]
+
     # ---- lock ----------------------------------------------------------------
     def lock(self, handle: CacheHandle) -> None:
         """Protect every entry on the handle's path from eviction."""

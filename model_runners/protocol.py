@@ -71,6 +71,16 @@ class SeqInput(msgspec.Struct, frozen=True):
     output_ids: bytes = b""
 
 
+class PrefixGroup(msgspec.Struct, frozen=True):
+    """Single-token sequences of a batch whose first ``prefix_len`` context
+    slots are the same slot ids (a cached prefix they share): decode attention
+    reads that prefix's K/V once for all of them. ``members`` index
+    ``ForwardBatch.seqs``."""
+
+    prefix_len: int
+    members: list[int]
+
+
 class ForwardBatch(msgspec.Struct, tag="forward", frozen=True):
     """A ragged batch: any mix of prefill chunks and single-token decodes."""
 
@@ -79,6 +89,7 @@ class ForwardBatch(msgspec.Struct, tag="forward", frozen=True):
     # torch threads to run it with (0: keep the runner's current count); the
     # scheduler gives a runner more cores while the others have no work.
     threads: int = 0
+    prefix_groups: list[PrefixGroup] = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):

@@ -104,8 +104,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def resolve_models(args: ServerArgs) -> ServerArgs:
-    """``args`` with every model source replaced by its local folder (or .gguf file)."""
-    models = [msgspec.structs.replace(m, source=resolve_source(m.source)) for m in args.models]
+    """``args`` with every model's source replaced by its local folder (or
+    .gguf file) and its dtype made concrete (``auto`` resolved, logged)."""
+    from radixmux.model_runners.cpu_features import resolve_dtype
+
+    models = []
+    for m in args.models:
+        dtype, why = resolve_dtype(m.dtype or args.dtype)
+        log.info("model %s: dtype %s (%s)", m.name, dtype, why)
+        models.append(msgspec.structs.replace(m, source=resolve_source(m.source), dtype=dtype))
     return msgspec.structs.replace(args, models=models)
 
 
@@ -214,7 +221,7 @@ class Launcher:
                     endpoint=self.endpoints.runners,
                     runner_id=rid,
                     name=m.name,
-                    dtype=m.dtype or args.dtype,
+                    dtype=m.dtype or args.dtype,  # concrete: resolve_models ran
                     device=args.device,
                     page_size=args.page_size,
                     threads=args.runner_threads,

@@ -231,6 +231,12 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         ),
         (
             CounterMetricFamily,
+            "radixmux_decode_shared_prefix_rows",
+            "Decode context rows read once for a group sharing a prefix instead of per request",
+            stats.shared_prefix_rows,
+        ),
+        (
+            CounterMetricFamily,
             "radixmux_contained_failures",
             "Scheduler events whose handling failed (their requests got a 500)",
             stats.contained_failures,

@@ -209,6 +209,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     request_owned_slots: int = 0  # KV slots requests hold outside the tree
     aborted_before_arrival: int = 0  # requests dropped: their abort came first
     contained_failures: int = 0  # messages/results whose handling raised
+    shared_prefix_rows: int = 0  # decode context rows read once for a group, not per member
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):

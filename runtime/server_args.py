@@ -16,7 +16,7 @@ from radixmux.model_runners.protocol import ATTENTION_BACKENDS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 KV_PARTITIONS = ("unified", "static")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL = "smollm2"
@@ -86,7 +86,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     tokenizer_workers: int = 1
     device: str = "cpu"
     attention_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     log_level: str = "info"
     chat_template: str | None = None
     max_request_bytes: int = 1 << 20
@@ -171,7 +171,12 @@ _FLAGS: list[tuple[str, type, str]] = [
         str,
         f"{ATTENTION_BACKENDS}: decode attention in the C++ paged kernel or torch gather + SDPA",
     ),
-    ("dtype", str, f"model and KV dtype {DTYPES} (per model: --model ...,dtype=)"),
+    (
+        "dtype",
+        str,
+        f"model and KV dtype {DTYPES}; auto: bfloat16 where the CPU has native bfloat16, "
+        "else float32 (per model: --model ...,dtype=)",
+    ),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for models that have none"),
     ("max-request-bytes", int, "largest HTTP body accepted (413 above)"),

@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 
 from radixmux.memory.radix_cache import common_prefix_tokens
-from radixmux.model_runners.protocol import ForwardBatch, SeqInput, pack_ids
+from radixmux.model_runners.protocol import ForwardBatch, PrefixGroup, SeqInput, pack_ids
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.policy import order_waiting
 from radixmux.scheduler.request import Req
@@ -36,6 +36,8 @@ log = logging.getLogger("radixmux.scheduler")
 IN_BATCH_SHARE_TOKENS = 32
 # Admission keeps room for this many future decode tokens x conservativeness.
 DECODE_RESERVE_TOKENS = 64
+# Decodes sharing at least this many cached tokens read them once per step.
+MIN_SHARED_PREFIX = 32
 
 _batch_ids = itertools.count()
 
@@ -69,6 +71,7 @@ class ScheduledBatch:
     runner_id: str
     reqs: list[Req]
     chunks: list[int]
+    prefix_groups: list[PrefixGroup] = field(default_factory=list)
     batch_id: int = field(default_factory=lambda: next(_batch_ids))
 
     def to_forward_batch(self, threads: int = 0) -> ForwardBatch:
@@ -87,7 +90,7 @@ class ScheduledBatch:
                     output_ids=pack_ids(req.output_ids),
                 )
             )
-        return ForwardBatch(self.batch_id, seqs, threads)
+        return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups)
 
 
 @dataclass
@@ -108,6 +111,9 @@ class BatchBuilder:
         self.limits = limits
         self.rng = random.Random(seed)
         self.retractions = 0
+        # Context rows decode attention reads once per group instead of once
+        # per member (sum over steps of (members - 1) x shared prefix).
+        self.shared_prefix_rows = 0
 
     def schedule_next_batch(
         self, runner: RunnerState, waiting: list[Req], admit_cap: int | None = None
@@ -143,7 +149,20 @@ class BatchBuilder:
             return self.schedule_next_batch(runner, waiting, admit_cap=0)
         if not reqs:
             return None
-        return ScheduledBatch(runner.runner_id, reqs, chunks)
+        return ScheduledBatch(runner.runner_id, reqs, chunks, self._prefix_groups(reqs, chunks))
+
+    def _prefix_groups(self, reqs: list[Req], chunks: list[int]) -> list[PrefixGroup]:
+        """The batch's single-token sequences grouped by the cached prefix they share."""
+        if not self.kv.use_cache:
+            return []
+        decodes = [i for i, n in enumerate(chunks) if n == 1]
+        handles = [reqs[i].handle for i in decodes]
+        groups = [
+            PrefixGroup(depth, [decodes[j] for j in members])
+            for depth, members in self.kv.cache.shared_prefixes(handles, MIN_SHARED_PREFIX)
+        ]
+        self.shared_prefix_rows += sum((len(g.members) - 1) * g.prefix_len for g in groups)
+        return groups
 
     def _decodes(
         self, runner: RunnerState, waiting: list[Req], reqs: list[Req], chunks: list[int]

@@ -709,6 +709,7 @@ class Scheduler:
             request_owned_slots=sum(len(r.owned_slots) for r in self.requests.values()),
             aborted_before_arrival=self.aborted_before_arrival,
             contained_failures=self.contained_failures,
+            shared_prefix_rows=self.builder.shared_prefix_rows if self.builder else 0,
         )
 
     def _invariants(self) -> str:

@@ -45,6 +45,7 @@ def start(models: dict[str, Path], **flags: object) -> Engine:
         runner_threads=1,
         check_invariants=True,
         max_request_bytes=64 << 10,
+        dtype="float32",  # answers are compared with transformers in float32
     )
     return Engine(**{**base, **flags})
 

@@ -278,3 +278,13 @@ def _zombie_or_gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_dtype_auto_follows_the_cpu():
+    from radixmux.model_runners.cpu_features import BF16_FLAGS, cpu_flags, resolve_dtype
+
+    native = any(f in cpu_flags() for f in BF16_FLAGS)
+    dtype, why = resolve_dtype("auto")
+    assert dtype == ("bfloat16" if native else "float32") and why.startswith("auto:")
+    assert resolve_dtype("float32") == ("float32", "as asked")
+    assert ServerArgs(models=[ModelArg("smollm2", "s")]).dtype == "auto"

@@ -358,3 +358,25 @@ def test_check_invariants_catches_a_lock_nobody_holds() -> None:
         cache.check_invariants(held={}, locks=[])
     cache.unlock(m.handle)
     cache.check_invariants(held={}, locks=[])
+
+
+def test_shared_prefixes_groups_paths_by_their_deepest_common_node() -> None:
+    cache = make_cache()
+    system = list(range(1, 41))
+    prompts = [system + [100 + i, 7, 8] for i in range(3)] + [system + [100, 7, 8, 9]]
+    handles = []
+    for p in prompts:
+        serve(cache, "a", p)
+        m = cache.match("a", p)
+        cache.lock(m.handle)
+        handles.append(m.handle)
+    other = cache.match("b", prompts[0])  # another cache: never grouped with a's
+    groups = sorted(cache.shared_prefixes([*handles, other.handle, None], min_tokens=8))
+    # 0 and 3 share 43 tokens; 1 and 2 share the 40-token system prompt only.
+    assert groups == [(40, [1, 2]), (43, [0, 3])]
+    assert cache.shared_prefixes(handles, min_tokens=41) == [(43, [0, 3])]
+    for i, j in ((0, 3), (1, 2)):
+        a, b = (cache.match("a", prompts[k], record=False).slots for k in (i, j))
+        assert np.array_equal(a[:40], b[:40])  # the same slot ids: readable once
+    for h in handles:
+        cache.unlock(h)

@@ -177,6 +177,8 @@ def test_scheduler_serves_greedy_like_transformers(tiny_dirs: dict[str, Path]) -
         stats = rt.control("stats").stats
         assert stats is not None and stats.models[0].tokens_matched > 0
         assert stats.models[0].running == stats.models[0].waiting == 0
+        # PROMPTS[0] and [1] share 50 cached tokens: their decodes read them once.
+        assert stats.shared_prefix_rows >= 50
 
 
 @pytest.mark.parametrize(
