@@ -79,6 +79,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     page_size: int = 1
     max_running_requests: int = 64
     chunked_prefill_size: int = 512
+    prefill_tokens_during_decode: int = 0
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     kv_partition: str = "unified"
@@ -131,6 +132,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: must be in [0, 65535]")
+        if self.prefill_tokens_during_decode < 0:
+            raise ValueError("--prefill-tokens-during-decode must be >= 0 (0: no extra bound)")
         if self.runner_threads < 0:
             raise ValueError("--runner-threads must be >= 0 (0: divide the cores)")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -161,6 +164,12 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("page-size", int, "tokens per KV page: matching and allocation granularity"),
     ("max-running-requests", int, "most requests decoding at once, per model instance"),
     ("chunked-prefill-size", int, "most prompt tokens one forward pass prefills"),
+    (
+        "prefill-tokens-during-decode",
+        int,
+        "most prompt tokens a forward pass that also decodes prefills, bounding the "
+        "inter-token latency of running requests (0: --chunked-prefill-size)",
+    ),
     ("schedule-conservativeness", float, "reserve KV for future decode tokens (x max_tokens)"),
     ("kv-partition", str, f"{KV_PARTITIONS}: static gives each model a fixed share"),
     ("max-queued-requests", int, "waiting requests per model before 429"),

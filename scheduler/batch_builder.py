@@ -6,7 +6,9 @@ A batch mixes, in this order:
    when KV runs out, the running request with the least progress is retracted
    (its KV goes into the cache, it waits again and later resumes where it was);
 2. the next chunk of prompts already being prefilled (chunked prefill), within
-   ``chunked_prefill_size`` tokens per batch;
+   ``chunked_prefill_size`` tokens per batch, or ``prefill_tokens_during_decode``
+   when the batch also decodes (so a long prompt arriving does not stretch
+   every running request's next token);
 3. new requests from the model's waiting queue, in schedule-policy order, while
    the token budget, ``max_running_requests`` and free KV allow. A request that
    shares a not-yet-cached prefix with one admitted in this round waits a round,
@@ -101,6 +103,7 @@ class BatchLimits:
     chunked_prefill_size: int
     max_running_requests: int
     conservativeness: float
+    prefill_tokens_during_decode: int = 0  # 0: chunked_prefill_size
 
 
 class BatchBuilder:
@@ -129,6 +132,8 @@ class BatchBuilder:
         chunks: list[int] = []
         self._decodes(runner, waiting, reqs, chunks)
         budget = self.limits.chunked_prefill_size
+        if reqs and self.limits.prefill_tokens_during_decode:
+            budget = min(budget, self.limits.prefill_tokens_during_decode)
         prefilling = [r for r in runner.running if r.pending > 1]
         for req in prefilling:
             n = min(req.pending, budget)

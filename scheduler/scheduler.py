@@ -198,6 +198,7 @@ class Scheduler:
         limits = BatchLimits(
             policy=args.schedule_policy,
             chunked_prefill_size=args.chunked_prefill_size,
+            prefill_tokens_during_decode=args.prefill_tokens_during_decode,
             max_running_requests=args.max_running_requests,
             conservativeness=args.schedule_conservativeness,
         )

@@ -1,0 +1,75 @@
+"""The batch builder over a real radix cache and allocator (no runner needed:
+a batch is what the builder decides, checked before anything runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from radixmux.memory.allocator import KVAllocator
+from radixmux.memory.layout import KVLayout
+from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.model_runners.protocol import SamplingParams
+from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState
+from radixmux.scheduler.kv_manager import KVManager
+from radixmux.scheduler.request import Req
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
+
+
+def builder(**limits: int) -> BatchBuilder:
+    cache = RadixCache(KVAllocator(64, 4096))
+    cache.register_model(ModelSpec("m", "g", "w", LAYOUT))
+    lim = BatchLimits(
+        policy="fcfs",
+        chunked_prefill_size=limits.get("chunked", 512),
+        max_running_requests=64,
+        conservativeness=0.0,
+        prefill_tokens_during_decode=limits.get("during_decode", 0),
+    )
+    return BatchBuilder(KVManager(cache), lim)
+
+
+def request(rid: str, tokens: list[int]) -> Req:
+    ids = np.asarray(tokens, dtype=np.int32)
+    return Req(rid, "m", ids, SamplingParams(max_new_tokens=8), [], True, 0.0)
+
+
+def run(b: BatchBuilder, runner: RunnerState, waiting: list[Req]) -> list[tuple[str, int]]:
+    """Schedule a batch and apply it as if the runner had computed it."""
+    batch = b.schedule_next_batch(runner, waiting)
+    assert batch is not None
+    for req, n in zip(batch.reqs, batch.chunks, strict=True):
+        req.kv_len += n
+        if req.kv_len == req.num_tokens:
+            req.output_ids.append(5)
+        b.kv.cache_progress(req)
+    return [(r.rid, n) for r, n in zip(batch.reqs, batch.chunks, strict=True)]
+
+
+def test_prefill_shrinks_while_requests_decode() -> None:
+    b = builder(chunked=256, during_decode=32)
+    runner = RunnerState("m#0", "m", state="up")
+    first = request("first", list(range(1, 41)))
+    waiting = [first]
+    assert run(b, runner, waiting) == [("first", 40)]  # nothing decodes: the full budget
+    waiting.append(request("long", list(range(100, 300))))
+    # first now decodes: the long prompt comes in 32-token chunks beside it.
+    assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
+    assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
+    b.kv.cache.check_invariants(
+        held=b.kv.held_slots(runner.running), locks=[r.handle for r in runner.running]
+    )
+
+
+def test_decodes_sharing_a_cached_prefix_form_a_group() -> None:
+    b = builder()
+    runner = RunnerState("m#0", "m", state="up")
+    system = list(range(1, 65))
+    waiting = [request(f"r{i}", system + [200 + i, 7]) for i in range(3)]
+    run(b, runner, waiting)  # r0 computes the system prompt; the others wait for it
+    run(b, runner, waiting)  # r1, r2 hit it
+    batch = b.schedule_next_batch(runner, waiting)
+    assert batch is not None and all(n == 1 for n in batch.chunks)
+    (group,) = batch.prefix_groups
+    assert group.prefix_len >= 64 and sorted(group.members) == [0, 1, 2]
+    assert b.shared_prefix_rows == 2 * group.prefix_len
