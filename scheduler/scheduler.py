@@ -553,11 +553,28 @@ class Scheduler:
         runner.steps += 1
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
         runner.threads = msg.threads
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %s", self._describe_step(batch, msg))
         outputs = self.apply_result(batch, msg)
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
         if self.args.check_invariants:
             self.check()
+
+    @staticmethod
+    def _describe_step(batch: ScheduledBatch, result: RP.ForwardResult) -> str:
+        """One step's composition and cost (``--log-level debug``), to see where time goes."""
+        decodes = [r for r, n in zip(batch.reqs, batch.chunks, strict=True) if n == 1]
+        chunks = [(r, n) for r, n in zip(batch.reqs, batch.chunks, strict=True) if n > 1]
+        context = sum(r.kv_len + 1 for r in decodes)
+        shared = sum((len(g.members) - 1) * g.prefix_len for g in batch.prefix_groups)
+        prefill = ",".join(f"{n}@{r.kv_len}" for r, n in chunks)
+        return (
+            f"runner={batch.runner_id} batch={batch.batch_id} decodes={len(decodes)} "
+            f"decode_context={context} shared_rows={shared} prefill=[{prefill}] "
+            f"forward_ms={result.forward_ms:.1f} sample_ms={result.sample_ms:.1f} "
+            f"threads={result.threads}"
+        )
 
     def apply_result(
         self, batch: ScheduledBatch, result: RP.ForwardResult
