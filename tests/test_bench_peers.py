@@ -62,6 +62,17 @@ def test_unknown_peer_is_unavailable_with_reason() -> None:
         peers.ensure_installed("nonexistent", progress=False)
 
 
+def test_vllm_cli_needs_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's own CLI (vs_vllm's benchmark client) runs only from the peer venv.
+    monkeypatch.setattr(peers, "is_installed", lambda kind: False)
+    with pytest.raises(peers.PeerUnavailable, match="install vllm"):
+        peers.vllm_cli_command(["bench", "serve"])
+    monkeypatch.setattr(peers, "is_installed", lambda kind: kind == "vllm")
+    cmd = peers.vllm_cli_command(["bench", "serve", "--help"])
+    assert cmd[0].endswith("/vllm/bin/python") and cmd[1].endswith("peers.py")
+    assert cmd[2:] == [peers.VLLM_CLI, "bench", "serve", "--help"]
+
+
 def test_transformers_peer_lists_model(tiny_server) -> None:
     resp = httpx.get(f"{tiny_server.base_url}/v1/models", timeout=10)
     assert resp.status_code == 200

@@ -1,0 +1,199 @@
+"""Fast tests of ``bench/vs_vllm.py``: reading vLLM's results, the goals, the table.
+
+No server and no vLLM are needed: the results below are trimmed from what
+``vllm bench serve --save-result`` (vLLM 0.32) wrote in a smoke run. The one
+test that runs vLLM's CLI (its ``--help``, to catch flag drift) is skipped
+where ``bench/peers.py install vllm`` has not been run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import peers, vs_vllm  # noqa: E402
+
+# ``vllm bench serve --quick`` smoke run, prefix_repetition at concurrency 4
+# (trimmed to the fields vs_vllm reads; figures from a busy shared machine).
+RADIXMUX_JSON = {
+    "backend": "openai",
+    "num_prompts": 8,
+    "max_concurrency": 4,
+    "completed": 8,
+    "failed": 0,
+    "duration": 8.60722771299993,
+    "total_input_tokens": 8800,
+    "total_output_tokens": 256,
+    "request_throughput": 0.9294514176634594,
+    "output_throughput": 29.7424453652307,
+    "median_ttft_ms": 1745.2190344999963,
+    "p99_ttft_ms": 4191.274722969947,
+    "median_tpot_ms": 65.3397286451606,
+    "p99_tpot_ms": 108.84507623032098,
+    "median_itl_ms": 38.47371500000918,
+    "median_e2el_ms": 4187.733789499987,
+    "errors": ["", "", "", "", "", "", "", ""],
+}
+VLLM_JSON = {
+    "backend": "openai",
+    "num_prompts": 8,
+    "max_concurrency": 4,
+    "completed": 8,
+    "failed": 0,
+    "duration": 21.519123674999946,
+    "total_input_tokens": 8800,
+    "total_output_tokens": 256,
+    "request_throughput": 0.37176235058744883,
+    "output_throughput": 11.896395218798363,
+    "median_ttft_ms": 3715.8604534999995,
+    "p99_ttft_ms": 11526.71833853995,
+    "median_tpot_ms": 148.46080512902958,
+    "p99_tpot_ms": 335.61171556064403,
+    "median_itl_ms": 81.28042450005069,
+    "median_e2el_ms": 10706.562304000045,
+    "errors": ["", "", "", "", "", "", "", ""],
+}
+
+
+def run(data: dict, engine: str = "radixmux", dataset: str = "prefix_repetition", c: int = 4):
+    return vs_vllm.RunResult.from_vllm(data, dataset, c, engine)
+
+
+def test_reads_vllm_result_json() -> None:
+    r = run(RADIXMUX_JSON)
+    assert (r.completed, r.failed, r.num_prompts) == (8, 0, 8)
+    assert r.output_throughput == pytest.approx(29.74, abs=0.01)
+    assert r.ttft_p50_ms == pytest.approx(1745.2, abs=0.1)
+    assert r.tpot_p50_ms == pytest.approx(65.34, abs=0.01)
+    assert r.error_samples == [] and r.ok
+    # Failed requests: their errors are kept (deduplicated) and the run is not ok.
+    bad = run({**RADIXMUX_JSON, "failed": 2, "errors": ["", "Bad Request", "Bad Request"]})
+    assert bad.error_samples == ["Bad Request"] and not bad.ok
+
+
+def test_goal_passes_and_misses_with_reasons() -> None:
+    ours, peer = run(RADIXMUX_JSON), run(VLLM_JSON, "vllm")
+    v = vs_vllm.judge(ours, peer, 1.2)
+    assert v.passed is True and v.verdict == "PASS" and v.misses == []
+    assert v.throughput_ratio == pytest.approx(29.74 / 11.90, rel=1e-3)
+    assert v.ttft_ratio < 1 and v.tpot_ratio < 1
+    # Swapped roles: every part of the goal is missed, and each says why.
+    v = vs_vllm.judge(run(VLLM_JSON), run(RADIXMUX_JSON, "vllm"), 1.0)
+    assert v.verdict == "MISS"
+    assert [m.split()[0] for m in v.misses] == ["out", "TPOT", "TTFT"]
+    # Equal TTFT is not "better"; equal TPOT is within the goal.
+    v = vs_vllm.judge(run(RADIXMUX_JSON), run(RADIXMUX_JSON, "vllm"), 1.0)
+    assert v.misses == ["TTFT p50 1.00x vLLM's (not lower)"]
+
+
+def test_no_verdict_without_clean_runs() -> None:
+    failed = run({**VLLM_JSON, "failed": 1}, "vllm")
+    v = vs_vllm.judge(run(RADIXMUX_JSON), failed, 1.2)
+    assert v.passed is None and v.verdict == "n/a" and "vllm: 1 failed" in v.misses[0]
+    gone = vs_vllm.RunResult("random", 1, "radixmux", 2, unavailable="server did not start")
+    v = vs_vllm.judge(gone, run(VLLM_JSON, "vllm", "random", 1), 1.0)
+    assert v.passed is None and math.isnan(v.throughput_ratio)
+    assert v.to_json()["throughput_ratio"] is None  # NaN is not JSON
+
+
+def test_rows_pair_each_radixmux_configuration_with_vllm() -> None:
+    results = [
+        run(RADIXMUX_JSON),
+        run({**RADIXMUX_JSON, "output_throughput": 12.0}, "radixmux --chunked-prefill-size 256"),
+        run(VLLM_JSON, "vllm"),
+        run(RADIXMUX_JSON, dataset="random"),  # no vLLM run of this row: no verdict
+    ]
+    verdicts = vs_vllm.judge_all(results)
+    assert [(v.engine, v.verdict) for v in verdicts] == [
+        ("radixmux", "PASS"),
+        ("radixmux --chunked-prefill-size 256", "MISS"),
+    ]
+    assert verdicts[0].throughput_goal == 1.2  # prefix_repetition's goal
+    table = vs_vllm.format_table(results, verdicts)
+    assert "= radixmux / vllm" in table and "2.50x" in table and "PASS" in table
+    assert "MISS (out tok/s 1.01x < 1.2x)" in table
+    goals = vs_vllm.format_goals(verdicts)
+    assert goals.splitlines()[0].startswith("[PASS] prefix_repetition c=4 radixmux")
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    results = [run(RADIXMUX_JSON), run(VLLM_JSON, "vllm"), run(RADIXMUX_JSON, c=1)]
+    path = vs_vllm.plot(results, tmp_path / "p.png")
+    assert path is not None and path.stat().st_size > 0
+    assert vs_vllm.plot([], tmp_path / "none.png") is None
+
+
+def client_args(dataset: str = "prefix_repetition") -> list[str]:
+    endpoint = vs_vllm.Endpoint("http://127.0.0.1:9", "smollm2")
+    return vs_vllm.client_args(
+        endpoint,
+        Path("/models/smollm2"),
+        vs_vllm.DATASETS[dataset],
+        16,
+        32,
+        7,
+        0.0,
+        Path("/tmp/out/r.json"),
+    )
+
+
+def test_client_arguments() -> None:
+    args = client_args()
+    assert args[:2] == ["bench", "serve"]
+
+    def value(flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert value("--backend") == "openai" and value("--endpoint") == "/v1/completions"
+    assert value("--dataset-name") == "prefix_repetition"
+    assert value("--prefix-repetition-prefix-len") == "1000"
+    assert value("--prefix-repetition-num-prefixes") == "4"
+    assert value("--max-concurrency") == "16" and value("--num-prompts") == "32"
+    assert value("--tokenizer") == "/models/smollm2" and value("--model") == "smollm2"
+    assert value("--result-dir") == "/tmp/out" and value("--result-filename") == "r.json"
+    assert "--ignore-eos" in args and "--save-result" in args
+    assert "--random-input-len" not in args
+    assert "--random-input-len" in client_args("random")
+
+
+def test_grid_sizes_and_seeds() -> None:
+    prefixes = vs_vllm.DATASETS["prefix_repetition"].params["prefix-repetition-num-prefixes"]
+    for ds in vs_vllm.DATASETS.values():
+        for table in (ds.prompts, ds.quick_prompts):
+            assert set(table) == set(vs_vllm.CONCURRENCIES)
+            if ds.name == "prefix_repetition":  # vLLM sends num_prompts // prefixes each
+                assert all(n % prefixes == 0 for n in table.values())
+    seeds = {vs_vllm.run_seed(0, d, c) for d in vs_vllm.DATASETS for c in vs_vllm.CONCURRENCIES}
+    assert len(seeds) == len(vs_vllm.DATASETS) * len(vs_vllm.CONCURRENCIES)
+
+
+def test_engines_from_flags() -> None:
+    def labels(argv: list[str]) -> list[str]:
+        return [e.label for e in vs_vllm.engines_of(vs_vllm.parse_args(argv))]
+
+    assert labels([]) == ["radixmux", "vllm"]
+    assert labels(["--engines", "radixmux", "--server-args", "--chunked-prefill-size 256"]) == [
+        "radixmux --chunked-prefill-size 256"
+    ]
+    both = ["--server-args", "", "--server-args=--disable-radix-cache"]
+    assert labels(both) == ["radixmux", "radixmux --disable-radix-cache", "vllm"]
+
+
+@pytest.mark.skipif(not peers.is_installed("vllm"), reason="vLLM peer not installed")
+def test_vllm_cli_takes_every_flag_we_pass() -> None:
+    """vLLM's own ``bench serve --help`` lists every flag vs_vllm passes (catches drift)."""
+    cmd = peers.vllm_cli_command(["bench", "serve", "--help=all"])
+    env = {**os.environ, **vs_vllm.OFFLINE_ENV}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flags = {a for ds in vs_vllm.DATASETS for a in client_args(ds) if a.startswith("--")}
+    missing = sorted(f for f in flags if f not in out.stdout)
+    assert missing == []
