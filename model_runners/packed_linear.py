@@ -20,6 +20,12 @@ from torch import nn
 log = logging.getLogger("radixmux.runner")
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN builds (and caches, up to 1,024) one primitive per input shape. A
+# server's batches come in every row count up to chunked prefill + running
+# requests, which keeps that cache churning and the process growing by
+# hundreds of MB. Above this many rows a call is cut into a multiple of it
+# plus a remainder, so at most ROW_GRAIN + (max rows / ROW_GRAIN) shapes occur.
+ROW_GRAIN = 64
 
 
 class PackedLinear(nn.Module):
@@ -35,6 +41,15 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+        cut = rows - rows % ROW_GRAIN
+        if rows <= ROW_GRAIN or cut == rows:
+            return self._linear(x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.cat([self._linear(flat[:cut]), self._linear(flat[cut:])])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
