@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.loader import LoadedModel
 from radixmux.model_runners.paged_attention import (
     ATTN_NAME,
+    DecodeGroups,
     ExtendSeq,
     PagedBatch,
     paged_batch,
@@ -22,6 +24,7 @@ from radixmux.model_runners.protocol import (
     ATTENTION_BACKENDS,
     ForwardBatch,
     ForwardResult,
+    PrefixGroup,
     SeqInput,
     SeqOutput,
     unpack_ids,
@@ -108,7 +111,9 @@ class ModelRunner:
         return _Seq(tokens, slots, seq.start_pos, unpack_ids(seq.output_ids))
 
     # ---- batch preparation -----------------------------------------------
-    def _paged_batch(self, seqs: list[_Seq]) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    def _paged_batch(
+        self, seqs: list[_Seq], groups: Sequence[PrefixGroup] = ()
+    ) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
         store = self.store
         dev = self.kv.device  # metadata lives where the arena does (cpu today, cuda later)
 
@@ -151,8 +156,23 @@ class ModelRunner:
             dec_q_pos=t(positions[row0[dec]]),
             extends=extends,
             use_kernel=self.use_kernel,
+            dec_groups=self._decode_groups(dec, groups),
         )
+        if batch.dec_groups is not None:
+            batch.dec_groups.check(batch.dec_slots, batch.dec_offsets)
         return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
+
+    def _decode_groups(self, dec: list[int], groups: Sequence[PrefixGroup]) -> DecodeGroups | None:
+        """The batch's prefix groups as decode positions (None: nothing shared,
+        or a kernel that could not use them)."""
+        if not groups or not self.use_kernel:
+            return None
+        position = {seq: j for j, seq in enumerate(dec)}
+        try:
+            members = [[position[i] for i in g.members] for g in groups]
+        except KeyError:
+            raise BatchError("a prefix group names a sequence that is not a decode") from None
+        return DecodeGroups.build(len(dec), members, [g.prefix_len for g in groups])
 
     # ---- forward ------------------------------------------------------------
     @torch.inference_mode()
@@ -162,8 +182,10 @@ class ModelRunner:
         decoded = [self._decode(s) for s in seqs]
         return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)
 
-    def _logits(self, seqs: list[_Seq], rows: list[int]) -> torch.Tensor:
-        batch, input_ids, positions = self._paged_batch(seqs)
+    def _logits(
+        self, seqs: list[_Seq], rows: list[int], groups: Sequence[PrefixGroup] = ()
+    ) -> torch.Tensor:
+        batch, input_ids, positions = self._paged_batch(seqs, groups)
         ends = np.cumsum([len(s.tokens) for s in seqs]) - 1
         keep = torch.as_tensor(ends[rows], dtype=torch.int64)
         with paged_batch(batch):
@@ -193,7 +215,7 @@ class ModelRunner:
         except BatchError as exc:
             return ForwardResult(fb.batch_id, error=str(exc))
         try:
-            outputs, t1 = self._run(fb.seqs, seqs)
+            outputs, t1 = self._run(fb.seqs, seqs, fb.prefix_groups)
         except Exception as exc:
             log.exception("batch %d failed", fb.batch_id)
             if len(seqs) == 1:
@@ -219,11 +241,13 @@ class ModelRunner:
             log.exception("rid=%s failed on its own", seq.rid)
             return SeqOutput(seq.rid, -1, error=_describe(exc))
 
-    def _run(self, inputs: list[SeqInput], seqs: list[_Seq]) -> tuple[list[SeqOutput], float]:
+    def _run(
+        self, inputs: list[SeqInput], seqs: list[_Seq], groups: Sequence[PrefixGroup] = ()
+    ) -> tuple[list[SeqOutput], float]:
         """Forward and sample some sequences; returns the outputs and when the
         forward ended (``perf_counter``)."""
         rows = [i for i, s in enumerate(inputs) if s.sample]
-        logits = self._logits(seqs, rows)
+        logits = self._logits(seqs, rows, groups)
         t1 = time.perf_counter()
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]

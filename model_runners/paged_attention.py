@@ -11,11 +11,17 @@ layer with the projected, rotary-embedded (and q/k-normed) states; it
    arena by slot id:
 
    * decodes (one new token) go to the C++ kernel of ``paged_decode``, which
-     reads each context's K/V rows in place; where it is unavailable, one
-     padded gather over ``[sequences, longest context]`` and one masked SDPA
-     call per layer do the same;
-   * extends (prefill chunks) run one SDPA call per sequence per layer, since
-     their query lengths differ and padding them would waste quadratic work.
+     reads each context's K/V rows in place, and a prefix that several
+     decodes share (``PagedBatch.dec_groups``) once for all of them; where the
+     kernel is unavailable, one padded gather over ``[sequences, longest
+     context]`` and one masked SDPA call per layer do the same (ignoring the
+     groups: same results, more reads);
+   * extends (prefill chunks) go to the kernel's ``paged_extend`` where it
+     has vector tiles for the head size: all chunks in one call, each reading
+     its cached prefix in place and computing only the causal half of its
+     attention; otherwise one SDPA call per sequence per layer over its
+     gathered context, with an explicit mask (their query lengths differ and
+     padding them would waste quadratic work).
 
 Because a custom implementation name has no mask function registered,
 transformers builds no mask of its own; every mask (causal, padding, sliding
@@ -25,15 +31,21 @@ window) is made here from positions.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from radixmux.model_runners.kv_store import KVStore
-from radixmux.model_runners.paged_decode import paged_decode
+from radixmux.model_runners.paged_decode import (
+    has_tiled_path,
+    paged_decode,
+    paged_decode_cascade,
+    paged_extend,
+)
 
 ATTN_NAME = "radixmux_paged"
 
@@ -65,6 +77,80 @@ class ExtendSeq:
         return self.masks[window]
 
 
+# (packed rows or None, addr, offsets, q_offsets): every extend, as paged_extend takes them.
+ExtendArgs = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class DecodeGroups:
+    """Decoding sequences that share a cached prefix: the cascade kernel reads it once.
+
+    Indices are positions among the batch's decoding sequences (the order of
+    ``PagedBatch.dec_rows`` / ``dec_offsets``), not rows of the packed batch.
+
+    * ``group_of`` ``[Bd]`` int64: the group of each decoding sequence, ``-1``
+      for none (it attends alone, as without groups).
+    * ``prefix_len`` ``[G]`` int64: how many leading context tokens every
+      member of group ``g`` shares. The members' first ``prefix_len[g]``
+      context slots must be the *same slot ids* (as the radix tree hands out
+      for a shared cached prefix; :meth:`check` verifies it), and
+      ``prefix_len[g]`` may not exceed any member's context length (its
+      cached tokens plus the one being decoded). A group may have a single
+      member or none; ``prefix_len[g] = 0`` is allowed (no sharing).
+
+    The attention result is the same with or without groups (up to float
+    rounding); only the K/V bytes read per step shrink.
+    """
+
+    group_of: torch.Tensor
+    prefix_len: torch.Tensor
+
+    @classmethod
+    def build(
+        cls, num_decodes: int, members: Sequence[Sequence[int]], prefix_lens: Sequence[int]
+    ) -> DecodeGroups:
+        """Groups from member lists: ``members[g]`` (decode positions) share ``prefix_lens[g]``."""
+        if len(members) != len(prefix_lens):
+            raise ValueError(f"{len(members)} member lists for {len(prefix_lens)} prefixes")
+        group_of = np.full(num_decodes, -1, dtype=np.int64)
+        for g, ids in enumerate(members):
+            idx = np.asarray(ids, dtype=np.int64)
+            if idx.size and (idx.min() < 0 or idx.max() >= num_decodes):
+                raise ValueError(f"group {g}: members outside [0, {num_decodes})")
+            if (group_of[idx] >= 0).any() or len(np.unique(idx)) != idx.size:
+                raise ValueError(f"group {g}: a sequence is in more than one group")
+            group_of[idx] = g
+        return cls(torch.from_numpy(group_of), torch.tensor(list(prefix_lens), dtype=torch.int64))
+
+    def check(self, dec_slots: torch.Tensor, dec_offsets: torch.Tensor) -> None:
+        """Raise ValueError unless every group's members share the promised slots.
+
+        One vectorised comparison of the shared slots (microseconds for
+        thousands of them): cheap enough to run once per forward.
+        """
+        lens = dec_offsets[1:] - dec_offsets[:-1]
+        if self.group_of.shape != lens.shape:
+            raise ValueError(f"group_of has {self.group_of.numel()} entries for {lens.numel()}")
+        if ((self.group_of < -1) | (self.group_of >= self.prefix_len.numel())).any():
+            raise ValueError("group_of names a group that does not exist")
+        member = torch.nonzero(self.group_of >= 0).flatten()
+        if not member.numel():
+            return
+        prefix = self.prefix_len[self.group_of[member]]
+        if (prefix < 0).any() or (prefix > lens[member]).any():
+            raise ValueError("a group's prefix is longer than one of its members' contexts")
+        # Each member's prefix slots against its group's first member's.
+        first = torch.full((self.prefix_len.numel(),), -1, dtype=torch.int64)
+        first.scatter_reduce_(0, self.group_of[member], member, "amin", include_self=False)
+        leader = first[self.group_of[member]]
+        col = torch.arange(int(prefix.max()))
+        take = col[None, :] < prefix[:, None]
+        mine = (dec_offsets[member][:, None] + col)[take]
+        theirs = (dec_offsets[leader][:, None] + col)[take]
+        if not torch.equal(dec_slots[mine], dec_slots[theirs]):
+            raise ValueError("members of a decode group differ in their shared prefix slots")
+
+
 @dataclass
 class PagedBatch:
     """Per-forward metadata shared by every layer.
@@ -81,10 +167,32 @@ class PagedBatch:
     dec_offsets: torch.Tensor  # [Bd + 1]: sequence i owns dec_slots[off[i]:off[i + 1]]
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
-    use_kernel: bool = False  # decode through the C++ kernel (else gather + SDPA)
+    use_kernel: bool = False  # attend through the C++ kernel (else gather + SDPA)
+    # Decodes sharing a cached prefix (see DecodeGroups); None: no sharing.
+    # Read by the C++ kernel only; the gather + SDPA fallback ignores it.
+    dec_groups: DecodeGroups | None = None
     dec_masks: dict[int | None, tuple[int, torch.Tensor | None]] = field(default_factory=dict)
     _dec_grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
     _dec_flat: torch.Tensor | None = field(default=None, init=False)
+    _ext_flat: ExtendArgs | None = field(default=None, init=False)
+
+    def ext_flat(self) -> ExtendArgs:
+        """(packed rows, addr, offsets, q_offsets) of every extend, as ``paged_extend`` takes.
+
+        The rows are None when every row of the batch is an extend's (no
+        decodes): the queries are then the batch's own, in order.
+        """
+        if self._ext_flat is None:
+            ext = self.extends
+            dev = self.write_addr.device
+            rows = None
+            if self.dec_rows.numel():
+                rows = torch.cat([torch.arange(e.start, e.end, device=dev) for e in ext])
+            lens = torch.tensor([0] + [e.addr.shape[-1] for e in ext], device=dev)
+            news = torch.tensor([0] + [e.end - e.start for e in ext], device=dev)
+            addr = torch.cat([e.addr for e in ext])
+            self._ext_flat = (rows, addr, lens.cumsum(0), news.cumsum(0))
+        return self._ext_flat
 
     def dec_addr(self) -> torch.Tensor:
         """Store addresses of ``dec_slots`` (computed once, read by every layer)."""
@@ -183,6 +291,68 @@ def _decode_by_gather(
     return _attend(qd, kd, vd, mask, scaling, softcap).reshape(bd, heads, head_dim)
 
 
+def _decode_by_kernel(
+    batch: PagedBatch,
+    layer: int,
+    qd: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Decode attention of ``qd [Bd, H, D]`` (contiguous) in the C++ kernel, groups and all."""
+    k_rows, v_rows = batch.store.rows(layer)
+    addr, offsets, groups = batch.dec_addr(), batch.dec_offsets, batch.dec_groups
+    if groups is None:
+        return paged_decode(qd, k_rows, v_rows, addr, offsets, scale, softcap, window)
+    return paged_decode_cascade(
+        qd,
+        k_rows,
+        v_rows,
+        addr,
+        offsets,
+        groups.group_of,
+        groups.prefix_len,
+        scale,
+        softcap,
+        window,
+    )
+
+
+def _extend_by_sdpa(
+    batch: PagedBatch,
+    layer: int,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float | None,
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    """Extends' attention into ``out``: one masked SDPA per sequence over its gathered context."""
+    _, heads, head_dim = q.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    for seq in batch.extends:
+        first, mask = seq.mask(window)
+        n = seq.end - seq.start
+        if seq.end - seq.start == seq.k_pos.shape[0]:
+            # No cached prefix: the context is exactly this chunk, already in hand.
+            ke = key[0, :, seq.start + first : seq.end]  # [KVH, L, D]
+            ve = value[0, :, seq.start + first : seq.end]
+        else:
+            ke, ve = batch.store.gather(layer, seq.addr[..., first:])
+            ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
+            ve = ve.to(q.dtype).transpose(0, 1)
+        qe = q[seq.start : seq.end].view(n, kv_heads, group, head_dim)
+        qe = qe.permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, head_dim)
+        # 4-D inputs: torch's CPU flash kernel only takes those (3x faster than
+        # the math fallback a 3-D call gets).
+        oe = _attend(qe, ke[None], ve[None], mask.repeat(group, 1)[None, None], scaling, softcap)
+        oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+        out[seq.start : seq.end] = oe.reshape(n, heads, head_dim)
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -208,50 +378,40 @@ def paged_attention_forward(
     store.write(layer, batch.write_addr, key[0].transpose(0, 1), value[0].transpose(0, 1))
 
     q = query[0].transpose(0, 1)  # [T, H, D]
-    _num_tokens, heads, head_dim = q.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    out = torch.empty_like(q)
+    head_dim = q.shape[-1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    # Only decodes, or only extends through the kernel: the output rows are
+    # already in batch order, no scatter needed.
+    out = torch.empty_like(q) if batch.dec_rows.numel() and batch.extends else None
 
     if batch.dec_rows.numel():
-        only_decodes = not batch.extends
-        qd = q if only_decodes else q[batch.dec_rows]
+        qd = q if out is None else q[batch.dec_rows]
         if batch.use_kernel:
-            k_rows, v_rows = store.rows(layer)
-            od = paged_decode(
-                qd.contiguous(),
-                k_rows,
-                v_rows,
-                batch.dec_addr(),
-                batch.dec_offsets,
-                scaling if scaling is not None else head_dim**-0.5,
-                softcap,
-                sliding_window,
-            )
+            od = _decode_by_kernel(batch, layer, qd.contiguous(), scale, sliding_window, softcap)
         else:
+            kv_heads = key.shape[1]
             od = _decode_by_gather(batch, layer, qd, kv_heads, scaling, sliding_window, softcap)
-        if only_decodes:  # rows are already in batch order: no scatter needed
+        if out is None:
             return od.unsqueeze(0), None
         out[batch.dec_rows] = od
 
-    for seq in batch.extends:
-        first, mask = seq.mask(sliding_window)
-        n = seq.end - seq.start
-        if seq.end - seq.start == seq.k_pos.shape[0]:
-            # No cached prefix: the context is exactly this chunk, already in hand.
-            ke = key[0, :, seq.start + first : seq.end]  # [KVH, L, D]
-            ve = value[0, :, seq.start + first : seq.end]
-        else:
-            ke, ve = store.gather(layer, seq.addr[..., first:])
-            ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
-            ve = ve.to(q.dtype).transpose(0, 1)
-        qe = q[seq.start : seq.end].view(n, kv_heads, group, head_dim)
-        qe = qe.permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, head_dim)
-        # 4-D inputs: torch's CPU flash kernel only takes those (3x faster than
-        # the math fallback a 3-D call gets).
-        oe = _attend(qe, ke[None], ve[None], mask.repeat(group, 1)[None, None], scaling, softcap)
-        oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
-        out[seq.start : seq.end] = oe.reshape(n, heads, head_dim)
+    # Extends through the kernel only where its vector tiles run: elsewhere
+    # its scalar loops are slower than SDPA.
+    if batch.use_kernel and batch.extends and has_tiled_path(head_dim):
+        rows, addr, offsets, q_offsets = batch.ext_flat()
+        qe = q.contiguous() if rows is None else q[rows]
+        k_rows, v_rows = store.rows(layer)
+        oe = paged_extend(
+            qe, k_rows, v_rows, addr, offsets, q_offsets, scale, softcap, sliding_window
+        )
+        if out is None:
+            return oe.unsqueeze(0), None
+        out[rows] = oe
+        return out.unsqueeze(0), None
+
+    if out is None:
+        out = torch.empty_like(q)
+    _extend_by_sdpa(batch, layer, q, key, value, out, scaling, sliding_window, softcap)
     return out.unsqueeze(0), None
 
 

@@ -1,7 +1,10 @@
 """The C++ paged decode kernel: built once per machine, loaded into torch.ops.
 
 ``kernels/paged_decode.cpp`` attends one query token per sequence over K/V
-rows read in place from the arena (no per-step gather). It is compiled with
+rows read in place from the arena (no per-step gather); its cascade entry
+reads a prefix that several sequences share once for all of them
+(:func:`paged_decode_cascade`), and :func:`paged_extend` attends prefill
+chunks causally over their cached prefix, also in place. It is compiled with
 the machine's compiler on first use (10-30 s here, logged) into
 ``$RADIXMUX_CACHE/kernels`` (default ``~/.cache/radixmux/kernels``), keyed by
 the source, torch's version and this CPU's instruction set, so later starts
@@ -12,6 +15,7 @@ gives the same results.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -129,4 +133,86 @@ def paged_decode(
     """
     return torch.ops.radixmux.paged_decode(
         q, k_rows, v_rows, addr, offsets, float(scale), float(softcap or 0.0), int(window or 0)
+    )
+
+
+def paged_decode_cascade(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    addr: torch.Tensor,
+    offsets: torch.Tensor,
+    group_of: torch.Tensor,
+    group_prefix: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """:func:`paged_decode` that reads each group's shared prefix once for all its members.
+
+    ``group_of [B]`` int64: the group of each sequence, ``-1`` for none.
+    ``group_prefix [G]`` int64: how many leading context rows the members of
+    group ``g`` share. For every member ``b`` of ``g`` the rows
+    ``addr[offsets[b] : offsets[b] + group_prefix[g]]`` must be the same
+    (the kernel reads them through the first member's entries; that is the
+    caller's promise, which the radix tree keeps: sequences sharing a cached
+    prefix hold the same slots for it), and ``group_prefix[g]`` may not exceed
+    any member's context length. The result equals :func:`paged_decode`'s up
+    to float rounding, windows and soft-capping included.
+    """
+    return torch.ops.radixmux.paged_decode_cascade(
+        q,
+        k_rows,
+        v_rows,
+        addr,
+        offsets,
+        group_of,
+        group_prefix,
+        float(scale),
+        float(softcap or 0.0),
+        int(window or 0),
+    )
+
+
+@functools.cache
+def has_tiled_path(head_dim: int) -> bool:
+    """Whether ``head_dim``-wide heads get the kernel's vector tiles (AVX-512, common sizes).
+
+    :func:`paged_extend` beats torch's SDPA only there (2-8x here); its
+    per-key scalar loops for other sizes are slower than SDPA.
+    """
+    return bool(torch.ops.radixmux.has_tiled_path(head_dim))
+
+
+def paged_extend(
+    q: torch.Tensor,
+    k_rows: torch.Tensor,
+    v_rows: torch.Tensor,
+    addr: torch.Tensor,
+    offsets: torch.Tensor,
+    q_offsets: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of several prefill chunks ("extends"), K/V read in place.
+
+    ``q [T, H, D]`` holds every extend's new tokens, sequence ``e``'s at rows
+    ``q_offsets[e] : q_offsets[e + 1]`` (int64 ``[E + 1]``, 0 to ``T``). Its
+    context (cached prefix, then the new tokens, whose K/V must already be in
+    the arena) is ``addr[offsets[e] : offsets[e + 1]]`` (int64 ``[E + 1]``);
+    positions are consecutive, so new token ``i`` sees the keys up to its own
+    and, with a ``window``, only the last ``window`` of them. Only key tiles
+    some query sees are computed. Returns ``[T, H, D]`` in ``q``'s dtype.
+    """
+    return torch.ops.radixmux.paged_extend(
+        q,
+        k_rows,
+        v_rows,
+        addr,
+        offsets,
+        q_offsets,
+        float(scale),
+        float(softcap or 0.0),
+        int(window or 0),
     )

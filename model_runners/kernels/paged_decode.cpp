@@ -7,7 +7,16 @@
 // as large as the KV itself, every layer, every step) and then runs SDPA over
 // that copy; this kernel skips the copy.
 //
-// Registered as torch.ops.radixmux.paged_decode; see paged_decode.py.
+// Shared-prefix ("cascade") decode: sequences whose contexts begin with the
+// same cached rows (same slots in the radix tree) form a group; the group's
+// prefix K/V rows are read once for all its members' query heads, and each
+// member's own suffix is attended separately. Both give unnormalised softmax
+// states (running max, sum of exponentials, weighted sum of V) that merge
+// exactly by log-sum-exp, so a step reads the shared prefix once per group
+// instead of once per member.
+//
+// Registered as torch.ops.radixmux.paged_decode and
+// torch.ops.radixmux.paged_decode_cascade; see paged_decode.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,10 +27,13 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <climits>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -45,6 +57,12 @@ inline void row_to_float(const T* src, float* dst, int64_t n) {
 // Rows ahead to prefetch: context slots are mostly runs inside arena blocks,
 // but a sequence hops between blocks, and a miss there stalls the dot products.
 constexpr int64_t kPrefetch = 8;
+
+// exp(-80) = 2e-35: a weight that small changes no sum it joins (the
+// largest weight of a row is 1), and clamping exponents there keeps glibc's
+// vector exp on its fast path (a lane that underflows sends the whole
+// vector through a scalar slow path).
+constexpr float kMinExponent = -80.f;
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -114,6 +132,28 @@ inline void row_accumulate(const T* v, const float* p, int64_t stride, int64_t g
       _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
   }
 }
+
+// acc[g] += sum_t p[g][t] * v_t over four V rows at once (head_dim <= 64: the
+// rows stay in registers), so each accumulator row is loaded and stored once
+// per four keys instead of once per key; p[g * stride + 0..3] are adjacent.
+template <typename T, int NV>
+inline void four_row_accumulate(const T* const* rows, const float* p, int64_t stride,
+                                int64_t group, float* acc) {
+  __m512 vv[4][NV];
+  for (int t = 0; t < 4; ++t)
+    for (int c = 0; c < NV; ++c) vv[t][c] = load16(rows[t] + 16 * c);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* pg = p + g * stride;
+    __m512 pt[4];
+    for (int t = 0; t < 4; ++t) pt[t] = _mm512_set1_ps(pg[t]);
+    float* ag = acc + g * NV * 16;
+    for (int c = 0; c < NV; ++c) {
+      __m512 a = _mm512_loadu_ps(ag + 16 * c);
+      for (int t = 0; t < 4; ++t) a = _mm512_fmadd_ps(pt[t], vv[t][c], a);
+      _mm512_storeu_ps(ag + 16 * c, a);
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -139,87 +179,589 @@ inline void row_accumulate_any(const T* v, const float* p, int64_t stride, int64
   }
 }
 
-// One (sequence, KV head) pair: the G query heads sharing that KV head attend
-// over the context rows addr[0:len]. NV > 0: head_dim is NV vectors of 16.
-template <typename T, typename Q, int NV>
-void attend_one(const Q* q, Q* out, const T* k_rows, const T* v_rows, int64_t row_stride,
-                int64_t head_offset, const int64_t* addr, int64_t len, int64_t group,
-                int64_t dim, float scale, float softcap, std::vector<float>& scores,
-                std::vector<float>& buf) {
-  // scores is [group, len]: the softmax runs over contiguous rows.
-  scores.resize(static_cast<size_t>(group * len));
-  buf.resize(static_cast<size_t>(2 * group * dim + dim + group));
-  float* qf = buf.data();          // [group, dim] scaled queries
-  float* acc = qf + group * dim;   // [group, dim] weighted sum of V
-  float* row = acc + group * dim;  // [dim] scratch row (scalar path)
-  float* total = row + dim;        // [group] softmax denominators
-  for (int64_t i = 0; i < group * dim; ++i) qf[i] = to_float(q[i]) * scale;
-  const T* k_base = k_rows + head_offset;
-  const T* v_base = v_rows + head_offset;
+// Buffers one thread reuses across its tasks.
+struct Scratch {
+  std::vector<float> scores, qf, qt, state, row, kf, vf, rowstate;
+  std::vector<int64_t> first, last;
+  std::vector<int32_t> first32, last32;
+};
+
+// Softmax state of `rows` query rows qf [rows, dim] (scaled) over the keys
+// addr[0:len], unnormalised so that states over disjoint key runs merge
+// exactly: m[r] the largest score, s[r] the sum of exp(score - m[r]), acc[r]
+// the sum of exp(score - m[r]) * v. Row r sees keys first[r]..last[r] (null
+// arrays: all of them); a row that sees none gets s = 0 and acc = 0.
+// NV > 0: head_dim is NV vectors of 16.
+// (Not inlined, nor is attend_state_tiled: they are large, run once per
+// task, and inlining them into every caller only lengthens the build.)
+template <typename T, int NV>
+__attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const T* k_base,
+                                            const T* v_base, int64_t row_stride,
+                                            const int64_t* addr, int64_t len,
+                                            const int64_t* first, const int64_t* last,
+                                            int64_t dim, float softcap, Scratch& sc, float* m,
+                                            float* s, float* acc) {
+  // scores is [rows, len]: the softmax runs over contiguous rows.
+  sc.scores.resize(static_cast<size_t>(rows * len));
+  sc.row.resize(static_cast<size_t>(dim));
+  float* scores = sc.scores.data();
+  float* row = sc.row.data();  // scratch row (scalar path)
   int64_t j = 0;
 #ifdef __AVX512F__
   if constexpr (NV > 0 && NV <= 4) {
     for (; j + 4 <= len; j += 4) {
       for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
         __builtin_prefetch(k_base + addr[t] * row_stride);
-      const T* rows[4];
-      for (int t = 0; t < 4; ++t) rows[t] = k_base + addr[j + t] * row_stride;
-      four_row_scores<T, NV>(qf, rows, group, scores.data() + j, len);
+      const T* ks[4];
+      for (int t = 0; t < 4; ++t) ks[t] = k_base + addr[j + t] * row_stride;
+      four_row_scores<T, NV>(qf, ks, rows, scores + j, len);
     }
   }
 #endif
   for (; j < len; ++j) {
     if (j + kPrefetch < len) __builtin_prefetch(k_base + addr[j + kPrefetch] * row_stride);
-    float* sj = scores.data() + j;
 #ifdef __AVX512F__
     if constexpr (NV > 0) {
-      row_scores<T, NV>(qf, k_base + addr[j] * row_stride, group, sj, len);
+      row_scores<T, NV>(qf, k_base + addr[j] * row_stride, rows, scores + j, len);
     } else
 #endif
     {
-      row_scores_any<T>(qf, k_base + addr[j] * row_stride, group, dim, row, sj, len);
+      row_scores_any<T>(qf, k_base + addr[j] * row_stride, rows, dim, row, scores + j, len);
     }
   }
   if (softcap > 0.f) {
-    for (int64_t i = 0; i < group * len; ++i)
-      scores[i] = std::tanh(scores[i] / softcap) * softcap;
+    for (int64_t i = 0; i < rows * len; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * len;
-    float m = -FLT_MAX;
-    for (int64_t j = 0; j < len; ++j) m = std::max(m, sg[j]);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    const int64_t f = first ? first[r] : 0, l = last ? std::min(last[r] + 1, len) : len;
+    float mr = -FLT_MAX;
+    for (int64_t k = f; k < l; ++k) mr = std::max(mr, sr[k]);
     float t = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      t += sg[j];
+    for (int64_t k = f; k < l; ++k) {
+      sr[k] = std::exp(std::max(sr[k] - mr, kMinExponent));
+      t += sr[k];
     }
-    total[g] = t;
+    // Keys the row must not see weigh exactly nothing.
+    std::fill(sr, sr + std::min(f, len), 0.f);
+    if (l > f) std::fill(sr + l, sr + len, 0.f);
+    else std::fill(sr, sr + len, 0.f);
+    m[r] = mr;
+    s[r] = t;
   }
-  std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t j = 0; j < len; ++j) {
+  std::fill(acc, acc + rows * dim, 0.f);
+  j = 0;
+#ifdef __AVX512F__
+  if constexpr (NV > 0 && NV <= 4) {
+    for (; j + 4 <= len; j += 4) {
+      for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
+        __builtin_prefetch(v_base + addr[t] * row_stride);
+      const T* vs[4];
+      for (int t = 0; t < 4; ++t) vs[t] = v_base + addr[j + t] * row_stride;
+      four_row_accumulate<T, NV>(vs, scores + j, len, rows, acc);
+    }
+  }
+#endif
+  for (; j < len; ++j) {
     if (j + kPrefetch < len) __builtin_prefetch(v_base + addr[j + kPrefetch] * row_stride);
-    const float* pj = scores.data() + j;
 #ifdef __AVX512F__
     if constexpr (NV > 0) {
-      row_accumulate<T, NV>(v_base + addr[j] * row_stride, pj, len, group, acc);
+      row_accumulate<T, NV>(v_base + addr[j] * row_stride, scores + j, len, rows, acc);
     } else
 #endif
     {
-      row_accumulate_any<T>(v_base + addr[j] * row_stride, pj, len, group, dim, row, acc);
+      row_accumulate_any<T>(v_base + addr[j] * row_stride, scores + j, len, rows, dim, row, acc);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / total[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<Q>(acc[g * dim + d] * inv);
+}
+
+#ifdef __AVX512F__
+// ---- many query rows at once: register-blocked tiles --------------------------------------
+// When one key is scored against many query rows (a group's shared prefix)
+// the per-key loops above spend most of their time reducing vectors to
+// scalars and reloading accumulators. Here the query rows lie in the vector
+// lanes instead: the queries are transposed once per task (rows padded to a
+// multiple of 16, `rp`), scores come out as st [keys, rp] from broadcast
+// multiply-adds, the softmax runs online (per tile, across rows in lanes),
+// and P.V accumulates into registers that stay put for a whole tile.
+
+// Keys per tile: its K and V rows as floats stay in L1 (16 KB at head_dim 64).
+constexpr int64_t kTile = 32;
+// Fewest query rows for the tiled path: fewer leave too many lanes idle.
+constexpr int64_t kTiledRows = 12;
+#ifdef __AVX512BF16__
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// Calls block(std::integral_constant<int, B>, i) over i0..n-1 in blocks of
+// B = KB, then of halved B for the remainder: every count is covered by a
+// few unrolled block sizes.
+template <int KB, typename F>
+inline void blocks_of(int64_t i0, int64_t n, F&& block) {
+  for (; i0 + KB <= n; i0 += KB) block(std::integral_constant<int, KB>{}, i0);
+  if constexpr (KB > 1) {
+    if (i0 < n) blocks_of<KB / 2>(i0, n, block);
   }
 }
+
+template <typename T, int NV>
+inline void rows_to_float(const T* base, const int64_t* addr, int64_t row_stride, int64_t n,
+                          float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = base + addr[j] * row_stride;
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(dst + (j * NV + c) * 16, load16(src + 16 * c));
+  }
+}
+
+// Asks for every cache line of n rows' head slices (bytes long) ahead of
+// use, into L2: a tile's worth of requests at once would fill L1's miss
+// buffers and stall the core.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* addr, int64_t row_stride, int64_t n,
+                          int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* p = reinterpret_cast<const char*>(base + addr[j] * row_stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+  }
+}
+
+// st[k, 16 * RV lanes] = q . k_k for KB keys given as float rows kf [KB, dim]
+// and float queries qt [dim, rp]: per head dimension, RV loads and KB
+// broadcast-FMAs into KB * RV accumulators.
+template <int NV, int KB, int RV>
+inline void score_block(const float* qt, int64_t rp, const float* kf, float* st) {
+  __m512 acc[KB][RV];
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+  for (int d = 0; d < NV * 16; ++d) {
+    __m512 qv[RV];
+    for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + d * rp + 16 * v);
+    for (int k = 0; k < KB; ++k) {
+      const __m512 kb = _mm512_set1_ps(kf[k * NV * 16 + d]);
+      for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(qv[v], kb, acc[k][v]);
+    }
+  }
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + k * rp + 16 * v, acc[k][v]);
+}
+
+#ifdef __AVX512BF16__
+// The same for bfloat16 queries and keys: qt [dim / 2, rp] holds pairs of
+// bfloat16 (one 32-bit lane each) and the keys are read in place, one pair
+// broadcast per step; vdpbf16ps does two multiply-adds per lane per
+// instruction, and bfloat16 products are exact in float, so the scores are
+// as accurate as the float path's.
+template <int NV, int KB, int RV>
+inline void score_block_bf16(const uint32_t* qt, int64_t rp, const c10::BFloat16* const* keys,
+                             float* st) {
+  __m512 acc[KB][RV];
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+  for (int d = 0; d < NV * 8; ++d) {
+    __m512bh qv[RV];
+    for (int v = 0; v < RV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qt + d * rp + 16 * v);
+    for (int k = 0; k < KB; ++k) {
+      uint32_t pair;
+      std::memcpy(&pair, keys[k] + 2 * d, sizeof(pair));
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], qv[v], kb);
+    }
+  }
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + k * rp + 16 * v, acc[k][v]);
+}
+
+// P.V for bfloat16 V the same way: keys go in pairs, V rows interleaved lane
+// by lane and the weights rounded to bfloat16 pairs, half the instructions
+// of float FMAs. torch's own CPU attention rounds the weights to bfloat16 for
+// its P.V as well.
+alignas(64) constexpr uint16_t kInterleave32[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kInterleave16[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                    21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                    11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// dst[c][d] = (a[16c + d], b[16c + d]) as one 32-bit lane (b null: zeros).
+template <int NV>
+inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, uint32_t* dst) {
+  const __m512i idx = _mm512_load_si512(kInterleave32);
+  for (int c = 0; c < NV; ++c) {
+    const __m512i x = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * c)));
+    const __m512i y = b ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                              reinterpret_cast<const __m256i*>(b + 16 * c)))
+                        : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + 16 * c, _mm512_permutex2var_epi16(x, idx, y));
+  }
+}
+
+// Rows' weights of two keys (pb null: the second is absent) as bfloat16
+// pairs: dst[r] = (pa[r], pb[r]) for rp rows.
+inline void pair_weights(const float* pa, const float* pb, int64_t rp, uint32_t* dst) {
+  const __m512i idx = _mm512_load_si512(kInterleave16);
+  for (int64_t r = 0; r < rp; r += 16) {
+    const __m512 b = pb ? _mm512_loadu_ps(pb + r) : _mm512_setzero_ps();
+    const __m512bh both = _mm512_cvtne2ps_pbh(b, _mm512_loadu_ps(pa + r));
+    _mm512_storeu_si512(dst + r, _mm512_permutexvar_epi16(idx, (__m512i)both));
+  }
+}
+
+// accumulate_block over key pairs: p2 [pairs, rp] and v2 [pairs, dim] from
+// pair_weights and interleave_rows.
+template <int NV, int RB>
+inline void accumulate_block_bf16(const uint32_t* p2, int64_t rp, const uint32_t* v2,
+                                  int64_t pairs, const float* rescale, int64_t r0, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
+    const __m512 c = _mm512_set1_ps(rescale[r0 + i]);
+    for (int v = 0; v < NV; ++v)
+      a[i][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + ((r0 + i) * NV + v) * 16));
+  }
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint32_t* pk = p2 + k * rp + r0;
+    for (int v = 0; v < NV; ++v) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(v2 + (k * NV + v) * 16);
+      for (int i = 0; i < RB; ++i)
+        a[i][v] = _mm512_dpbf16_ps(a[i][v], (__m512bh)_mm512_set1_epi32(static_cast<int>(pk[i])),
+                                   vv);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + ((r0 + i) * NV + v) * 16, a[i][v]);
+}
+#endif
+
+// acc[r0 + i] = acc[r0 + i] * rescale[r0 + i] + sum_k pt[k, r0 + i] * v_k for
+// RB rows: the accumulators stay in registers for the whole tile.
+template <int NV, int RB>
+inline void accumulate_block(const float* pt, int64_t rp, const float* vf, int64_t n,
+                             const float* rescale, int64_t r0, float* acc) {
+  __m512 a[RB][NV];
+  for (int i = 0; i < RB; ++i) {
+    const __m512 c = _mm512_set1_ps(rescale[r0 + i]);
+    for (int v = 0; v < NV; ++v)
+      a[i][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + ((r0 + i) * NV + v) * 16));
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const float* pk = pt + k * rp + r0;
+    for (int v = 0; v < NV; ++v) {
+      const __m512 vv = _mm512_loadu_ps(vf + (k * NV + v) * 16);
+      for (int i = 0; i < RB; ++i) a[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(pk[i]), vv, a[i][v]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + ((r0 + i) * NV + v) * 16, a[i][v]);
+}
+
+// e^x for x in [kMinExponent, 0], inline (the vector math library's exp is a
+// call that spills every live vector): x = n ln2 + r with |r| <= ln2 / 2
+// (ln2 in two parts, so r is exact), e^r by its degree-6 Taylor polynomial
+// (relative error 1.2e-7), times 2^n by vscalefps.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One tile of the online softmax over st [n, rp], 16 rows per vector: scale
+// (and soft-cap) the scores, raise each row's running max m over the tile's
+// visible keys (j0 + k in [first[r], last[r]]; every key when !masked),
+// rescale its sum s, leave in rescale[r] the factor its accumulator needs,
+// and turn the scores into weights (exactly 0 for keys a row must not see).
+inline void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0, bool masked,
+                         const int32_t* first, const int32_t* last, float scale, float softcap,
+                         float* m, float* s, float* rescale) {
+  if (softcap > 0.f) {  // vectorised through the vector math library's tanh
+    const float inner = scale / softcap;
+    for (int64_t i = 0; i < n * rp; ++i) st[i] = std::tanh(st[i] * inner) * softcap;
+    scale = 1.f;
+  }
+  const __m512 sc = _mm512_set1_ps(scale), floor = _mm512_set1_ps(kMinExponent);
+  for (int64_t r = 0; r < rp; r += 16) {
+    const __m512i f = _mm512_loadu_si512(first + r), l = _mm512_loadu_si512(last + r);
+    auto seen = [&](int64_t k) -> __mmask16 {
+      if (!masked) return 0xffff;
+      const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + k));
+      return _mm512_cmp_epi32_mask(j, f, _MM_CMPINT_NLT) &
+             _mm512_cmp_epi32_mask(j, l, _MM_CMPINT_LE);
+    };
+    const __m512 old_max = _mm512_loadu_ps(m + r);
+    __m512 top = old_max;
+    for (int64_t k = 0; k < n; ++k) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + k * rp + r), sc);
+      _mm512_storeu_ps(st + k * rp + r, x);
+      top = _mm512_mask_max_ps(top, seen(k), top, x);
+    }
+    // Both -FLT_MAX (nothing seen yet): factor 1 on a zero sum.
+    const __m512 c = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, top), floor));
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s + r), c);
+    for (int64_t k = 0; k < n; ++k) {
+      const __m512 x = _mm512_loadu_ps(st + k * rp + r);
+      const __m512 p = _mm512_maskz_mov_ps(
+          seen(k), exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(x, top), floor)));
+      _mm512_storeu_ps(st + k * rp + r, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(m + r, top);
+    _mm512_storeu_ps(s + r, sum);
+    _mm512_storeu_ps(rescale + r, c);
+  }
+}
+
+// attend_state for many rows: the same contract, but the queries come
+// transposed and unscaled (qt: [dim, rp] floats, or [dim / 2, rp] bfloat16
+// pairs when DP; padding rows zero), and row r sees keys first[r]..last[r]
+// (padding rows see none). Padding rows' weights are never read.
+template <typename T, int NV, bool DP>
+__attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, int64_t rp,
+                                                  const T* k_base, const T* v_base,
+                                                  int64_t row_stride, const int64_t* addr,
+                                                  int64_t len, const int32_t* first,
+                                                  const int32_t* last, float scale, float softcap,
+                                                  Scratch& sc, float* m, float* s, float* acc) {
+  constexpr int64_t dim = NV * 16;
+  constexpr int RB = std::max(1, std::min(8, 24 / NV));  // accumulator rows in registers
+  sc.kf.resize(static_cast<size_t>(std::max(kTile * dim, kTile / 2 * rp)));  // or P pairs
+  sc.vf.resize(kTile * dim);
+  sc.scores.resize(static_cast<size_t>(kTile * rp));
+  sc.rowstate.resize(static_cast<size_t>(3 * rp));
+  float *kf = sc.kf.data(), *vf = sc.vf.data(), *st = sc.scores.data();
+  float *mr = sc.rowstate.data(), *sr = mr + rp, *rescale = sr + rp;
+  std::fill(mr, mr + rp, -FLT_MAX);
+  std::fill(sr, sr + rp, 0.f);
+  std::fill(acc, acc + rows * dim, 0.f);
+  // Tiles inside [first_all, last_all] are seen whole by every row: no masks.
+  const int32_t first_all = *std::max_element(first, first + rows);
+  const int32_t last_all = *std::min_element(last, last + rows);
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  prefetch_rows(k_base, addr, row_stride, std::min(kTile, len), bytes);
+  prefetch_rows(v_base, addr, row_stride, std::min(kTile, len), bytes);
+  for (int64_t j0 = 0; j0 < len; j0 += kTile) {
+    const int64_t n = std::min(kTile, len - j0);
+    // The next tile's K and V arrive while this one is computed.
+    if (j0 + kTile < len) {
+      const int64_t ahead = std::min(kTile, len - j0 - kTile);
+      prefetch_rows(k_base, addr + j0 + kTile, row_stride, ahead, bytes);
+      prefetch_rows(v_base, addr + j0 + kTile, row_stride, ahead, bytes);
+    }
+    auto score_rows = [&](auto rv, int64_t v) {
+      constexpr int RV = decltype(rv)::value;
+      // Blocks of 8 keys, a piece's last few one by one (two block shapes
+      // compile in half the time of a halving series, for a rare tail).
+      auto block = [&](auto kb, int64_t k0) {
+        constexpr int KB = decltype(kb)::value;
+#ifdef __AVX512BF16__
+        if constexpr (DP) {
+          const c10::BFloat16* keys[KB];
+          for (int k = 0; k < KB; ++k) keys[k] = k_base + addr[j0 + k0 + k] * row_stride;
+          score_block_bf16<NV, KB, RV>(static_cast<const uint32_t*>(qt) + v, rp, keys,
+                                       st + k0 * rp + v);
+          return;
+        }
+#endif
+        score_block<NV, KB, RV>(static_cast<const float*>(qt) + v, rp, kf + k0 * dim,
+                                st + k0 * rp + v);
+      };
+      int64_t k0 = 0;
+      for (; k0 + 8 <= n; k0 += 8) block(std::integral_constant<int, 8>{}, k0);
+      for (; k0 < n; ++k0) block(std::integral_constant<int, 1>{}, k0);
+    };
+    if constexpr (!DP) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
+    int64_t v = 0;
+    for (; v + 32 <= rp; v += 32) score_rows(std::integral_constant<int, 2>{}, v);
+    if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
+    const bool masked = j0 < first_all || j0 + n - 1 > last_all;
+    softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      uint32_t* v2 = reinterpret_cast<uint32_t*>(vf);  // [pairs, dim]: as many bytes as vf
+      uint32_t* p2 = reinterpret_cast<uint32_t*>(kf);  // [pairs, rp]
+      const int64_t pairs = (n + 1) / 2;
+      for (int64_t k = 0; k < pairs; ++k) {
+        const bool two = 2 * k + 1 < n;
+        interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
+                            two ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
+                            v2 + k * dim);
+        pair_weights(st + 2 * k * rp, two ? st + (2 * k + 1) * rp : nullptr, rp, p2 + k * rp);
+      }
+      blocks_of<RB>(0, rows, [&](auto rb, int64_t r0) {
+        accumulate_block_bf16<NV, decltype(rb)::value>(p2, rp, v2, pairs, rescale, r0, acc);
+      });
+      continue;
+    }
+#endif
+    rows_to_float<T, NV>(v_base, addr + j0, row_stride, n, vf);
+    blocks_of<RB>(0, rows, [&](auto rb, int64_t r0) {
+      accumulate_block<NV, decltype(rb)::value>(st, rp, vf, n, rescale, r0, acc);
+    });
+  }
+  std::copy(mr, mr + rows, m);
+  std::copy(sr, sr + rows, s);
+}
+#endif
+
+// One query row of a task: its head_dim values (unscaled) and the keys it
+// sees, first..last, as indices into the task's key run.
+template <typename Q>
+struct QueryRow {
+  const Q* q;
+  int64_t first, last;
+};
+
+// Softmax state (as attend_state's) of `rows` query rows from anywhere,
+// row(r) giving row r, over the keys addr[0:len] of one KV head (kh, vh):
+// the tiled path for many rows, the per-key path for few.
+template <typename T, typename Q, int NV, typename RowFn>
+void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t row_stride,
+                 const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
+                 Scratch& s, float* m, float* sum, float* acc) {
+#ifdef __AVX512F__
+  // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
+  // use); float queries over them take the per-key path rather than add a
+  // rarely used set of tiled instantiations to the build.
+  constexpr bool tiled_types = !kBf16Dot || !std::is_same_v<T, c10::BFloat16> ||
+                               std::is_same_v<Q, c10::BFloat16>;
+  if constexpr (NV > 0 && tiled_types) {
+    if (rows >= kTiledRows) {
+      // Queries transposed, rows in lanes: bfloat16 pairs when both sides are
+      // bfloat16 (vdpbf16ps), else floats; padding rows zero and seeing nothing.
+      const int64_t rp = (rows + 15) / 16 * 16;
+      s.first32.assign(static_cast<size_t>(rp), INT32_MAX);
+      s.last32.assign(static_cast<size_t>(rp), -1);
+      constexpr bool dp = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                          std::is_same_v<Q, c10::BFloat16>;
+      s.qt.assign(static_cast<size_t>((dp ? dim / 2 : dim) * rp), 0.f);
+      uint32_t* pairs = reinterpret_cast<uint32_t*>(s.qt.data());  // as wide as a float
+      for (int64_t r = 0; r < rows; ++r) {
+        const QueryRow<Q> qr = row(r);
+        s.first32[r] = static_cast<int32_t>(qr.first);
+        s.last32[r] = static_cast<int32_t>(qr.last);
+        for (int64_t d = 0; d < dim; d += 2) {
+          if constexpr (dp) {
+            pairs[d / 2 * rp + r] = static_cast<uint32_t>(qr.q[d].x) |
+                                    static_cast<uint32_t>(qr.q[d + 1].x) << 16;
+          } else {
+            s.qt[d * rp + r] = to_float(qr.q[d]);
+            s.qt[(d + 1) * rp + r] = to_float(qr.q[d + 1]);
+          }
+        }
+      }
+      attend_state_tiled<T, NV, dp>(s.qt.data(), rows, rp, kh, vh, row_stride, addr, len,
+                                    s.first32.data(), s.last32.data(), scale, softcap, s, m, sum,
+                                    acc);
+      return;
+    }
+  }
+#endif
+  s.qf.resize(static_cast<size_t>(rows * dim));
+  s.first.resize(static_cast<size_t>(rows));
+  s.last.resize(static_cast<size_t>(rows));
+  bool masked = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const QueryRow<Q> qr = row(r);
+    for (int64_t d = 0; d < dim; ++d) s.qf[r * dim + d] = to_float(qr.q[d]) * scale;
+    s.first[r] = qr.first;
+    s.last[r] = qr.last;
+    masked |= qr.first > 0 || qr.last < len - 1;
+  }
+  attend_state<T, NV>(s.qf.data(), rows, kh, vh, row_stride, addr, len,
+                      masked ? s.first.data() : nullptr, masked ? s.last.data() : nullptr, dim,
+                      softcap, s, m, sum, acc);
+}
+
+// Folds the state (m2, s2, acc2) of one query row into (m, s, acc): the
+// log-sum-exp merge of two softmaxes over disjoint key sets.
+inline void merge_state(float& m, float& s, float* acc, float m2, float s2, const float* acc2,
+                        int64_t dim) {
+  if (s2 == 0.f) return;  // the other part saw no key
+  if (s == 0.f) {
+    m = m2;
+    s = s2;
+    std::copy(acc2, acc2 + dim, acc);
+    return;
+  }
+  const float top = std::max(m, m2);
+  const float c1 = std::exp(m - top), c2 = std::exp(m2 - top);
+  s = s * c1 + s2 * c2;
+  for (int64_t d = 0; d < dim; ++d) acc[d] = acc[d] * c1 + acc2[d] * c2;
+  m = top;
+}
+
+template <typename Q>
+inline void write_normalised(const float* acc, float s, int64_t dim, Q* out) {
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<Q>(acc[d] * inv);
+}
+
+// Calls fn(std::integral_constant<int, NV>) for head_dim = 16 * NV: head
+// sizes models use get unrolled vector code, others NV = 0 (scalar loops).
+template <typename F>
+inline void dispatch_dim(int64_t dim, F&& fn) {
+  switch (dim) {
+    case 16: return fn(std::integral_constant<int, 1>{});
+    case 32: return fn(std::integral_constant<int, 2>{});
+    case 64: return fn(std::integral_constant<int, 4>{});
+    case 80: return fn(std::integral_constant<int, 5>{});
+    case 96: return fn(std::integral_constant<int, 6>{});
+    case 128: return fn(std::integral_constant<int, 8>{});
+    case 256: return fn(std::integral_constant<int, 16>{});
+    default: return fn(std::integral_constant<int, 0>{});
+  }
+}
+
+// A step's decode work, cut into tasks for the threads. A *job* is a set of
+// query rows (those of its member sequences) attending over one run of keys
+// of its first member's context: a sequence's own context, a group's shared
+// prefix, or a group member's own suffix. A job is cut into *pieces* along
+// its keys so that every core has work even with one sequence or one group;
+// a task is one (piece, KV head). Pieces write softmax states that a second
+// pass merges per sequence, except a sequence alone in one piece, which
+// writes its output directly (the common ungrouped case costs no merge).
+struct Job {
+  int64_t member0, members;  // its sequences: member_list[member0 : member0 + members]
+  int64_t begin, end;        // the key run, as indices into member0's context
+};
+struct Piece {
+  int64_t job, begin, end;
+  int64_t state;  // offset of its KV head 0 state block in `states`; -1: writes the output
+};
+struct Source {  // where one sequence finds part of its softmax
+  int64_t piece, row0;  // its first query row among the piece's rows
+};
+
+// Per-key cost of reading one K and one V row from memory, in units of one
+// query row's arithmetic on that key: it weighs jobs when cutting them.
+constexpr int64_t kKeyCost = 8;
+// Pieces aim at this many tasks per thread (balance under noisy neighbours)...
+constexpr int64_t kTasksPerThread = 4;
+// ...but are never shorter than this many keys (each piece costs a merge)...
+constexpr int64_t kMinPiece = 32;
+// ...and keep the per-key path's [rows, keys] score table within this many
+// floats (L2).
+constexpr int64_t kMaxScores = 1 << 16;
+
+// Groups of a call: of[b] the group of sequence b (-1: none), prefix[g] how
+// many leading context rows group g's members share.
+struct Groups {
+  const int64_t* of = nullptr;
+  const int64_t* prefix = nullptr;
+  int64_t count = 0;
+};
 
 template <typename T, typename Q>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
          const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
-         double scale, double softcap, int64_t window) {
+         const Groups& groups, double scale, double softcap, int64_t window) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_rows.size(1) / dim, group = heads / kv_heads;
+  const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
   const int64_t row_stride = k_rows.stride(0);
   const Q* qp = q.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
@@ -227,50 +769,318 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   const T* vp = v_rows.data_ptr<T>();
   const int64_t* ap = addr.data_ptr<int64_t>();
   const int64_t* offs = offsets.data_ptr<int64_t>();
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores, buf;
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      int64_t begin = offs[b];
-      const int64_t end = offs[b + 1];
-      // Positions are consecutive, so a sliding window keeps the newest keys.
-      if (window > 0 && end - begin > window) begin = end - window;
-      const int64_t at = (b * heads + h * group) * dim;
-      const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-      const int64_t len = end - begin;
-      auto one = [&](auto nv) {
-        attend_one<T, Q, decltype(nv)::value>(qp + at, op + at, kp, vp, row_stride, h * dim,
-                                              ap + begin, len, group, dim, sc, cap, scores,
-                                              buf);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t *group_of = groups.of, *group_prefix = groups.prefix;
+  const int64_t num_groups = groups.count;
+
+  // Oldest key each sequence sees: positions are consecutive and the newest
+  // key is the query's own, so a sliding window keeps the last `window` keys.
+  std::vector<int64_t> lo(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = offs[b + 1] - offs[b];
+    lo[b] = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  }
+
+  // ---- jobs --------------------------------------------------------------------------
+  std::vector<int64_t> member_list;
+  std::vector<Job> jobs;
+  std::vector<int64_t> prefix_job(num_groups, -1);
+  if (num_groups > 0) {
+    std::vector<std::vector<int64_t>> members(num_groups);
+    for (int64_t b = 0; b < batch; ++b)
+      if (group_of[b] >= 0) members[group_of[b]].push_back(b);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      if (members[g].empty()) continue;
+      // Keys of the prefix that some member sees (windows cut each differently).
+      int64_t begin = group_prefix[g];
+      for (int64_t b : members[g]) begin = std::min(begin, lo[b]);
+      if (begin >= group_prefix[g]) continue;
+      prefix_job[g] = static_cast<int64_t>(jobs.size());
+      jobs.push_back({static_cast<int64_t>(member_list.size()),
+                      static_cast<int64_t>(members[g].size()), begin, group_prefix[g]});
+      member_list.insert(member_list.end(), members[g].begin(), members[g].end());
+    }
+  }
+  std::vector<int64_t> own_job(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t g = group_of ? group_of[b] : -1;
+    const int64_t begin = g >= 0 ? std::max(group_prefix[g], lo[b]) : lo[b];
+    own_job[b] = static_cast<int64_t>(jobs.size());
+    jobs.push_back({static_cast<int64_t>(member_list.size()), 1, begin, offs[b + 1] - offs[b]});
+    member_list.push_back(b);
+  }
+
+  // ---- pieces ------------------------------------------------------------------------
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t total = 0;
+  for (const Job& j : jobs) total += (j.end - j.begin) * (j.members * qpk + kKeyCost);
+  const int64_t target = std::max<int64_t>(1, total * kv_heads / (kTasksPerThread * threads));
+  std::vector<Piece> pieces;
+  std::vector<int64_t> first_piece(jobs.size() + 1);
+  int64_t state_size = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const Job& j = jobs[i];
+    first_piece[i] = static_cast<int64_t>(pieces.size());
+    const int64_t len = j.end - j.begin, rows = j.members * qpk;
+    if (len <= 0) continue;
+    int64_t n = (len * (rows + kKeyCost) + target - 1) / target;
+    n = std::min(n, (len + kMinPiece - 1) / kMinPiece);
+    n = std::max({n, (rows * len + kMaxScores - 1) / kMaxScores, int64_t{1}});
+    const bool direct =
+        n == 1 && j.members == 1 && (!group_of || group_of[member_list[j.member0]] < 0);
+    for (int64_t p = 0; p < n; ++p) {
+      pieces.push_back({static_cast<int64_t>(i), j.begin + len * p / n,
+                        j.begin + len * (p + 1) / n, direct ? -1 : state_size});
+      if (!direct) state_size += kv_heads * rows * (dim + 2);
+    }
+  }
+  first_piece[jobs.size()] = static_cast<int64_t>(pieces.size());
+  std::vector<float> states(static_cast<size_t>(state_size));
+
+  // ---- merges ------------------------------------------------------------------------
+  // Every sequence not written directly gathers its softmax from states: its
+  // group's prefix pieces, then its own. Whichever thread completes the last
+  // state a (sequence, KV head) awaits merges it, so one parallel region
+  // does everything: under contention each region's closing barrier can
+  // wait a whole time slice for a descheduled thread.
+  std::vector<int64_t> merged;                 // the sequences merged
+  std::vector<std::vector<Source>> sources;    // per merged sequence
+  std::vector<std::vector<int64_t>> users(pieces.size());  // piece -> merged sequences
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t oj = own_job[b];
+    if (first_piece[oj + 1] - first_piece[oj] == 1 && pieces[first_piece[oj]].state < 0)
+      continue;
+    std::vector<Source> from;
+    const int64_t g = group_of ? group_of[b] : -1;
+    if (g >= 0 && prefix_job[g] >= 0) {
+      const Job& j = jobs[prefix_job[g]];
+      const int64_t* mem = member_list.data() + j.member0;
+      const int64_t at = std::find(mem, mem + j.members, b) - mem;
+      for (int64_t p = first_piece[prefix_job[g]]; p < first_piece[prefix_job[g] + 1]; ++p)
+        from.push_back({p, at * qpk});
+    }
+    for (int64_t p = first_piece[oj]; p < first_piece[oj + 1]; ++p) from.push_back({p, 0});
+    for (const Source& src : from) users[src.piece].push_back(static_cast<int64_t>(merged.size()));
+    merged.push_back(b);
+    sources.push_back(std::move(from));
+  }
+  std::unique_ptr<std::atomic<int64_t>[]> awaiting(
+      new std::atomic<int64_t>[merged.size() * kv_heads]);
+  for (size_t i = 0; i < merged.size(); ++i)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      awaiting[i * kv_heads + h].store(static_cast<int64_t>(sources[i].size()));
+
+  auto merge = [&](int64_t i, int64_t h, Scratch& s) {
+    s.row.resize(static_cast<size_t>(dim));
+    float* acc = s.row.data();
+    Q* dst = op + (merged[i] * heads + h * qpk) * dim;
+    for (int64_t r = 0; r < qpk; ++r) {
+      float m = -FLT_MAX, sum = 0.f;
+      for (const Source& src : sources[i]) {
+        const Piece& p = pieces[src.piece];
+        const int64_t rows = jobs[p.job].members * qpk, at = src.row0 + r;
+        const float* block = states.data() + p.state + h * rows * (dim + 2);
+        merge_state(m, sum, acc, block[at], block[rows + at], block + 2 * rows + at * dim, dim);
+      }
+      write_normalised(acc, sum, dim, dst + r * dim);
+    }
+  };
+
+  // ---- tasks -------------------------------------------------------------------------
+  // Costliest first, then any thread takes the next: a core slowed by other
+  // work simply takes fewer.
+  const int64_t num_tasks = static_cast<int64_t>(pieces.size()) * kv_heads;
+  auto cost = [&](int64_t t) {
+    const Piece& p = pieces[t / kv_heads];
+    return (p.end - p.begin) * (jobs[p.job].members * qpk + kKeyCost);
+  };
+  std::vector<int64_t> order(num_tasks);
+  for (int64_t t = 0; t < num_tasks; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+
+  auto run_task = [&](int64_t task, Scratch& s) {
+    const int64_t piece = task / kv_heads, h = task % kv_heads;
+    const Piece& p = pieces[piece];
+    const Job& j = jobs[p.job];
+    const int64_t* mem = member_list.data() + j.member0;
+    const int64_t rows = j.members * qpk, len = p.end - p.begin;
+    float* block;
+    if (p.state >= 0) {
+      block = states.data() + p.state + h * rows * (dim + 2);
+    } else {
+      s.state.resize(static_cast<size_t>(rows * (dim + 2)));
+      block = s.state.data();
+    }
+    float *m = block, *sum = block + rows, *acc = block + 2 * rows;
+    // Query rows: member i's qpk heads of KV head h, each seeing the keys of
+    // this piece from its own window start on.
+    auto row = [&](int64_t r) {
+      const int64_t b = mem[r / qpk];
+      return QueryRow<Q>{qp + (b * heads + h * qpk + r % qpk) * dim,
+                         std::clamp<int64_t>(lo[b] - p.begin, 0, len), len - 1};
+    };
+    dispatch_dim(dim, [&](auto nv) {
+      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + h * dim, vp + h * dim, row_stride,
+                                             ap + offs[mem[0]] + p.begin, len, dim, sc, cap, s,
+                                             m, sum, acc);
+    });
+    if (p.state < 0) {
+      Q* dst = op + (mem[0] * heads + h * qpk) * dim;
+      for (int64_t r = 0; r < rows; ++r)
+        write_normalised(acc + r * dim, sum[r], dim, dst + r * dim);
+      return;
+    }
+    // acq_rel: the last thread to finish sees every other thread's state.
+    for (const int64_t i : users[piece])
+      if (awaiting[i * kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i, h, s);
+  };
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch s;
+    for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) run_task(order[i], s);
+  });
+}
+
+// ---- extends (prefill chunks) ----------------------------------------------------------
+// Query tokens per extend task, as query rows (tokens x query heads per KV
+// head): enough rows to fill the vector lanes and amortise each key tile,
+// few enough that the causal diagonal wastes little of a tile.
+constexpr int64_t kExtendRows = 96;
+
+// Causal attention of each extend's new tokens over its whole context,
+// read in place: sequence e's context is addr[offsets[e]:offsets[e + 1]]
+// and its new tokens are the last n_e = q_offsets[e + 1] - q_offsets[e] of
+// it, their queries q[q_offsets[e]:q_offsets[e + 1]]. A task is (sequence,
+// KV head, block of new tokens); it visits only keys some token of the
+// block sees (nothing above the diagonal, nothing before the window), and
+// key tiles every row sees whole skip the masks.
+template <typename T, typename Q>
+void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
+                const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
+                const at::Tensor& q_offsets, double scale, double softcap, int64_t window) {
+  const int64_t seqs = offsets.numel() - 1, heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
+  const int64_t row_stride = k_rows.stride(0);
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const T* kp = k_rows.data_ptr<T>();
+  const T* vp = v_rows.data_ptr<T>();
+  const int64_t* ap = addr.data_ptr<int64_t>();
+  const int64_t* offs = offsets.data_ptr<int64_t>();
+  const int64_t* qoffs = q_offsets.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t block = std::max<int64_t>(1, kExtendRows / qpk);
+
+  struct Task {
+    int64_t seq, head, t0, t1, cost;
+  };
+  std::vector<Task> tasks;
+  // Oldest key a token at context index c sees.
+  auto oldest = [&](int64_t c) { return window > 0 ? std::max<int64_t>(0, c - window + 1) : 0; };
+  for (int64_t e = 0; e < seqs; ++e) {
+    const int64_t n = qoffs[e + 1] - qoffs[e], cached = offs[e + 1] - offs[e] - n;
+    for (int64_t t0 = 0; t0 < n; t0 += block) {
+      const int64_t t1 = std::min(n, t0 + block);
+      const int64_t keys = cached + t1 - oldest(cached + t0);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        tasks.push_back({e, h, t0, t1, keys * ((t1 - t0) * qpk + kKeyCost)});
+    }
+  }
+  // Costliest first, then any thread takes the next (as for decodes).
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch s;
+    std::vector<float> state;
+    for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) {
+      const Task& t = tasks[i];
+      const int64_t n = qoffs[t.seq + 1] - qoffs[t.seq];
+      const int64_t cached = offs[t.seq + 1] - offs[t.seq] - n;
+      const int64_t begin = oldest(cached + t.t0), end = cached + t.t1;  // keys [begin, end)
+      const int64_t rows = (t.t1 - t.t0) * qpk;
+      state.resize(static_cast<size_t>(rows * (dim + 2)));
+      float *m = state.data(), *sum = m + rows, *acc = sum + rows;
+      // Row r: token t0 + r / qpk (context index c), query head h * qpk + r % qpk.
+      auto row = [&](int64_t r) {
+        const int64_t token = t.t0 + r / qpk, c = cached + token;
+        return QueryRow<Q>{qp + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim,
+                           oldest(c) - begin, c - begin};
       };
-      switch (dim) {  // head sizes models use get unrolled vector code
-        case 16: one(std::integral_constant<int, 1>{}); break;
-        case 32: one(std::integral_constant<int, 2>{}); break;
-        case 64: one(std::integral_constant<int, 4>{}); break;
-        case 80: one(std::integral_constant<int, 5>{}); break;
-        case 96: one(std::integral_constant<int, 6>{}); break;
-        case 128: one(std::integral_constant<int, 8>{}); break;
-        case 256: one(std::integral_constant<int, 16>{}); break;
-        default: one(std::integral_constant<int, 0>{}); break;
+      dispatch_dim(dim, [&](auto nv) {
+        attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
+                                               row_stride, ap + offs[t.seq] + begin,
+                                               end - begin, dim, sc, cap, s, m, sum, acc);
+      });
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = t.t0 + r / qpk;
+        Q* dst = op + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim;
+        write_normalised(acc + r * dim, sum[r], dim, dst);
       }
     }
   });
 }
 
-template <typename T>
-void run_for_query(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
-                   const at::Tensor& v_rows, const at::Tensor& addr,
-                   const at::Tensor& offsets, double scale, double softcap, int64_t window) {
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      return run<T, float>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-    case at::kBFloat16:
-      return run<T, c10::BFloat16>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-    case at::kHalf:
-      return run<T, c10::Half>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-    default:
-      TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
-  }
+// Calls fn(T{}, Q{}) for K/V dtype T and query dtype Q, where Q is T or
+// float: models pair queries with K/V of their own dtype, and compiling every
+// other pair too would triple the build time. Queries of any other dtype go
+// in as float (exactly: the kernel computes in float anyway), and the
+// result, computed as float, is cast back once, as it would have been.
+template <typename F>
+at::Tensor dispatch_types(const at::Tensor& q, const at::Tensor& k_rows, F&& fn) {
+  const at::ScalarType kv = k_rows.scalar_type();
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf,
+              "paged_decode: unsupported KV dtype ", kv);
+  const at::ScalarType qt = q.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf,
+              "paged_decode: unsupported query dtype ", qt);
+  const bool direct = qt == kv || qt == at::kFloat;
+  const at::Tensor qd = direct ? q : q.to(at::kFloat);
+  at::Tensor out = at::empty_like(qd);
+  auto with_kv = [&](auto t) {
+    using T = decltype(t);
+    if (qd.scalar_type() == at::kFloat) fn(t, float{}, qd, out);
+    else fn(t, T{}, qd, out);
+  };
+  if (kv == at::kFloat) with_kv(float{});
+  else if (kv == at::kBFloat16) with_kv(c10::BFloat16{});
+  else with_kv(c10::Half{});
+  return direct ? out : out.to(qt);
+}
+
+// Shapes every entry needs: q [*, H, D], row tables [N, KVH * D], addr int64.
+void check_rows(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                const at::Tensor& addr) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: q must be contiguous [B, H, D]");
+  TORCH_CHECK(k_rows.dim() == 2 && k_rows.stride(1) == 1, "paged_decode: k_rows must be [N, row]");
+  TORCH_CHECK(v_rows.sizes() == k_rows.sizes() && v_rows.strides() == k_rows.strides(),
+              "paged_decode: k_rows and v_rows differ in shape");
+  TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "paged_decode: K/V dtypes differ");
+  TORCH_CHECK(addr.scalar_type() == at::kLong && addr.is_contiguous(), "paged_decode: addr int64");
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(k_rows.size(1) % dim == 0, "paged_decode: row width not a multiple of head_dim");
+  const int64_t kv_heads = k_rows.size(1) / dim;
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0,
+              "paged_decode: query heads not a multiple of KV heads");
+}
+
+at::Tensor decode(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                  const at::Tensor& addr, const at::Tensor& offsets, const Groups& groups,
+                  double scale, double softcap, int64_t window) {
+  check_rows(q, k_rows, v_rows, addr);
+  return dispatch_types(q, k_rows, [&](auto kv, auto query, const at::Tensor& qd, at::Tensor& out) {
+    run<decltype(kv), decltype(query)>(qd, out, k_rows, v_rows, addr, offsets, groups, scale,
+                                       softcap, window);
+  });
+}
+
+void check_offsets(const at::Tensor& q, const at::Tensor& offsets) {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
+                  offsets.numel() == q.size(0) + 1,
+              "paged_decode: offsets must be int64 [B + 1]");
 }
 
 // q [B, H, D]; k_rows / v_rows [N, KVH * D] (row stride may exceed the width);
@@ -280,35 +1090,82 @@ void run_for_query(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_row
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
                         const at::Tensor& addr, const at::Tensor& offsets, double scale,
                         double softcap, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: q must be contiguous [B, H, D]");
-  TORCH_CHECK(k_rows.dim() == 2 && k_rows.stride(1) == 1, "paged_decode: k_rows must be [N, row]");
-  TORCH_CHECK(v_rows.sizes() == k_rows.sizes() && v_rows.strides() == k_rows.strides(),
-              "paged_decode: k_rows and v_rows differ in shape");
-  TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "paged_decode: K/V dtypes differ");
-  TORCH_CHECK(addr.scalar_type() == at::kLong && addr.is_contiguous(), "paged_decode: addr int64");
-  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
-                  offsets.numel() == q.size(0) + 1,
-              "paged_decode: offsets must be int64 [B + 1]");
-  const int64_t dim = q.size(2);
-  TORCH_CHECK(k_rows.size(1) % dim == 0, "paged_decode: row width not a multiple of head_dim");
-  const int64_t kv_heads = k_rows.size(1) / dim;
-  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0,
-              "paged_decode: query heads not a multiple of KV heads");
-  at::Tensor out = at::empty_like(q);
-  switch (k_rows.scalar_type()) {
-    case at::kFloat:
-      run_for_query<float>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-      break;
-    case at::kBFloat16:
-      run_for_query<c10::BFloat16>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-      break;
-    case at::kHalf:
-      run_for_query<c10::Half>(q, out, k_rows, v_rows, addr, offsets, scale, softcap, window);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", k_rows.scalar_type());
+  check_offsets(q, offsets);
+  return decode(q, k_rows, v_rows, addr, offsets, Groups{}, scale, softcap, window);
+}
+
+// paged_decode plus groups: group_of [B] int64, the group of each sequence
+// (-1: none); group_prefix [G] int64, the number of leading context rows that
+// every member of group g shares (the same addr entries; read through its
+// first member's). 0 <= group_prefix[g] <= every member's context length.
+at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_rows,
+                                const at::Tensor& v_rows, const at::Tensor& addr,
+                                const at::Tensor& offsets, const at::Tensor& group_of,
+                                const at::Tensor& group_prefix, double scale, double softcap,
+                                int64_t window) {
+  check_offsets(q, offsets);
+  TORCH_CHECK(group_of.scalar_type() == at::kLong && group_of.is_contiguous() &&
+                  group_of.dim() == 1 && group_of.numel() == q.size(0),
+              "paged_decode_cascade: group_of must be int64 [B]");
+  TORCH_CHECK(group_prefix.scalar_type() == at::kLong && group_prefix.is_contiguous() &&
+                  group_prefix.dim() == 1,
+              "paged_decode_cascade: group_prefix must be int64 [G]");
+  const Groups groups{group_of.data_ptr<int64_t>(), group_prefix.data_ptr<int64_t>(),
+                      group_prefix.numel()};
+  const int64_t* offs = offsets.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    const int64_t g = groups.of[b];
+    TORCH_CHECK(g >= -1 && g < groups.count, "paged_decode_cascade: group_of[", b, "] = ", g,
+                " outside [-1, ", groups.count, ")");
+    if (g < 0) continue;
+    TORCH_CHECK(groups.prefix[g] >= 0 && groups.prefix[g] <= offs[b + 1] - offs[b],
+                "paged_decode_cascade: group ", g, "'s prefix ", groups.prefix[g],
+                " is longer than member ", b, "'s context (", offs[b + 1] - offs[b], ")");
   }
-  return out;
+  return decode(q, k_rows, v_rows, addr, offsets, groups, scale, softcap, window);
+}
+
+// Causal attention of extends (prefill chunks): q [T, H, D] the new tokens of
+// every extend, sequence e's at rows q_offsets[e]:q_offsets[e + 1] (int64
+// [E + 1], from 0 to T); its context rows addr[offsets[e]:offsets[e + 1]]
+// (int64 [E + 1]) end with its new tokens' own rows (their K/V already
+// written). softcap <= 0 and window <= 0 mean none. Returns [T, H, D].
+at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
+                        const at::Tensor& addr, const at::Tensor& offsets,
+                        const at::Tensor& q_offsets, double scale, double softcap,
+                        int64_t window) {
+  check_rows(q, k_rows, v_rows, addr);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
+                  q_offsets.scalar_type() == at::kLong && q_offsets.is_contiguous() &&
+                  offsets.dim() == 1 && offsets.numel() >= 1 &&
+                  q_offsets.numel() == offsets.numel(),
+              "paged_extend: offsets and q_offsets must be int64 [E + 1]");
+  const int64_t* offs = offsets.data_ptr<int64_t>();
+  const int64_t* qoffs = q_offsets.data_ptr<int64_t>();
+  const int64_t seqs = offsets.numel() - 1;
+  TORCH_CHECK(qoffs[0] == 0 && qoffs[seqs] == q.size(0) && offs[0] >= 0 &&
+                  offs[seqs] <= addr.numel(),
+              "paged_extend: offsets do not cover q and addr");
+  for (int64_t e = 0; e < seqs; ++e) {
+    const int64_t n = qoffs[e + 1] - qoffs[e], len = offs[e + 1] - offs[e];
+    TORCH_CHECK(n >= 0 && n <= len, "paged_extend: sequence ", e, " has ", n,
+                " new tokens in a context of ", len);
+  }
+  return dispatch_types(q, k_rows, [&](auto kv, auto query, const at::Tensor& qd, at::Tensor& out) {
+    run_extend<decltype(kv), decltype(query)>(qd, out, k_rows, v_rows, addr, offsets, q_offsets,
+                                              scale, softcap, window);
+  });
+}
+
+// Whether attention over head_dim-wide heads gets the tiled vector path
+// (AVX-512 and a head size with unrolled code). Extends are faster than
+// torch's SDPA only there; the per-key scalar loops are slower.
+bool has_tiled_path(int64_t head_dim) {
+  bool tiled = false;
+#ifdef __AVX512F__
+  dispatch_dim(head_dim, [&](auto nv) { tiled = decltype(nv)::value > 0; });
+#endif
+  return tiled;
 }
 
 }  // namespace
@@ -317,6 +1174,18 @@ TORCH_LIBRARY(radixmux, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, Tensor offsets, "
       "float scale, float softcap, int window) -> Tensor");
+  m.def(
+      "paged_decode_cascade(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, "
+      "Tensor offsets, Tensor group_of, Tensor group_prefix, float scale, float softcap, "
+      "int window) -> Tensor");
+  m.def(
+      "paged_extend(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, Tensor offsets, "
+      "Tensor q_offsets, float scale, float softcap, int window) -> Tensor");
+  m.def("has_tiled_path(int head_dim) -> bool", &has_tiled_path);
 }
 
-TORCH_LIBRARY_IMPL(radixmux, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_cascade", &paged_decode_cascade);
+  m.impl("paged_extend", &paged_extend);
+}

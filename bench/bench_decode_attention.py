@@ -1,0 +1,299 @@
+"""Attention micro-benchmark: the paged kernel's decode (plain vs cascade) and extend paths.
+
+**Decode.** SmolLM2-135M's attention shape (9 query heads, 3 KV heads,
+head_dim 64, bfloat16 K/V) at batch 1, 16 and 64 over 1,100-token contexts.
+In a *shared* batch, groups of 4, 16 or 64 sequences share a 1,000-token
+prefix (the same arena rows, as sequences sharing a cached prefix in the
+radix tree do) plus 100 tokens of their own; a *distinct* batch shares
+nothing. Each step runs every layer once, and each layer has its own rows
+(as in the model), so K/V come from DRAM rather than from the CPU's caches
+(the tables are sized well beyond the L3). Compared per step: the plain
+kernel (``paged_decode``, which reads a shared prefix once per member) and
+the cascade kernel (``paged_decode_cascade``, once per group).
+
+**Extend.** One layer's attention call (``paged_attention_forward``, K/V
+write included) for prefill chunks, the SDPA path (gather the cached prefix,
+one masked SDPA per chunk) against the kernel (``paged_extend``, all chunks
+in one call, prefixes read in place, causal half only): 512 new tokens with
+0 and with 448 cached, 64 new after 448 cached, and four chunks of 128 new
+tokens after 448 cached in one call.
+
+Each pair of paths is timed interleaved, call by call, so both see the same
+load from other processes on these shared cores; each figure is the
+20th-percentile call. Prints tables and writes
+``bench/results/decode_attention.json``.
+
+    .venv/bin/python bench/bench_decode_attention.py [--parts decode extend] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixmux.model_runners import paged_decode as kernel
+from radixmux.model_runners.kv_store import KVStore
+from radixmux.model_runners.paged_attention import (
+    ExtendSeq,
+    PagedBatch,
+    paged_attention_forward,
+    paged_batch,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+LAYERS = 30
+PREFIX, OWN = 1000, 100
+# Enough K/V rows across layers to be 8x the 32 MiB L3: every step reads DRAM.
+MIN_TABLE_BYTES = 256 << 20
+
+
+def _typical(times: list[float]) -> float:
+    return float(np.percentile(times, 20))
+
+
+@dataclass
+class Case:
+    """One decode batch: ``batch`` sequences, in groups of ``group`` (0: no sharing)."""
+
+    batch: int
+    group: int
+
+    @property
+    def name(self) -> str:
+        return "distinct" if self.group == 0 else f"groups of {self.group}"
+
+    def contexts(self) -> tuple[list[list[int]], list[int], list[int]]:
+        """(each sequence's rows, group of each sequence, prefix of each group) in one layer."""
+        rows, next_row = [], 0
+
+        def take(n: int) -> list[int]:
+            nonlocal next_row
+            next_row += n
+            return list(range(next_row - n, next_row))
+
+        group_of, prefixes = [], []
+        for b in range(self.batch):
+            if self.group == 0:
+                rows.append(take(PREFIX + OWN))
+                group_of.append(-1)
+                continue
+            if b % self.group == 0:
+                shared = take(PREFIX)
+                prefixes.append(PREFIX)
+            rows.append(shared + take(OWN))
+            group_of.append(len(prefixes) - 1)
+        return rows, group_of, prefixes
+
+
+@dataclass
+class Figures:
+    batch: int
+    layout: str
+    layers_in_table: int
+    kv_mb_per_layer_plain: float
+    kv_mb_per_layer_cascade: float
+    plain_ms: float  # one step: every layer once
+    cascade_ms: float
+    speedup: float
+
+
+def measure(case: Case, dtype: torch.dtype, steps: int) -> Figures:
+    rows, group_of, prefixes = case.contexts()
+    per_layer = max(max(r) for r in rows) + 1
+    row_bytes = KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+    # Distinct rows per layer, as many layers as it takes to overflow the caches.
+    tables = max(1, min(LAYERS, math.ceil(MIN_TABLE_BYTES / (2 * per_layer * row_bytes))))
+    g = torch.Generator().manual_seed(0)
+    shape = (tables * per_layer, KV_HEADS * HEAD_DIM)
+    k_rows = torch.randn(shape, generator=g).to(dtype)
+    v_rows = torch.randn(shape, generator=g).to(dtype)
+    base = torch.tensor([r for rs in rows for r in rs])
+    addrs = [base + (layer % tables) * per_layer for layer in range(LAYERS)]
+    offsets = torch.tensor([0, *np.cumsum([len(r) for r in rows]).tolist()])
+    group_t = torch.tensor(group_of, dtype=torch.int64)
+    prefix_t = torch.tensor(prefixes, dtype=torch.int64)
+    q = torch.randn(case.batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+    scale = HEAD_DIM**-0.5
+
+    def plain() -> torch.Tensor:
+        for addr in addrs:
+            out = kernel.paged_decode(q, k_rows, v_rows, addr, offsets, scale, None, None)
+        return out
+
+    def cascade() -> torch.Tensor:
+        for addr in addrs:
+            out = kernel.paged_decode_cascade(
+                q, k_rows, v_rows, addr, offsets, group_t, prefix_t, scale, None, None
+            )
+        return out
+
+    diff = (plain().float() - cascade().float()).abs().max().item()
+    assert diff < 2e-2, f"cascade differs from the plain kernel by {diff}"
+    times: dict[str, list[float]] = {"plain": [], "cascade": []}
+    for _ in range(steps):
+        for name, fn in (("plain", plain), ("cascade", cascade)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    plain_rows = len(base)
+    cascade_rows = len(set(base.tolist()))
+    mb = 2 * row_bytes / 2**20  # K and V
+    p, c = _typical(times["plain"]), _typical(times["cascade"])
+    return Figures(
+        case.batch,
+        case.name,
+        tables,
+        round(plain_rows * mb, 2),
+        round(cascade_rows * mb, 2),
+        round(p * 1e3, 2),
+        round(c * 1e3, 2),
+        round(p / c, 2),
+    )
+
+
+EXTEND_CASES = {  # name: (cached, new) per chunk, all chunks in one call
+    "512 new": [(0, 512)],
+    "448 cached + 512 new": [(448, 512)],
+    "448 cached + 64 new": [(448, 64)],
+    "4 x (448 cached + 128 new)": [(448, 128)] * 4,
+}
+
+
+@dataclass
+class ExtendFigures:
+    case: str
+    sdpa_ms: float  # one layer's attention call
+    kernel_ms: float
+    speedup: float
+
+
+class _Layer(torch.nn.Module):
+    """What the attention function needs of a transformers attention module."""
+
+    layer_idx = 0
+
+
+def measure_extend(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, steps: int):
+    spb = 4096  # one layer's rows in blocks of 4,096 slots
+    total = sum(c + n for c, n in chunks)
+    blocks = -(-total // spb)
+    store = KVStore(torch.zeros(blocks, 1, 2, spb, KV_HEADS, HEAD_DIM, dtype=dtype))
+    g = torch.Generator().manual_seed(1)
+    extends, new_slots, next_slot, row = [], [], 0, 0
+    for cached, new in chunks:
+        slots = torch.arange(next_slot, next_slot + cached + new)
+        next_slot += cached + new
+        prefix = store.address(slots[:cached])
+        kv = torch.randn(2, cached, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        store.write(0, prefix, kv[0], kv[1])  # the cached prefix
+        new_slots.append(slots[cached:])
+        end = cached + new
+        extends.append(
+            ExtendSeq(
+                row, row + new, store.address(slots), torch.arange(end), torch.arange(cached, end)
+            )
+        )
+        row += new
+    empty = torch.zeros(0, dtype=torch.int64)
+    query = torch.randn(1, HEADS, row, HEAD_DIM, generator=g).to(dtype)
+    key = torch.randn(1, KV_HEADS, row, HEAD_DIM, generator=g).to(dtype)
+    value = torch.randn(1, KV_HEADS, row, HEAD_DIM, generator=g).to(dtype)
+    batches = {
+        path: PagedBatch(
+            store=store,
+            write_addr=store.address(torch.cat(new_slots)),
+            dec_rows=empty,
+            dec_slots=empty,
+            dec_offsets=torch.zeros(1, dtype=torch.int64),
+            dec_q_pos=empty,
+            extends=extends,
+            use_kernel=path == "kernel",
+        )
+        for path in ("sdpa", "kernel")
+    }
+    layer = _Layer()
+
+    def call(path: str) -> torch.Tensor:
+        with paged_batch(batches[path]):
+            return paged_attention_forward(layer, query, key, value, None, HEAD_DIM**-0.5)[0]
+
+    diff = (call("sdpa").float() - call("kernel").float()).abs().max().item()
+    assert diff < 3e-2, f"kernel differs from SDPA by {diff}"
+    times: dict[str, list[float]] = {"sdpa": [], "kernel": []}
+    for _ in range(steps):
+        for path in times:
+            t0 = time.perf_counter()
+            call(path)
+            times[path].append(time.perf_counter() - t0)
+    s, k = _typical(times["sdpa"]), _typical(times["kernel"])
+    return ExtendFigures(name, round(s * 1e3, 2), round(k * 1e3, 2), round(s / k, 2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["decode", "extend"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--groups", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not kernel.load():
+        raise SystemExit(f"paged decode kernel not built: {kernel.error()}")
+    dtype = getattr(torch, args.dtype)
+    report: dict[str, object] = {
+        "meta": {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": args.steps}
+    }
+    print(
+        f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, {args.dtype} K/V, "
+        f"{torch.get_num_threads()} threads, 20th-percentile of {args.steps} calls"
+    )
+    if "decode" in args.parts:
+        cases = [
+            Case(b, grp)
+            for b in args.batches
+            for grp in [0, *args.groups]
+            if grp <= b and (grp == 0 or b % grp == 0)
+        ]
+        print(f"\ndecode: {LAYERS} layers per step, {PREFIX}+{OWN}-token contexts")
+        print(
+            f"{'batch':>5} {'layout':>13} {'K/V MB/layer plain':>19} {'cascade':>8} "
+            f"{'plain ms/step':>14} {'cascade ms/step':>16} {'speed-up':>9}"
+        )
+        decode = []
+        for case in cases:
+            f = measure(case, dtype, args.steps)
+            decode.append(asdict(f))
+            print(
+                f"{f.batch:>5} {f.layout:>13} {f.kv_mb_per_layer_plain:>19.1f} "
+                f"{f.kv_mb_per_layer_cascade:>8.1f} {f.plain_ms:>14.1f} {f.cascade_ms:>16.1f} "
+                f"{f.speedup:>8.2f}x"
+            )
+        report["decode"] = decode
+    if "extend" in args.parts:
+        print("\nextend: one layer's attention call")
+        print(f"{'chunks':>28} {'SDPA ms':>9} {'kernel ms':>10} {'speed-up':>9}")
+        extend = []
+        for name, chunks in EXTEND_CASES.items():
+            e = measure_extend(name, chunks, dtype, args.steps)
+            extend.append(asdict(e))
+            print(f"{e.case:>28} {e.sdpa_ms:>9.2f} {e.kernel_ms:>10.2f} {e.speedup:>8.2f}x")
+        report["extend"] = extend
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / "decode_attention.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
