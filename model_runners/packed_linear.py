@@ -20,11 +20,12 @@ from torch import nn
 log = logging.getLogger("radixmux.runner")
 
 _DTYPES = (torch.float32, torch.bfloat16)
-# oneDNN builds (and caches, up to 1,024) one primitive per input shape. A
-# server's batches come in every row count up to chunked prefill + running
-# requests, which keeps that cache churning and the process growing by
-# hundreds of MB. Above this many rows a call is cut into a multiple of it
-# plus a remainder, so at most ROW_GRAIN + (max rows / ROW_GRAIN) shapes occur.
+# oneDNN builds (and caches, up to 1,024) one primitive per input shape, each
+# holding JIT code and buffers. A server's batches come in every row count up
+# to chunked prefill + running requests, which would keep that cache churning
+# and the process growing by hundreds of MB. Above this many rows a call is
+# cut into a multiple of it plus a remainder, so at most ROW_GRAIN + (max rows
+# / ROW_GRAIN) shapes occur, and ``warm_up`` builds them all at start.
 ROW_GRAIN = 64
 
 
@@ -66,6 +67,32 @@ def _packing_works(dtype: torch.dtype) -> bool:
         return bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
     except (RuntimeError, AttributeError):
         return False
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Every row count a ``PackedLinear`` call makes for inputs of up to ``max_rows`` rows."""
+    small = range(1, min(max_rows, ROW_GRAIN) + 1)
+    return [*small, *range(2 * ROW_GRAIN, max_rows + 1, ROW_GRAIN)]
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module, max_rows: int) -> int:
+    """Run every packed weight shape once at every row count a batch of up to
+    ``max_rows`` tokens can make, so oneDNN builds its primitives now: memory
+    is taken at start (not creeping up while serving) and no request waits for
+    a kernel to be generated. Returns the calls made."""
+    shapes = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            shapes.setdefault(
+                (module.in_features, module.out_features, module.packed.dtype), module
+            )
+    calls = 0
+    for module in shapes.values():
+        for rows in row_counts(max_rows):
+            module._linear(torch.zeros(rows, module.in_features, dtype=module.packed.dtype))
+            calls += 1
+    return calls
 
 
 @torch.no_grad()

@@ -48,6 +48,10 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     threads: int = 0
     num_runners: int = 1
     attention_backend: str = "auto"
+    # Most tokens one batch can hold (chunked prefill + running requests):
+    # the packed linear layers are warmed up for every row count up to it
+    # before Ready (0: no warm-up).
+    max_batch_tokens: int = 0
 
 
 def cpu_cores() -> int:
@@ -97,12 +101,18 @@ def serve(config: RunnerConfig) -> int:
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
         runner = ModelRunner(loaded, arena.view(geometry), config.attention_backend)
+        t0 = time.perf_counter()
+        if config.max_batch_tokens:
+            from radixmux.model_runners.packed_linear import warm_up
+
+            warm_up(loaded.model, config.max_batch_tokens)
+        load_seconds = loaded.load_seconds + time.perf_counter() - t0
     except Exception as exc:
         sock.send(encoder.encode(P.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))
         sock.close()
         ctx.term()
         return 1
-    sock.send(encoder.encode(P.Ready(loaded.info, os.getpid(), loaded.load_seconds, threads)))
+    sock.send(encoder.encode(P.Ready(loaded.info, os.getpid(), load_seconds, threads)))
 
     try:
         return _loop(sock, runner, parent)

@@ -227,6 +227,7 @@ class Launcher:
                     threads=args.runner_threads,
                     num_runners=total,
                     attention_backend=args.attention_backend,
+                    max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
                 )
                 self._runner_configs[rid] = config
                 self._start_runner(rid)
