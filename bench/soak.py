@@ -119,6 +119,20 @@ SERVER_INFO_FIELDS = ("invariants", "locks_held", "request_owned_slots")
 MODEL_INFO_FIELDS = ("state", "runner_pids", "restarts")
 
 
+# Every kind of request the load makes; a run that made none of one proves nothing about it.
+REQUEST_KINDS = (
+    "shared_prefix",
+    "multi_turn",
+    "abandon",
+    "burst",
+    "disconnect",
+    "bad_input",
+    "invalidate",
+    "flush",
+    "probe",
+)
+
+
 # ---- configuration --------------------------------------------------------------------
 @dataclass(frozen=True)
 class Profile:
@@ -1674,18 +1688,7 @@ def server_up_check(run: RunState, end: EndState) -> CheckResult:
 def mix_check(run: RunState, end: EndState) -> CheckResult:
     """The run exercised what it claims: every kind of request, eviction and retraction."""
     kinds = Counter(r.kind for r in run.records)
-    wanted = (
-        "shared_prefix",
-        "multi_turn",
-        "abandon",
-        "burst",
-        "disconnect",
-        "bad_input",
-        "invalidate",
-        "flush",
-        "probe",
-    )
-    missing = [k for k in wanted if not kinds.get(k)]
+    missing = [k for k in REQUEST_KINDS if not kinds.get(k)]
     evicted = end.sched.get("evicted_tokens") or {}
     pressure = int(evicted.get("capacity", sum(evicted.values()) if evicted else 0))
     retractions = int(end.sched.get("retractions") or 0)

@@ -30,18 +30,6 @@ RUN_TIMEOUT_S = 1200  # start (~40 s), 2 min of load, end phase, stop; slow when
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 
-REQUEST_KINDS = (
-    "shared_prefix",
-    "multi_turn",
-    "abandon",
-    "burst",
-    "disconnect",
-    "bad_input",
-    "invalidate",
-    "flush",
-    "probe",
-)
-
 
 def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
@@ -68,7 +56,7 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert all(k["t_serving"] is not None for k in data["kills"])
     assert any(role.startswith("runner b#") for role in data["rss"]["growth"]), data["rss"]
     kinds = data["requests_by_kind"]
-    assert all(kinds.get(kind, 0) > 0 for kind in REQUEST_KINDS), kinds
+    assert all(kinds.get(kind, 0) > 0 for kind in soak.REQUEST_KINDS), kinds
     statuses = data["requests_by_status"]
     assert statuses.get("200", 0) > 50 and statuses.get("400", 0) > 0, statuses
     assert any(p["phase"] == "during" and p["status"] == 200 for p in data["probes"])
