@@ -415,10 +415,12 @@ def peer_command(
             # (~70 s for a second start).
             "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         }
-        if cpus:
-            # Its compute threads on exactly these cores (auto binding would
-            # take core 0 for every server on the machine).
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        # Its compute threads on exactly these cores, all of them by default.
+        # Left to itself vLLM binds automatically, which on this 2-core machine
+        # reserves one core for its front end and computes on the other (and
+        # would take core 0 for every server on the machine).
+        bind = cpus or sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, bind))
         return _pinned(cmd, cpus), env
     if kind == "llamacpp":
         # The GGUF keeps its own (quantised) weight type: ``dtype`` does not apply.
