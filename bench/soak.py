@@ -86,7 +86,7 @@ PROGRESS_EVERY_S = 10.0
 RSS_EVERY_S = 5.0
 RSS_GROWTH_LIMIT = 0.05  # the issue: < 5% between minute 2 and the end
 RSS_BASELINE_S = 120.0  # "minute 2"; runs shorter than 4 minutes use their halfway point
-RSS_WARMUP_S = 60.0  # only processes started this long before the baseline are compared
+RSS_MIN_WINDOW_S = 60.0  # a process is compared over at least this long, or listed apart
 OUTAGE_GRACE_S = 3.0  # a 503 this close to an outage still belongs to it (polling lag)
 # A killed runner must be serving again within this: generous, since on a
 # shared 2-core machine a restart may also rebuild the decode kernel.
@@ -222,6 +222,7 @@ class SoakConfig:
     runner_timeout_s: float  # 0: do not pass --runner-timeout (servers before issue 9)
     server_args: tuple[str, ...]
     profile: Profile
+    dtype: str = ""  # the models' dtype ("": the server's default)
 
     @property
     def load_s(self) -> float:
@@ -515,7 +516,7 @@ def server_command(config: SoakConfig, sources: Sequence[str]) -> list[str]:
     """The ``launch.py`` command line for this run."""
     cmd = [sys.executable, str(ROOT / "launch.py")]
     for name, source in zip(MODEL_NAMES, sources, strict=True):
-        dtype = "" if config.tiny else ",dtype=bfloat16"
+        dtype = f",dtype={config.dtype}" if config.dtype else ""
         cmd += ["--model", f"{source},name={name}{dtype}"]
     cmd += [
         "--kv-cache-bytes",
@@ -1613,21 +1614,28 @@ def rss_baseline_s(load_s: float) -> float:
     return min(RSS_BASELINE_S, load_s / 2)
 
 
-def rss_growth(series: ProcessSeries, baseline_t: float, end_t: float) -> float | None:
-    """RSS growth from the first sample at/after ``baseline_t`` to the end.
+def rss_growth(series: ProcessSeries, warm_s: float, end_t: float) -> float | None:
+    """RSS growth of one process from ``warm_s`` into its own life (never before
+    the run's own minute ``warm_s``) to its last sample.
 
-    None for a process that did not live through the whole window warm: one
-    started less than ``RSS_WARMUP_S`` before the baseline (a runner restarted
-    just before it is still loading its weights) or gone before the end.
+    A runner restarted after a kill is a new process: it is judged over its own
+    life, from when it is warm (weights loaded, kernels built) to its death or
+    the end. None when that window is shorter than ``RSS_MIN_WINDOW_S``.
     """
-    if not series.t or series.t[0] > baseline_t - RSS_WARMUP_S or series.t[-1] < end_t:
+    if not series.t:
         return None
-    i = next(i for i, t in enumerate(series.t) if t >= baseline_t)
-    return series.rss_kib[-1] / series.rss_kib[i] - 1.0
+    base = max(warm_s, series.t[0] + warm_s)
+    last = min(series.t[-1], end_t)
+    if last - base < RSS_MIN_WINDOW_S:
+        return None
+    i = next(i for i, t in enumerate(series.t) if t >= base)
+    j = max(i for i, t in enumerate(series.t) if t <= last)
+    return series.rss_kib[j] / series.rss_kib[i] - 1.0
 
 
 def rss_check(run: RunState) -> tuple[CheckResult, dict[str, Any]]:
-    """Every process that lived from the baseline to the end grew < 5%; the others listed."""
+    """Every process grew < 5% from minute 2 of its life to its end (or the run's);
+    processes that lived too short a warm window are listed apart."""
     base = rss_baseline_s(run.config.load_s)
     end_t = max((s.t[-1] for s in run.rss.values() if s.t), default=0.0)
     compared: dict[str, float] = {}
@@ -1642,7 +1650,7 @@ def rss_check(run: RunState) -> tuple[CheckResult, dict[str, Any]]:
     over = {k: g for k, g in compared.items() if g >= RSS_GROWTH_LIMIT}
     ok = bool(compared) and not over
     shown = ", ".join(f"{k} {g:+.1%}" for k, g in sorted(compared.items()))
-    detail = f"from {base:.0f} s to the end: {shown}" + (
+    detail = f"from {base:.0f} s into each process's life to its end: {shown}" + (
         f"; over {RSS_GROWTH_LIMIT:.0%}: {sorted(over)}" if over else ""
     )
     if others:
@@ -1962,6 +1970,13 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         help="the server's --runner-timeout (0: do not pass it, for servers before issue 9)",
     )
     p.add_argument("--server-args", default="", help="extra launch.py flags, one string")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="the models' dtype (default: bfloat16 for the real models, the server's for --tiny); "
+        "greedy answers are only bit-stable across cache states in float32 (see the README)",
+    )
     a = p.parse_args(argv)
     profile = TINY if a.tiny else REAL
     port = a.port or free_port()
@@ -1975,6 +1990,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         runner_timeout_s=a.runner_timeout,
         server_args=tuple(a.server_args.split()),
         profile=profile,
+        dtype=a.dtype or ("" if a.tiny else "bfloat16"),
     )
 
 

@@ -106,11 +106,16 @@ def test_model_states_from_the_contract_and_from_older_servers() -> None:
     assert soak.model_states(503, older, names) == {"a": "serving", "b": "down"}
 
 
-def test_rss_growth_compares_only_warm_processes_that_lived_to_the_end() -> None:
+def test_rss_growth_is_judged_over_each_process_warm_life() -> None:
     steady = soak.ProcessSeries(1, "front", [-1.0, 60.0, 120.0], [100, 100, 104])
     assert soak.rss_growth(steady, 60.0, 120.0) == pytest.approx(0.04)
+    # Restarted at 45 s: warm from 105 s, too short a window to judge by 120 s...
     restarted = soak.ProcessSeries(2, "runner a#0", [45.0, 60.0, 120.0], [50, 400, 420])
-    assert soak.rss_growth(restarted, 60.0, 120.0) is None  # still loading at the baseline
-    killed = soak.ProcessSeries(3, "runner b#0", [-1.0, 60.0, 90.0], [100, 100, 100])
-    assert soak.rss_growth(killed, 60.0, 120.0) is None
+    assert soak.rss_growth(restarted, 60.0, 120.0) is None
+    # ...but judged over its own life when it lives long enough, load excluded.
+    longer = soak.ProcessSeries(2, "runner a#0", [45.0, 60.0, 110.0, 200.0], [50, 400, 420, 430])
+    assert soak.rss_growth(longer, 60.0, 200.0) == pytest.approx(430 / 420 - 1)
+    # Killed at 150 s: judged up to its death.
+    killed = soak.ProcessSeries(3, "runner b#0", [-1.0, 60.0, 150.0], [100, 100, 110])
+    assert soak.rss_growth(killed, 60.0, 200.0) == pytest.approx(0.10)
     assert soak.rss_baseline_s(120.0) == 60.0 and soak.rss_baseline_s(1800.0) == 120.0
