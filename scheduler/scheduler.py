@@ -554,7 +554,7 @@ class Scheduler:
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
         runner.threads = msg.threads
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %s", self._describe_step(batch, msg))
+            log.debug("step %s", self.describe_step(batch, msg))
         outputs = self.apply_result(batch, msg)
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
@@ -562,7 +562,7 @@ class Scheduler:
             self.check()
 
     @staticmethod
-    def _describe_step(batch: ScheduledBatch, result: RP.ForwardResult) -> str:
+    def describe_step(batch: ScheduledBatch, result: RP.ForwardResult) -> str:
         """One step's composition and cost (``--log-level debug``), to see where time goes."""
         decodes = [r for r, n in zip(batch.reqs, batch.chunks, strict=True) if n == 1]
         chunks = [(r, n) for r, n in zip(batch.reqs, batch.chunks, strict=True) if n > 1]
