@@ -191,7 +191,7 @@ def main() -> None:
             view = arena.view(BlockGeometry(layout, block, 1))
             runner = ModelRunner(loaded, view, args.attention_backend)
             # The baseline is transformers as shipped: its own copy, weights unpacked.
-            plain = load_model(args.model, dtype=dtype, pack_weights=False).model
+            plain = load_model(args.model, dtype=dtype, pack_weights=False, fuse_ops=False).model
             rows.append({"dtype": dtype, **bench_dtype(loaded, runner, plain, args)})
         finally:
             arena.destroy()

@@ -361,6 +361,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch threads (default: every core, as one model's runner gets when alone)",
     )
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument(
+        "--no-fused-ops",
+        action="store_true",
+        help="transformers' own RMSNorm / MLP / rotary code (the server's --disable-fused-ops)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/)")
     return p.parse_args(argv)
 
@@ -368,13 +373,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, fuse_ops=not args.no_fused_ops)
     if "cascade" in args.layouts and not cascade_available():
         print("note: no ForwardBatch.prefix_groups in this runtime: the cascade layout is skipped")
     t0 = time.monotonic()
     rows = run(loaded, args, lambda line: print(f"[bench_step] {line}", file=sys.stderr))
     print(
-        f"\n{args.model} {args.dtype}, {args.threads} thread(s), decode step at context "
+        f"\n{args.model} {args.dtype}, {args.threads} thread(s), "
+        f"fused ops {'off' if args.no_fused_ops else 'on'}, decode step at context "
         f"{args.prefix}+{args.own} (shared: first {args.prefix} slots identical); "
         f"20th-percentile of {args.steps} steps; other = step - weights - logits - attention"
     )

@@ -12,6 +12,7 @@ import torch
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
 from radixmux.model_runners.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from radixmux.model_runners.fused_ops import fuse_model
 from radixmux.model_runners.info import ModelInfo, eos_ids, sliding_windows
 from radixmux.model_runners.packed_linear import pack_linear_weights
 
@@ -82,14 +83,16 @@ def load_model(
     name: str | None = None,
     attn_implementation: str | None = None,
     pack_weights: bool = True,
+    fuse_ops: bool = True,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
     ``attn_implementation`` is transformers' own (default: its choice) and only
     matters for plain use of ``model``; a ``ModelRunner`` switches it to paged.
     ``pack_weights`` puts CPU linear weights in oneDNN's layout (see
-    ``packed_linear.py``); the fingerprints are taken before, from the weights
-    as stored.
+    ``packed_linear.py``) and ``fuse_ops`` swaps in the fused RMSNorm, gated
+    MLP and rotary kernels (``fused_ops.py``); the fingerprints are taken
+    before both, from the weights as stored.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,6 +112,8 @@ def load_model(
     )
     model.to(device).eval()
     info = describe(model, tokenizer, name or source, dtype, device)
+    if fuse_ops and device == "cpu":
+        fuse_model(model)
     if pack_weights and device == "cpu":
         pack_linear_weights(model)
     return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

@@ -240,6 +240,11 @@ class PagedBatch:
 _current: PagedBatch | None = None
 
 
+def active() -> bool:
+    """Whether a radixmux forward (a :func:`paged_batch`) is running."""
+    return _current is not None
+
+
 @contextlib.contextmanager
 def paged_batch(batch: PagedBatch) -> Iterator[None]:
     """Make ``batch`` the metadata the attention function uses during a forward."""

@@ -30,7 +30,10 @@ import torch
 
 log = logging.getLogger("radixmux.kernels")
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_decode.cpp"
+# One library: the attention kernels and the fused element-wise layers (fused_ops.py).
+SOURCES = tuple(
+    Path(__file__).parent / "kernels" / f for f in ("paged_decode.cpp", "fused_ops.cpp")
+)
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -52,7 +55,11 @@ def _cpu_flags() -> str:
 def build_dir() -> Path:
     """Where this source, torch and CPU's build lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (
+        *(s.read_bytes() for s in SOURCES),
+        torch.__version__.encode(),
+        _cpu_flags().encode(),
+    ):
         key.update(part)
     key.update(" ".join(CFLAGS).encode())
     root = os.environ.get("RADIXMUX_CACHE") or Path.home() / ".cache" / "radixmux"
@@ -78,7 +85,7 @@ def _build(target: Path, library: Path) -> None:
     try:
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             build_directory=str(scratch),
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],

@@ -48,6 +48,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     threads: int = 0
     num_runners: int = 1
     attention_backend: str = "auto"
+    fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it
     # before Ready (0: no warm-up).
@@ -97,7 +98,9 @@ def serve(config: RunnerConfig) -> int:
         from radixmux.model_runners.loader import load_model
         from radixmux.model_runners.model_runner import ModelRunner
 
-        loaded = load_model(config.model, config.dtype, config.device, name=config.name)
+        loaded = load_model(
+            config.model, config.dtype, config.device, name=config.name, fuse_ops=config.fuse_ops
+        )
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
         runner = ModelRunner(loaded, arena.view(geometry), config.attention_backend)

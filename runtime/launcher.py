@@ -227,6 +227,7 @@ class Launcher:
                     threads=args.runner_threads,
                     num_runners=total,
                     attention_backend=args.attention_backend,
+                    fuse_ops=not args.disable_fused_ops,
                     max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
                 )
                 self._runner_configs[rid] = config

@@ -82,6 +82,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     prefill_tokens_during_decode: int = 0
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
+    disable_fused_ops: bool = False
     kv_partition: str = "unified"
     max_queued_requests: int = 1024
     tokenizer_workers: int = 1
@@ -202,6 +203,10 @@ _FLAGS: list[tuple[str, type, str]] = [
 ]
 _SWITCHES: list[tuple[str, str]] = [
     ("disable-radix-cache", "no prefix cache: every prompt is prefilled in full"),
+    (
+        "disable-fused-ops",
+        "run transformers' own RMSNorm, gated MLP and rotary code instead of the fused kernels",
+    ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
 ]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -158,12 +160,30 @@ def arena() -> Iterator[KVArena]:
         a.destroy()
 
 
+def fused_copy(loaded: LoadedModel) -> LoadedModel:
+    """A copy of ``loaded`` with the fused kernels swapped in (as the server loads
+    models), leaving ``loaded`` itself plain for reference forwards."""
+    from radixmux.model_runners.fused_ops import fuse_model, is_fused
+
+    if is_fused(loaded.model):
+        return loaded
+    model = copy.deepcopy(loaded.model)
+    fuse_model(model)
+    return dataclasses.replace(loaded, model=model)
+
+
 def make_runner(
-    loaded: LoadedModel, arena: KVArena, page_size: int = 1, backend: str = "auto"
+    loaded: LoadedModel,
+    arena: KVArena,
+    page_size: int = 1,
+    backend: str = "auto",
+    fused: bool = True,
 ) -> ModelRunner:
-    """Bind a loaded model to ``arena`` with its own layout."""
+    """Bind a copy of a loaded model (fused, as served, unless ``fused=False``) to
+    ``arena`` with its own layout; ``loaded.model`` stays the plain reference."""
     geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, page_size)
-    return ModelRunner(loaded, arena.view(geometry), backend)
+    served = fused_copy(loaded) if fused else loaded
+    return ModelRunner(served, arena.view(geometry), backend)
 
 
 @pytest.fixture(params=["cpp", "torch"])

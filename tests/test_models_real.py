@@ -44,10 +44,13 @@ _reference: dict[str, list[list[int]]] = {}
 
 @pytest.fixture(scope="module")
 def plain_models():
-    """Both models as plain transformers (no packed weights): the references."""
+    """Both models as plain transformers (no packed weights, no fused ops): the references."""
     from radixmux.model_runners.loader import load_model
 
-    return {name: load_model(name, dtype="float32", pack_weights=False) for name in MODELS}
+    return {
+        name: load_model(name, dtype="float32", pack_weights=False, fuse_ops=False)
+        for name in MODELS
+    }
 
 
 def hf_generate(loaded, name: str) -> list[list[int]]:

@@ -1,0 +1,141 @@
+"""The fused RMSNorm / gated-MLP / rotary kernels against transformers' own eager code.
+
+Each kernel reproduces eager's roundings to the model's dtype, so rotary is
+bit-exact and the others differ at most in the last bit where float sums or
+exp are ordered differently. ``fuse_model`` swaps only code it recognises;
+every tiny architecture's runner (``make_runner``) runs fused against a plain
+reference in test_runner_tiny.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_runner, reference_logits, seq, tiny_model
+from torch import nn
+
+from radixmux.model_runners import paged_attention, paged_decode
+from radixmux.model_runners.fused_ops import FuseReport, fuse_model, is_fused
+
+pytestmark = pytest.mark.skipif(not paged_decode.load(), reason="kernel library not built")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units of the last place (bfloat16 / float32 as integers)."""
+    if a.dtype == torch.bfloat16:
+        return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.bfloat16:
+        ulps = _ulps(got, want)
+        assert int(ulps.max()) <= 1, f"{int(ulps.max())} ulps"
+        assert float((ulps == 0).float().mean()) > 0.98
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 37, 64), (1, 5, 4, 16)])
+def test_rms_norm_llama_and_gemma(dtype, shape):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = (torch.randn(shape) * 3).to(dtype)
+    for cls in (LlamaRMSNorm, Gemma3RMSNorm):
+        norm = cls(shape[-1], eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(shape[-1]))
+        norm.to(dtype)
+        want = norm(x)
+        fused = copy.deepcopy(norm)
+        fuse_model(nn.Sequential(fused))
+        assert fused.forward is not type(fused).forward
+        _close(fused(x), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_mlp(dtype, act):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, hidden_act=act, mlp_bias=True)
+    mlp = LlamaMLP(cfg).to(dtype)
+    x = torch.randn(1, 23, 64).to(dtype)
+    want = mlp(x)
+    fused = copy.deepcopy(mlp)
+    report = fuse_model(nn.Sequential(fused))
+    assert report.mlps == 1 and not hasattr(fused, "gate_proj")
+    assert fused.gate_up_proj.weight.shape == (192, 64)
+    got = fused(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # one matmul of twice the width may round its bf16 outputs differently
+        assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_rotary_is_bit_exact(dtype, tokens):
+    from transformers.models.llama import modeling_llama
+
+    q = (
+        torch.randn(1, tokens, 6, 32).to(dtype).transpose(1, 2)
+    )  # [1, H, T, D] view
+    k = torch.randn(1, tokens, 2, 32).to(dtype).transpose(1, 2)
+    ang = torch.randn(1, tokens, 16).repeat(1, 1, 2)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    eager = getattr(modeling_llama.apply_rotary_pos_emb, "radixmux_eager", None)
+    eager = eager or modeling_llama.apply_rotary_pos_emb
+    want_q, want_k = eager(q, k, cos, sin)
+    fuse_model(nn.Sequential(tiny_model("llama").model))  # swaps modeling_llama's function
+    swapped = modeling_llama.apply_rotary_pos_emb
+    assert hasattr(swapped, "radixmux_eager")
+    batch = paged_attention.PagedBatch(None, *([torch.zeros(0)] * 5), extends=[])  # type: ignore[arg-type]
+    with paged_attention.paged_batch(batch):
+        got_q, got_k = swapped(q, k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    # [T, H, D] memory: what the paged attention reads without a copy.
+    assert got_q[0].transpose(0, 1).is_contiguous()
+    # Outside a radixmux forward (a plain transformers model) it is eager's own code.
+    out_q, _ = swapped(q, k, cos, sin)
+    assert torch.equal(out_q, want_q)
+
+
+def test_only_known_code_is_swapped():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class ScaledNorm(LlamaRMSNorm):  # same attributes, different arithmetic
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(ScaledNorm(8), LlamaRMSNorm(8))
+    report = fuse_model(model)
+    assert report.norms == 1 and is_fused(model)
+    assert model[0].forward.__func__ is ScaledNorm.forward
+    assert fuse_model(model) is report  # a second call changes nothing
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_fused_tiny_model_matches_plain(kind, arena):
+    """Each architecture's norms, MLPs and rotary are found, and bfloat16 logits
+    stay within rounding of the plain model's."""
+    loaded = tiny_model(kind, dtype="bfloat16")
+    layers = loaded.model.config.num_hidden_layers
+    runner = make_runner(loaded, arena)
+    report: FuseReport = runner.model.radixmux_fused
+    assert report.mlps == layers and report.rotary_modules == 1
+    assert report.norms >= 2 * layers + 1
+    ids = torch.randint(0, 211, (29,)).tolist()
+    got = runner.logits([seq("a", ids, list(range(len(ids))), 0)])[0]
+    want = reference_logits(loaded.model, ids)[-1]
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    plain = make_runner(loaded, arena, fused=False).logits([seq("a", ids, list(range(29)), 0)])
+    assert (got - plain[0]).abs().max() < 0.05 * want.abs().max()
