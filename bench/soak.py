@@ -185,7 +185,8 @@ TINY = Profile(
 )
 # Real models in bfloat16: SmolLM2 23 KiB and Gemma 3 270M 18 KiB per token, so
 # 32 MiB is about 1,450-1,800 tokens (less than the load keeps running at once);
-# 1.5 MiB blocks are a multiple of both models' K rows.
+# float32 doubles the arena to hold as many tokens (``arena_bytes``). 1.5 MiB
+# blocks are a multiple of both models' K rows in either dtype.
 REAL = Profile(
     kv_cache_bytes=32 << 20,
     kv_block_bytes=1536 << 10,
@@ -512,6 +513,12 @@ def _role(pid: int) -> str:
     return module.rsplit(".", 1)[-1] or f"pid {pid}"
 
 
+def arena_bytes(config: SoakConfig) -> int:
+    """The profile's arena, scaled to the same tokens when the real models run in float32."""
+    scale = 2 if config.dtype == "float32" and not config.tiny else 1
+    return config.profile.kv_cache_bytes * scale
+
+
 def server_command(config: SoakConfig, sources: Sequence[str]) -> list[str]:
     """The ``launch.py`` command line for this run."""
     cmd = [sys.executable, str(ROOT / "launch.py")]
@@ -520,7 +527,7 @@ def server_command(config: SoakConfig, sources: Sequence[str]) -> list[str]:
         cmd += ["--model", f"{source},name={name}{dtype}"]
     cmd += [
         "--kv-cache-bytes",
-        str(config.profile.kv_cache_bytes),
+        str(arena_bytes(config)),
         "--kv-block-bytes",
         str(config.profile.kv_block_bytes),
         "--port",
@@ -1974,8 +1981,9 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
-        help="the models' dtype (default: bfloat16 for the real models, the server's for --tiny); "
-        "greedy answers are only bit-stable across cache states in float32 (see the README)",
+        help="the models' dtype (default: float32 for the real models, the server's for --tiny): "
+        "the greedy probe holds the correctness contract, which is float32's; in bfloat16 a "
+        "prefix prefilled in other chunks rounds differently and near-ties can flip (README)",
     )
     a = p.parse_args(argv)
     profile = TINY if a.tiny else REAL
@@ -1990,7 +1998,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         runner_timeout_s=a.runner_timeout,
         server_args=tuple(a.server_args.split()),
         profile=profile,
-        dtype=a.dtype or ("" if a.tiny else "bfloat16"),
+        dtype=a.dtype or ("" if a.tiny else "float32"),
     )
 
 
