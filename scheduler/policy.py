@@ -3,7 +3,13 @@
 - ``fcfs``: arrival order.
 - ``lof``: longest output first (largest ``max_new_tokens``).
 - ``random``: seeded shuffle.
-- ``lpm``: longest cached prefix first, so hits run while their KV is warm.
+- ``lpm``: longest cached prefix first, so hits run while their KV is warm;
+  but first the *leader* of every group of waiting requests that share a
+  not-yet-cached prefix (the earliest of them), because computing its prompt
+  is what turns the rest of its group into hits. Serving hits before leaders
+  (plain longest-prefix order) left the last group's leader for the budget
+  that hits did not use, and its followers for an extra step at the end: 0.89-0.95x
+  fcfs's throughput on a burst of shuffled shared-prefix requests.
 - ``dfs-weight``: walk the radix tree depth first, heavier subtrees (more
   waiting requests under them) first, so requests sharing a prefix run
   back to back.
@@ -23,6 +29,9 @@ from radixmux.scheduler.request import Req
 # Probing the tree costs O(prompt) per request; past this queue length the
 # ordering is not worth it.
 MAX_PROBED_QUEUE = 256
+# Waiting requests whose next uncached tokens agree on this many form a group
+# (the scheduler's in-batch prefix sharing uses the same length).
+GROUP_TOKENS = 32
 
 
 def order_waiting(
@@ -45,10 +54,22 @@ def order_waiting(
     assert cache is not None
     probes = {r: cache.match(r.model, r.tokens[:-1], record=False) for r in waiting}
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: (-probes[r].length, r.order))
+        leaders = group_leaders(waiting, {r: probes[r].length for r in waiting})
+        return sorted(waiting, key=lambda r: (r not in leaders, -probes[r].length, r.order))
     if policy == "dfs-weight":
         return _dfs_weight(waiting, {r: probes[r].handle.node for r in waiting})
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def group_leaders(waiting: Sequence[Req], cached: dict[Req, int]) -> set[Req]:
+    """The earliest request of each group of two or more waiting requests whose
+    prompts agree on everything cached plus ``GROUP_TOKENS`` uncached tokens."""
+    groups: defaultdict[bytes, list[Req]] = defaultdict(list)
+    for req in sorted(waiting, key=lambda r: r.order):
+        end = cached[req] + GROUP_TOKENS
+        if end < req.num_tokens:
+            groups[req.tokens[:end].tobytes()].append(req)
+    return {members[0] for members in groups.values() if len(members) > 1}
 
 
 def _dfs_weight(waiting: Sequence[Req], last_node: dict[Req, Node]) -> list[Req]:

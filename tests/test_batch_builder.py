@@ -73,3 +73,38 @@ def test_decodes_sharing_a_cached_prefix_form_a_group() -> None:
     (group,) = batch.prefix_groups
     assert group.prefix_len >= 64 and sorted(group.members) == [0, 1, 2]
     assert b.shared_prefix_rows == 2 * group.prefix_len
+
+
+def test_lpm_admits_group_leaders_before_hits() -> None:
+    """A burst of shuffled shared-prefix requests: lpm first computes one prompt
+    of every group whose prefix is not cached yet (that turns the rest of the
+    group into hits), then serves hits longest-first; plain longest-prefix
+    order would spend the budget on hits and leave the last group's prompt,
+    and its followers, for extra steps."""
+    import random
+
+    from radixmux.scheduler.policy import order_waiting
+
+    b = builder(chunked=200)
+    b.limits.policy = "lpm"
+    runner = RunnerState("m#0", "m", state="up")
+    cached = list(range(1, 65))
+    run(b, runner, [request("warm", [*cached, 900])])  # `cached` is in the tree now
+    runner.running.clear()
+    groups = {g: list(range(1000 * g, 1000 * g + 64)) for g in (1, 2, 3)}
+    reqs = [request(f"hit{i}", [*cached, 500 + i, 7]) for i in range(4)]
+    reqs += [request(f"g{g}-{i}", [*p, 600 + i, 7]) for g, p in groups.items() for i in range(3)]
+    random.Random(3).shuffle(reqs)
+    for n, r in enumerate(reqs):  # arrival order = the shuffled order
+        r.order = n
+    ordered = order_waiting("lpm", reqs, b.kv.cache, b.rng)
+    leaders = [
+        min((r for r in reqs if r.rid.startswith(f"g{g}")), key=lambda r: r.order) for g in groups
+    ]
+    assert set(ordered[:3]) == set(leaders)
+    assert all(r.rid.startswith("hit") for r in ordered[3:7])  # then the cached hits
+    # One step's budget goes to the leaders first (their followers wait: in-batch sharing).
+    waiting = list(reqs)
+    admitted = [rid for rid, _ in run(b, runner, waiting)]
+    assert admitted[:3] == [r.rid for r in ordered[:3]]
+    assert not any(rid.startswith("g") for rid in admitted[3:])
