@@ -44,6 +44,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -136,9 +137,10 @@ class Engine:
         return " ".join([self.kind, *self.server_args])
 
 
-def run_seed(base: int, dataset: str, concurrency: int) -> int:
-    """The client's seed of one run: the same for every engine, different for every run."""
-    return base + 1000 * list(DATASETS).index(dataset) + concurrency
+def run_seed(base: int, dataset: str, concurrency: int, round_: int = 0) -> int:
+    """The client's seed of one run: the same for every engine, different for every run
+    (and every round of ``--interleave``, so no round reuses another's prefixes)."""
+    return base + 100_000 * round_ + 1000 * list(DATASETS).index(dataset) + concurrency
 
 
 # ---- results --------------------------------------------------------------------------
@@ -167,6 +169,7 @@ class RunResult:
     error_samples: list[str] = field(default_factory=list)
     result_file: str = ""
     unavailable: str | None = None
+    round: int = 0  # --interleave round; -1 for the median over rounds
 
     @property
     def ok(self) -> bool:
@@ -273,6 +276,46 @@ def judge(ours: RunResult, vllm: RunResult, goal: float) -> Verdict:
         v.misses.append(f"TTFT p50 {v.ttft_ratio:.2f}x vLLM's (not lower)")
     v.passed = not v.misses
     return v
+
+
+_MEDIAN_FIELDS = (
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "itl_p50_ms",
+    "e2el_p50_ms",
+    "hit_rate",
+)
+
+
+def median_over_rounds(results: Sequence[RunResult]) -> list[RunResult]:
+    """One RunResult per (dataset, concurrency, engine): each figure the median of its
+    rounds (``round = -1``); unavailable if any round was (a partial median proves little)."""
+    groups: dict[tuple[str, int, str], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.dataset, r.concurrency, r.engine), []).append(r)
+    out = []
+    for (ds, c, eng), runs in groups.items():
+        agg = RunResult(ds, c, eng, sum(r.num_prompts for r in runs), round=-1)
+        bad = [r for r in runs if r.unavailable is not None]
+        if bad:
+            agg.unavailable = bad[0].unavailable
+            out.append(agg)
+            continue
+        agg.completed = sum(r.completed for r in runs)
+        agg.failed = sum(r.failed for r in runs)
+        agg.total_input_tokens = sum(r.total_input_tokens for r in runs)
+        agg.total_output_tokens = sum(r.total_output_tokens for r in runs)
+        agg.error_samples = sorted({e for r in runs for e in r.error_samples})[:5]
+        for name in _MEDIAN_FIELDS:
+            values = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+            setattr(agg, name, float(statistics.median(values)) if values else None)
+        out.append(agg)
+    return out
 
 
 def judge_all(results: Sequence[RunResult]) -> list[Verdict]:
@@ -541,10 +584,13 @@ def measure(
     concurrency: int,
     opts: Options,
     num_prompts: int | None,
+    round_: int = 0,
 ) -> RunResult:
     """One client run against a running server; failures are recorded, never raised."""
     n = num_prompts or (dataset.quick_prompts if opts.quick else dataset.prompts)[concurrency]
-    stem = _slug(f"{engine.label}-{dataset.name}-c{concurrency}")
+    stem = _slug(
+        f"{engine.label}-{dataset.name}-c{concurrency}" + (f"-r{round_}" if round_ else "")
+    )
     result = opts.logs / f"{stem}.json"
     args = client_args(
         endpoint,
@@ -552,7 +598,7 @@ def measure(
         dataset,
         concurrency,
         n,
-        run_seed(opts.seed, dataset.name, concurrency),
+        run_seed(opts.seed, dataset.name, concurrency, round_),
         opts.temperature,
         result,
     )
@@ -564,12 +610,15 @@ def measure(
     out = RunResult.from_vllm(data, dataset.name, concurrency, engine.label)
     out.hit_rate = hit_rate(before, asyncio.run(_snapshot(endpoint)))
     out.result_file = str(result)
+    out.round = round_
     return out
 
 
 def progress_line(r: RunResult) -> str:
     """One line per run, for the terminal."""
     head = f"[vs_vllm] {r.engine} {r.dataset} c={r.concurrency} n={r.num_prompts}"
+    if r.round > 0:
+        head += f" round {r.round}"
     if r.unavailable is not None:
         return f"{head}: FAILED: {r.unavailable[:400]}"
     hit = "n/a" if r.hit_rate is None else f"{r.hit_rate:.0%}"
@@ -612,6 +661,46 @@ def run_engine(
     return results
 
 
+def run_interleaved(
+    engines: Sequence[Engine],
+    datasets: Sequence[Dataset],
+    concurrencies: Sequence[int],
+    opts: Options,
+    num_prompts: int | None,
+    rounds: int,
+) -> list[RunResult]:
+    """Every server up at once (an idle one only waits on its socket); each row of the
+    grid runs on every engine back to back, the engine order turning each round, so
+    that minutes-long swings of a shared machine's speed fall on every engine alike."""
+    results: list[RunResult] = []
+    with contextlib.ExitStack() as stack:
+        endpoints: dict[Engine, Endpoint] = {}
+        for engine in engines:
+            print(f"[vs_vllm] {engine.label}: starting", file=sys.stderr, flush=True)
+            try:
+                endpoints[engine] = stack.enter_context(serving(engine, opts))
+                warm_up(endpoints[engine], opts.model, 2 * max(concurrencies), opts.seed)
+            except (compare.ServerFailed, peers.PeerUnavailable) as exc:
+                why = f"server did not start: {exc}"
+                print(f"[vs_vllm] {engine.label}: {why[:600]}", file=sys.stderr, flush=True)
+                results += [
+                    RunResult(ds.name, c, engine.label, 0, unavailable=why, round=r)
+                    for r in range(rounds)
+                    for ds in datasets
+                    for c in concurrencies
+                ]
+        live = [e for e in engines if e in endpoints]
+        for r in range(rounds):
+            order = live[r % len(live) :] + live[: r % len(live)] if live else []
+            for ds in datasets:
+                for c in concurrencies:
+                    for engine in order:
+                        res = measure(engine, endpoints[engine], ds, c, opts, num_prompts, r)
+                        print(progress_line(res), file=sys.stderr, flush=True)
+                        results.append(res)
+    return results
+
+
 # ---- CLI ------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -634,6 +723,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help='extra radixmux flags, one string; repeat for several configurations ("" = none)',
     )
     p.add_argument("--vllm-args", default="", help="extra vLLM server flags, one string")
+    p.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="start every server at once and run each row on every engine back to back, "
+        "ROUNDS times (engine order turning); figures are medians over rounds",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
@@ -675,9 +772,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     datasets = [DATASETS[d] for d in args.datasets]
     t0 = time.monotonic()
-    results: list[RunResult] = []
-    for engine in engines_of(args):
-        results += run_engine(engine, datasets, args.concurrency, opts, args.num_prompts)
+    runs: list[RunResult] = []
+    if args.interleave:
+        runs = run_interleaved(
+            engines_of(args), datasets, args.concurrency, opts, args.num_prompts, args.interleave
+        )
+        results = median_over_rounds(runs)
+    else:
+        for engine in engines_of(args):
+            runs += run_engine(engine, datasets, args.concurrency, opts, args.num_prompts)
+        results = runs
     verdicts = judge_all(results)
     meta = {
         "model": args.model,
@@ -686,6 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines": [dataclasses.asdict(e) | {"label": e.label} for e in engines_of(args)],
         "datasets": {d.name: d.params for d in datasets},
         "concurrency": args.concurrency,
+        "interleave_rounds": args.interleave,
         "quick": args.quick,
         "seed": args.seed,
         "temperature": args.temperature,
@@ -696,7 +801,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     report = {
         "meta": meta,
-        "runs": [dataclasses.asdict(r) for r in results],
+        "runs": [dataclasses.asdict(r) for r in runs],
+        "medians": [dataclasses.asdict(r) for r in results] if args.interleave else [],
         "verdicts": [v.to_json() for v in verdicts],
     }
     write_json(report, out, "vs_vllm")

@@ -175,6 +175,24 @@ def test_grid_sizes_and_seeds() -> None:
     assert len(seeds) == len(vs_vllm.DATASETS) * len(vs_vllm.CONCURRENCIES)
 
 
+def test_interleaved_rounds_get_fresh_seeds_and_median_figures() -> None:
+    seeds = {vs_vllm.run_seed(0, "random", 4, r) for r in range(3)}
+    assert len(seeds) == 3  # no round reuses another's prompts
+    rounds = []
+    for r, tput in enumerate((10.0, 30.0, 20.0)):
+        one = run(RADIXMUX_JSON)
+        one.output_throughput, one.round = tput, r
+        rounds.append(one)
+    peer = [run(VLLM_JSON, engine="vllm") for _ in range(3)]
+    (ours,) = [m for m in vs_vllm.median_over_rounds(rounds + peer) if m.engine == "radixmux"]
+    assert ours.round == -1 and ours.output_throughput == 20.0
+    assert ours.completed == 3 * RADIXMUX_JSON["completed"] and ours.ok
+    # One round that did not run makes the row unavailable, not a median of the rest.
+    rounds[1] = vs_vllm.RunResult("prefix_repetition", 4, "radixmux", 8, unavailable="boom")
+    (ours,) = [m for m in vs_vllm.median_over_rounds(rounds) if m.engine == "radixmux"]
+    assert not ours.ok and ours.unavailable == "boom"
+
+
 def test_engines_from_flags() -> None:
     def labels(argv: list[str]) -> list[str]:
         return [e.label for e in vs_vllm.engines_of(vs_vllm.parse_args(argv))]
