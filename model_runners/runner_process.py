@@ -53,6 +53,9 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     # the packed linear layers are warmed up for every row count up to it
     # before Ready (0: no warm-up).
     max_batch_tokens: int = 0
+    # Most sequences one batch can hold (--max-running-requests): the rows the
+    # output projection sees (0: as many as max_batch_tokens).
+    max_batch_sequences: int = 0
 
 
 def cpu_cores() -> int:
@@ -108,7 +111,7 @@ def serve(config: RunnerConfig) -> int:
         if config.max_batch_tokens:
             from radixmux.model_runners.packed_linear import warm_up
 
-            warm_up(loaded.model, config.max_batch_tokens)
+            warm_up(loaded.model, config.max_batch_tokens, config.max_batch_sequences or None)
         load_seconds = loaded.load_seconds + time.perf_counter() - t0
     except Exception as exc:
         sock.send(encoder.encode(P.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))

@@ -229,6 +229,7 @@ class Launcher:
                     attention_backend=args.attention_backend,
                     fuse_ops=not args.disable_fused_ops,
                     max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
+                    max_batch_sequences=args.max_running_requests,
                 )
                 self._runner_configs[rid] = config
                 self._start_runner(rid)

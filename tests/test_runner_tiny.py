@@ -193,3 +193,28 @@ def test_packed_linear_row_shapes_are_few_and_warmed(dtype):
     assert set(seen) <= set(row_counts(576)) and len(row_counts(576)) == 64 + 8
     model = torch.nn.Sequential(PackedLinear(lin), torch.nn.ReLU(), PackedLinear(lin))
     assert warm_up(model, 576) == len(row_counts(576))  # one shape, warmed once
+
+
+def test_warm_up_sizes_the_output_projection_by_sequences():
+    """The output projection sees one row per sampled sequence, never a whole
+    prefill's tokens: warming it at every token count wasted minutes of start-up
+    on a 262k vocabulary."""
+    from radixmux.model_runners.packed_linear import (
+        PackedLinear,
+        pack_linear_weights,
+        row_counts,
+        warm_up,
+    )
+
+    model = tiny_model("llama").model
+    pack_linear_weights(model)
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear)
+    seen: list[int] = []
+    real = head._linear
+    head._linear = lambda x: (seen.append(x.shape[0]), real(x))[1]
+    warm_up(model, 576, max_sequences=8)
+    assert sorted(seen) == row_counts(8)
+    seen.clear()
+    warm_up(model, 576)  # no bound given: every token count, as before
+    assert sorted(seen) == row_counts(576)
