@@ -2010,12 +2010,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     sources = model_sources(config.tiny)
     cmd = server_command(config, sources)
     print(f"[soak] starting {' '.join(cmd)}", flush=True)
     server = SoakServer(cmd, config.port, config.log)
+    # SIGTERM stops the run like Ctrl-C: the finally below then stops the server,
+    # which would otherwise outlive us.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return asyncio.run(soak(config, server, sources))
     except ServerFailed as exc:

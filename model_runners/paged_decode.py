@@ -34,6 +34,7 @@ log = logging.getLogger("radixmux.kernels")
 SOURCES = tuple(
     Path(__file__).parent / "kernels" / f for f in ("paged_decode.cpp", "fused_ops.cpp")
 )
+HEADERS = (Path(__file__).parent / "kernels" / "to_float.h",)  # part of the build key
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -56,7 +57,7 @@ def build_dir() -> Path:
     """Where this source, torch and CPU's build lives."""
     key = hashlib.sha256()
     for part in (
-        *(s.read_bytes() for s in SOURCES),
+        *(s.read_bytes() for s in SOURCES + HEADERS),
         torch.__version__.encode(),
         _cpu_flags().encode(),
     ):

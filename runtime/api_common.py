@@ -35,6 +35,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "unsupported_media_type",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
 }
@@ -99,12 +100,29 @@ _AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """Refuse (415) a body declared as something other than JSON instead of parsing
+    it as JSON anyway; a request that declares no type is read as JSON."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media in ("", "application/json") or media.endswith("+json"):
+        return
+    raise APIError(
+        415, f"Content-Type {media!r} is not accepted; send application/json", "content-type"
+    )
+
+
 def decode_body(data: bytes, type_: type[T]) -> T:
     """Decode a JSON body into ``type_``; malformed JSON or a bad field is a 400 naming it."""
     if not data.strip():
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
         return msgspec.json.decode(data, type=type_)
+    except RecursionError:
+        # msgspec's decoder stops at the interpreter's recursion limit; no request
+        # type of ours nests more than a few levels.
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         missing = _MISSING.search(text)

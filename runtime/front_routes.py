@@ -28,6 +28,7 @@ from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import (
     APIError,
+    check_json_content_type,
     decode_body,
     json_response,
     read_body,
@@ -51,6 +52,7 @@ def build_app(front: Front) -> ASGIApp:
     """The ASGI app of one front."""
 
     async def body(request: Request, type_: type) -> Any:
+        check_json_content_type(request.headers.get("content-type"))
         return decode_body(await read_body(request, front.args.max_request_bytes), type_)
 
     async def completions(request: Request) -> Response:

@@ -297,6 +297,18 @@ def test_malformed_bodies(http: httpx.Client) -> None:
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = http.get("/no/such/route")
     assert r.status_code == 404 and "error" in r.json()
+    # Nested 1,500 deep (under the size limit): the decoder's recursion limit is a 400, not a 500.
+    deep = b'{"model": "chat", "prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+    r = http.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    # A body declared as something else is refused, not parsed as JSON anyway.
+    good = b'{"model": "chat", "prompt": "x", "max_tokens": 1}'
+    r = http.post("/v1/completions", content=good, headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "content-type"
+    r = http.post(
+        "/v1/completions", content=good, headers={"content-type": "application/json; charset=utf-8"}
+    )
+    assert r.status_code == 200
 
 
 def test_chat_without_template(http: httpx.Client) -> None:

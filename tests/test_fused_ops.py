@@ -86,9 +86,7 @@ def test_gated_mlp(dtype, act):
 def test_rotary_is_bit_exact(dtype, tokens):
     from transformers.models.llama import modeling_llama
 
-    q = (
-        torch.randn(1, tokens, 6, 32).to(dtype).transpose(1, 2)
-    )  # [1, H, T, D] view
+    q = torch.randn(1, tokens, 6, 32).to(dtype).transpose(1, 2)  # [1, H, T, D] view
     k = torch.randn(1, tokens, 2, 32).to(dtype).transpose(1, 2)
     ang = torch.randn(1, tokens, 16).repeat(1, 1, 2)
     cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)

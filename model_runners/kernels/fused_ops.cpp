@@ -29,16 +29,12 @@
 // the point, so this file keeps products and sums apart.
 #pragma GCC optimize("fp-contract=off")
 
+#include "to_float.h"
+
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float load(c10::Half x) { return static_cast<float>(x); }
+template <typename T>
+inline float load(T x) { return radixmux::to_float(x); }
 
 // Round a float to T, as storing an intermediate tensor of dtype T would.
 template <typename T>

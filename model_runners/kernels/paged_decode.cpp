@@ -37,17 +37,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "to_float.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  // bfloat16 is the high half of a float32: a shift the compiler vectorises.
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using radixmux::to_float;
 
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
