@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime.protocol import ServedModel
 
@@ -41,6 +43,19 @@ _ERROR_TYPES = {
 }
 
 
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None  # the request field at fault, when one is
+    code: int | str
+
+
+class ErrorResponse(msgspec.Struct):
+    """The body of every error answer, on every endpoint (OpenAI's shape)."""
+
+    error: ErrorInfo
+
+
 class APIError(Exception):
     """A request that ends with an HTTP error status and an OpenAI-style body."""
 
@@ -55,14 +70,8 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
-        return {
-            "error": {
-                "message": self.message,
-                "type": kind,
-                "param": self.param,
-                "code": self.code or self.status,
-            }
-        }
+        info = ErrorInfo(self.message, kind, self.param, self.code or self.status)
+        return msgspec.to_builtins(ErrorResponse(info))
 
     def response(self) -> Response:
         # 429: clients and SGLang's router back off for the time Retry-After says.
@@ -98,6 +107,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 _AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 def check_json_content_type(content_type: str | None) -> None:
@@ -125,14 +135,28 @@ def decode_body(data: bytes, type_: type[T]) -> T:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     except msgspec.ValidationError as exc:
         text = str(exc)
-        missing = _MISSING.search(text)
+        named = _MISSING.search(text) or _UNKNOWN.search(text)
         at = _AT_PATH.search(text)
-        param = missing.group(1) if missing else None
+        param = named.group(1) if named else None
         if at and at.group(1):
             param = f"{at.group(1)}.{param}" if param else at.group(1)
         raise APIError(400, f"invalid request: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+
+
+def refuse_unsupported(
+    req: msgspec.Struct, neutral: Mapping[str, tuple[Any, ...]], prefix: str = ""
+) -> None:
+    """A 400 naming the first of ``neutral``'s fields that ``req`` sets to something
+    other than ``None`` or one of its neutral values: a field of the API this
+    server does not implement is refused, never silently ignored."""
+    for name, allowed in neutral.items():
+        value = getattr(req, name)
+        if value is not None and value not in allowed:
+            raise APIError(
+                400, f"'{prefix}{name}' is not supported by this server", f"{prefix}{name}"
+            )
 
 
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
@@ -144,9 +168,13 @@ def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
 
 
 def check_sampling(
-    p: SamplingParams, vocab_size: int, prefix: str = "", max_tokens_name: str = "max_tokens"
+    p: SamplingParams, info: ModelInfo, prefix: str = "", max_tokens_name: str = "max_tokens"
 ) -> None:
-    """Reject parameters the runners cannot honour; the error names the field as sent."""
+    """Reject parameters the runners cannot honour; the error names the field as sent.
+
+    ``max_tokens`` is bounded here by the context length alone; the tokenizer
+    worker, which knows the prompt's length, checks the two together."""
+    vocab_size = info.vocab_size
 
     def bad(field: str, why: str) -> APIError:
         return APIError(400, f"'{prefix}{field}' {why}", f"{prefix}{field}")
@@ -156,6 +184,8 @@ def check_sampling(
             raise bad(field, "must be a finite number")
     if p.max_new_tokens < 1:
         raise bad(max_tokens_name, "must be >= 1")
+    if info.context_length and p.max_new_tokens > info.context_length:
+        raise bad(max_tokens_name, f"must be <= the context length ({info.context_length})")
     if p.temperature < 0:
         raise bad("temperature", "must be >= 0")
     if not 0 < p.top_p <= 1:

@@ -20,6 +20,10 @@ def _reason(gen: Generation) -> str | None:
     return gen.finish_reason if gen.done else None
 
 
+def _usage(gens: list[Generation]) -> O.Usage:
+    return O.usage([g.last for g in gens])
+
+
 class CompletionFormat:
     """``/v1/completions``."""
 
@@ -29,33 +33,34 @@ class CompletionFormat:
         self.created = int(time.time())
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self.offset = 0
+        self.offsets: dict[int, int] = {}  # choice -> text streamed so far
 
     def _lps(self, outs: list[P.TextOutput], offset: int) -> O.CompletionLogprobs | None:
         if not self.logprobs:
             return None
         return O.completion_logprobs([lp for o in outs for lp in o.logprobs or []], offset)
 
-    def _response(self, text: str, lps, reason, usage=None) -> O.CompletionResponse:
-        choice = O.CompletionChoice(0, text, lps, reason)
-        return O.CompletionResponse(self.id, self.created, self.model, [choice], usage)
+    def _response(self, choices: list[O.CompletionChoice], usage=None) -> O.CompletionResponse:
+        return O.CompletionResponse(self.id, self.created, self.model, choices, usage)
 
-    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         reason = _reason(gen)
         if not out.text and not out.logprobs and reason is None:
             return []
-        lps = self._lps([out], self.offset)
-        self.offset += len(out.text)
-        return [self._response(out.text, lps, reason)]
+        offset = self.offsets.get(index, 0)
+        lps = self._lps([out], offset)
+        self.offsets[index] = offset + len(out.text)
+        return [self._response([O.CompletionChoice(index, out.text, lps, reason)])]
 
-    def tail(self, gen: Generation) -> list[msgspec.Struct]:
-        if not self.include_usage:
-            return []
-        return [O.CompletionResponse(self.id, self.created, self.model, [], O.usage(gen.last))]
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+        return [self._response([], _usage(gens))] if self.include_usage else []
 
-    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
-        text = "".join(o.text for o in outputs)
-        return self._response(text, self._lps(outputs, 0), _reason(gen), O.usage(gen.last))
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        choices = [
+            O.CompletionChoice(i, "".join(o.text for o in outs), self._lps(outs, 0), _reason(g))
+            for i, (outs, g) in enumerate(zip(outputs, gens, strict=True))
+        ]
+        return self._response(choices, _usage(gens))
 
 
 class ChatFormat:
@@ -67,37 +72,40 @@ class ChatFormat:
         self.created = int(time.time())
         self.logprobs = logprobs
         self.include_usage = include_usage
-        self.started = False
+        self.started: set[int] = set()  # choices whose role chunk is sent
 
-    def _chunk(self, delta: O.ChatDelta, lps=None, reason=None, usage=None) -> O.ChatChunk:
-        choices = [O.ChatChunkChoice(0, delta, lps, reason)]
-        return O.ChatChunk(self.id, self.created, self.model, choices, usage)
+    def _chunk(self, index: int, delta: O.ChatDelta, lps=None, reason=None) -> O.ChatChunk:
+        choices = [O.ChatChunkChoice(index, delta, lps, reason)]
+        return O.ChatChunk(self.id, self.created, self.model, choices)
 
-    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         found: list[msgspec.Struct] = []
-        if not self.started:
-            # OpenAI's first chunk announces the role with empty content.
-            self.started = True
-            found.append(self._chunk(O.ChatDelta(role="assistant", content="")))
+        if index not in self.started:
+            # OpenAI's first chunk of a choice announces the role with empty content.
+            self.started.add(index)
+            found.append(self._chunk(index, O.ChatDelta(role="assistant", content="")))
         if out.text or out.logprobs:
             lps = O.chat_logprobs(out.logprobs or []) if self.logprobs else None
-            found.append(self._chunk(O.ChatDelta(content=out.text), lps))
+            found.append(self._chunk(index, O.ChatDelta(content=out.text), lps))
         if gen.done:
-            found.append(self._chunk(O.ChatDelta(), reason=_reason(gen)))
+            found.append(self._chunk(index, O.ChatDelta(), reason=_reason(gen)))
         return found
 
-    def tail(self, gen: Generation) -> list[msgspec.Struct]:
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         if not self.include_usage:
             return []
-        return [O.ChatChunk(self.id, self.created, self.model, [], O.usage(gen.last))]
+        return [O.ChatChunk(self.id, self.created, self.model, [], _usage(gens))]
 
-    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
-        text = "".join(o.text for o in outputs)
-        lps = None
-        if self.logprobs:
-            lps = O.chat_logprobs([lp for o in outputs for lp in o.logprobs or []])
-        choice = O.ChatChoice(0, O.ChatMessageOut("assistant", text), lps, _reason(gen))
-        return O.ChatResponse(self.id, self.created, self.model, [choice], O.usage(gen.last))
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        choices = []
+        for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
+            text = "".join(o.text for o in outs)
+            lps = None
+            if self.logprobs:
+                lps = O.chat_logprobs([lp for o in outs for lp in o.logprobs or []])
+            message = O.ChatMessageOut("assistant", text)
+            choices.append(O.ChatChoice(i, message, lps, _reason(gen)))
+        return O.ChatResponse(self.id, self.created, self.model, choices, _usage(gens))
 
 
 class NativeFormat:
@@ -129,16 +137,17 @@ class NativeFormat:
         lps = list(self.logprobs) if self.logprobs is not None else None
         return N.response(self.rid, self.text, list(self.ids), last, finish, gen.latency, lps)
 
-    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]:
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         self._add(out)
         if not out.text and not out.token_ids and not gen.done:
             return []
         return [self._response(gen)]
 
-    def tail(self, gen: Generation) -> list[msgspec.Struct]:
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return []
 
-    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct:
-        for out in outputs:
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        # SGLang's /generate takes one sample per request here (n is refused).
+        for out in outputs[0]:
             self._add(out)
-        return self._response(gen)
+        return self._response(gens[0])

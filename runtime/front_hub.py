@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -146,7 +147,9 @@ class RequestHub:
         self.inbox = socket(actx, zmq.PULL, endpoints.front, bind=True)
         self.scheduler = socket(actx, zmq.PUSH, endpoints.scheduler, bind=False)
         self.live: dict[str, Generation] = {}
-        self.controls: dict[str, asyncio.Future[P.ControlReply]] = {}
+        # Replies awaited by req_id: the scheduler's ControlReply, a tokenizer
+        # worker's TokenizerReply.
+        self.replies: dict[str, asyncio.Future[Any]] = {}
         self._decoder = P.decoder(P.FrontInbox)
         self._pending_sends: set[asyncio.Future] = set()
         # False until the launcher says every process is up: until then the
@@ -171,7 +174,7 @@ class RequestHub:
                 self.ready = True
                 log.info("every process is ready")
             else:
-                fut = self.controls.pop(msg.req_id, None)
+                fut = self.replies.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
@@ -225,17 +228,32 @@ class RequestHub:
     ) -> P.ControlReply:
         """Ask the scheduler for ``op``; 503 when it does not answer in ``timeout`` seconds."""
         req_id = new_rid()
-        fut: asyncio.Future[P.ControlReply] = asyncio.get_running_loop().create_future()
-        self.controls[req_id] = fut
+        msg = P.ControlRequest(req_id, op, model)
+        return await self._ask(self.scheduler, req_id, msg, timeout, f"the scheduler ({op!r})")
+
+    async def tokenizer_call(
+        self, req: P.TokenizeRequest | P.DetokenizeRequest, timeout: float = 30.0
+    ) -> P.TokenizerReply:
+        """``/tokenize`` or ``/detokenize`` by a tokenizer worker; its errors raise APIError."""
+        if not self.ready:
+            raise APIError(503, "the server is starting; retry when /health answers 200")
+        reply = await self._ask(self.tokenizer, req.req_id, req, timeout, "a tokenizer worker")
+        if reply.status >= 400:
+            raise APIError(reply.status, reply.error or "tokenization failed", reply.param)
+        return reply
+
+    async def _ask(
+        self, sock: zmq.asyncio.Socket, req_id: str, msg: msgspec.Struct, timeout: float, who: str
+    ) -> Any:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.replies[req_id] = fut
         try:
-            await self.scheduler.send(P.encode(P.ControlRequest(req_id, op, model)))
+            await sock.send(P.encode(msg))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise APIError(
-                503, f"the scheduler did not answer '{op}' within {timeout:g} s"
-            ) from None
+            raise APIError(503, f"{who} did not answer within {timeout:g} s") from None
         finally:
-            self.controls.pop(req_id, None)
+            self.replies.pop(req_id, None)
 
     def fail_all(self, status: int, message: str) -> None:
         """End every live request with an error (the server is shutting down)."""

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -18,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,6 +27,7 @@ from radixmux import __name__ as _pkg
 from radixmux.runtime import native_api as N
 from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
+from radixmux.runtime import tokenize_api
 from radixmux.runtime.api_common import (
     APIError,
     check_json_content_type,
@@ -37,15 +39,23 @@ from radixmux.runtime.api_common import (
 from radixmux.runtime.front_formats import ChatFormat, CompletionFormat, NativeFormat
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.front_stream import serve_generation
+from radixmux.runtime.openapi import Endpoint, docs_page, openapi_document
 
 if TYPE_CHECKING:
     from radixmux.runtime.front import Front
 
 log = logging.getLogger("radixmux.front")
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The API description holds no secret; tools fetch it before they have a key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def _log_user(rid: str, req: O.CompletionRequest | O.ChatRequest) -> None:
+    """OpenAI's end-user fields change no answer; the log keeps them with the request id."""
+    if req.user or req.safety_identifier:
+        log.info("rid=%s user=%r safety_identifier=%r", rid, req.user, req.safety_identifier)
 
 
 def build_app(front: Front) -> ASGIApp:
@@ -60,9 +70,11 @@ def build_app(front: Front) -> ASGIApp:
         model = resolve_model(front.served, req.model)
         rid = new_rid()
         gen = O.completion_request(req, rid, model, time.time())
+        _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = CompletionFormat(rid, model.name, gen.params.logprobs, usage)
-        return await serve_generation(request, front.hub, gen, fmt, "completions")
+        gens = O.choices(gen, O.n_choices(req))
+        return await serve_generation(request, front.hub, gens, fmt, "completions")
 
     async def chat(request: Request) -> Response:
         req = await body(request, O.ChatRequest)
@@ -70,9 +82,11 @@ def build_app(front: Front) -> ASGIApp:
         rid = new_rid()
         template = front.args.chat_template is not None
         gen = O.chat_request(req, rid, model, time.time(), template)
+        _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
-        return await serve_generation(request, front.hub, gen, fmt, "chat")
+        gens = O.choices(gen, O.n_choices(req))
+        return await serve_generation(request, front.hub, gens, fmt, "chat")
 
     async def generate(request: Request) -> Response:
         req = await body(request, N.NativeGenerate)
@@ -80,14 +94,31 @@ def build_app(front: Front) -> ASGIApp:
         rid = new_rid()
         gen = N.generate_request(req, rid, model, time.time())
         fmt = NativeFormat(rid, gen.params.logprobs)
-        return await serve_generation(request, front.hub, gen, fmt, "generate")
+        return await serve_generation(request, front.hub, [gen], fmt, "generate")
+
+    async def tokenize(request: Request) -> Response:
+        req = await body(request, tokenize_api.TokenizeBody)
+        model = resolve_model(front.served, req.model)
+        template = front.args.chat_template is not None
+        reply = await front.hub.tokenizer_call(
+            tokenize_api.tokenize_request(req, new_rid(), model, template)
+        )
+        return json_response(tokenize_api.tokenize_response(reply, model))
+
+    async def detokenize(request: Request) -> Response:
+        req = await body(request, tokenize_api.DetokenizeBody)
+        model = resolve_model(front.served, req.model)
+        reply = await front.hub.tokenizer_call(
+            tokenize_api.detokenize_request(req, new_rid(), model)
+        )
+        return json_response(tokenize_api.DetokenizeResponse(reply.text or ""))
 
     async def models(request: Request) -> Response:
         return json_response(O.model_list(list(front.served.values()), front.started))
 
     async def model_card(request: Request) -> Response:
         model = resolve_model(front.served, request.path_params["name"])
-        return json_response(O.model_list([model], front.started).data[0])
+        return json_response(O.model_card(model, front.started))
 
     async def health(request: Request) -> Response:
         if not front.hub.ready:
@@ -206,19 +237,90 @@ def build_app(front: Front) -> ASGIApp:
             stats = None  # radixmux_scheduler_up 0 says so; front metrics still useful
         return Response(front.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{name:path}", model_card, methods=["GET"]),
-        Route("/generate", generate, methods=["POST"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/health_generate", health_generate, methods=["GET"]),
-        Route("/get_model_info", model_info, methods=["GET"]),
-        Route("/get_server_info", server_info, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
-        Route("/models/{name:path}/invalidate", invalidate, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
+    endpoints: list[tuple[Endpoint, Callable[[Request], Awaitable[Response]]]] = [
+        (
+            Endpoint(
+                "/v1/completions",
+                "POST",
+                "OpenAI text completion",
+                O.CompletionRequest,
+                O.CompletionResponse,
+                streams=True,
+            ),
+            completions,
+        ),
+        (
+            Endpoint(
+                "/v1/chat/completions",
+                "POST",
+                "OpenAI chat completion (the model's chat template)",
+                O.ChatRequest,
+                O.ChatResponse,
+                streams=True,
+            ),
+            chat,
+        ),
+        (Endpoint("/v1/models", "GET", "served models", response=O.ModelList), models),
+        (
+            Endpoint("/v1/models/{name:path}", "GET", "one served model", response=O.ModelCard),
+            model_card,
+        ),
+        (
+            Endpoint(
+                "/generate",
+                "POST",
+                "SGLang native generation",
+                N.NativeGenerate,
+                N.NativeResponse,
+                streams=True,
+            ),
+            generate,
+        ),
+        (
+            Endpoint(
+                "/tokenize",
+                "POST",
+                "vLLM's tokenize: the ids a generation request would be served with",
+                tokenize_api.TokenizeBody,
+                tokenize_api.TokenizeResponse,
+            ),
+            tokenize,
+        ),
+        (
+            Endpoint(
+                "/detokenize",
+                "POST",
+                "vLLM's detokenize: token ids back to text",
+                tokenize_api.DetokenizeBody,
+                tokenize_api.DetokenizeResponse,
+            ),
+            detokenize,
+        ),
+        (Endpoint("/health", "GET", "per-model state; 503 while starting or degraded"), health),
+        (Endpoint("/health_generate", "GET", "one token from every model"), health_generate),
+        (Endpoint("/get_model_info", "GET", "SGLang's model info"), model_info),
+        (Endpoint("/get_server_info", "GET", "flags and scheduler state"), server_info),
+        (Endpoint("/flush_cache", "GET", "drop every cached prefix"), flush_cache),
+        (Endpoint("/flush_cache", "POST", "drop every cached prefix"), flush_cache),
+        (
+            Endpoint("/models/{name:path}/invalidate", "POST", "drop one model's cache"),
+            invalidate,
+        ),
+        (Endpoint("/metrics", "GET", "Prometheus metrics", text=True), metrics),
+    ]
+    doc = openapi_document([ep for ep, _ in endpoints], _pkg, _version())
+    page = docs_page(doc)
+
+    async def openapi_json(request: Request) -> Response:
+        return json_response(doc)
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    routes = [Route(ep.path, handler, methods=[ep.method]) for ep, handler in endpoints]
+    routes += [
+        Route("/openapi.json", openapi_json, methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

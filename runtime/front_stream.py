@@ -32,13 +32,17 @@ class ClientGone(Exception):
 
 
 class Formatter(Protocol):
-    """Turns one request's outputs into an API's wire format (one instance per request)."""
+    """Turns one request's outputs into an API's wire format (one instance per request).
 
-    def chunks(self, out: P.TextOutput, gen: Generation) -> list[msgspec.Struct]: ...
+    A request asking for ``n`` choices runs as ``n`` generations; ``index`` is
+    the choice an output belongs to, and ``tail``/``full`` see them all.
+    """
 
-    def tail(self, gen: Generation) -> list[msgspec.Struct]: ...
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]: ...
 
-    def full(self, outputs: list[P.TextOutput], gen: Generation) -> msgspec.Struct: ...
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]: ...
+
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct: ...
 
 
 def sse(obj: Any) -> bytes:
@@ -65,19 +69,35 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
         gone.cancel()
 
 
-async def _collect(gen: Generation) -> list[P.TextOutput]:
-    return [out async for out in gen]
+async def _collect(gen: Generation, first: P.TextOutput) -> list[P.TextOutput]:
+    return [first, *[out async for out in gen]]
+
+
+async def _all(works: list[Awaitable[T]]) -> list[T]:
+    """Every result, in order; when one fails (or we are cancelled) the rest are
+    cancelled, so no task is left waiting on a request that is gone."""
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def serve_generation(
-    request: Request, hub: RequestHub, req: P.GenerateRequest, fmt: Formatter, source: str
+    request: Request,
+    hub: RequestHub,
+    reqs: list[P.GenerateRequest],
+    fmt: Formatter,
+    source: str,
 ) -> Response:
-    """Run ``req`` and answer with SSE (``req.stream``) or one JSON body."""
-    headers = {"X-Request-Id": req.rid}
+    """Run ``reqs`` (the choices of one API request) and answer with SSE
+    (``stream``) or one JSON body; the first choice's rid names the response."""
+    headers = {"X-Request-Id": reqs[0].rid}
     stack = contextlib.AsyncExitStack()
     try:
-        gen = await stack.enter_async_context(hub.generate(req, source))
-        first = await unless_gone(request, gen.__anext__())
+        gens = [await stack.enter_async_context(hub.generate(r, source)) for r in reqs]
+        firsts = await unless_gone(request, _all([g.__anext__() for g in gens]))
     except StopAsyncIteration:  # pragma: no cover - the first output cannot be after the end
         await stack.aclose()
         raise
@@ -87,11 +107,12 @@ async def serve_generation(
     except ClientGone:
         await stack.aclose()
         return Response(status_code=499)
-    if req.stream:
-        return EventStream(_events(gen, first, fmt), stack.aclose, headers)
+    if reqs[0].stream:
+        return EventStream(_events(gens, firsts, fmt), stack.aclose, headers)
     try:
-        rest = await unless_gone(request, _collect(gen))
-        return json_response(fmt.full([first, *rest], gen), 200, headers)
+        work = _all([_collect(g, f) for g, f in zip(gens, firsts, strict=True)])
+        outputs = await unless_gone(request, work)
+        return json_response(fmt.full(outputs, gens), 200, headers)
     except APIError as exc:
         return exc.response()
     except ClientGone:
@@ -100,14 +121,50 @@ async def serve_generation(
         await stack.aclose()
 
 
-async def _events(gen: Generation, first: P.TextOutput, fmt: Formatter) -> AsyncIterator[bytes]:
+async def _interleaved(
+    gens: list[Generation], firsts: list[P.TextOutput]
+) -> AsyncIterator[tuple[int, P.TextOutput]]:
+    """Every choice's outputs, each as soon as it arrives; a failing choice raises."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    if len(gens) == 1:  # the common case, without a task per request
+        async for out in gens[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, P.TextOutput | APIError | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+        except APIError as exc:
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        for chunk in fmt.chunks(first, gen):
-            yield sse(chunk)
-        async for out in gen:
-            for chunk in fmt.chunks(out, gen):
+        left = len(gens)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(
+    gens: list[Generation], firsts: list[P.TextOutput], fmt: Formatter
+) -> AsyncIterator[bytes]:
+    try:
+        async for i, out in _interleaved(gens, firsts):
+            for chunk in fmt.chunks(out, gens[i], i):
                 yield sse(chunk)
-        for chunk in fmt.tail(gen):
+        for chunk in fmt.tail(gens):
             yield sse(chunk)
     except APIError as exc:
         # Headers are sent: the error travels as an event, as OpenAI's API does.

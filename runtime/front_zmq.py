@@ -103,7 +103,7 @@ class ClientServer:
                 raise APIError(400, "'messages' must not be empty", "messages")
         if msg.input_ids is not None:
             check_input_ids(msg.input_ids, model.info.vocab_size, "input_ids")
-        check_sampling(msg.params, model.info.vocab_size, "", "max_new_tokens")
+        check_sampling(msg.params, model.info, "", "max_new_tokens")
         if any(not s for s in msg.stop):
             raise APIError(400, "'stop' strings must be non-empty", "stop")
         return P.GenerateRequest(

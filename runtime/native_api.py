@@ -13,14 +13,21 @@ from typing import Any
 
 import msgspec
 
+from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime import protocol as P
-from radixmux.runtime.api_common import APIError, check_input_ids, check_sampling, stop_list
+from radixmux.runtime.api_common import (
+    APIError,
+    check_input_ids,
+    check_sampling,
+    refuse_unsupported,
+    stop_list,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class NativeSampling(msgspec.Struct, kw_only=True):
+class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -36,9 +43,20 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     sampling_seed: int | None = None  # SGLang's own name for it
     skip_special_tokens: bool | None = True
     n: int | None = None
+    # SGLang's, declared only to be refused (see UNSUPPORTED_SAMPLING).
+    min_new_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    stop_regex: Any = None
+    custom_params: Any = None
 
 
-class NativeGenerate(msgspec.Struct, kw_only=True):
+class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | list[Any] | None = None
     input_ids: list[Any] | None = None
     model: str | None = None
@@ -46,6 +64,48 @@ class NativeGenerate(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     return_logprob: bool | None = False
     top_logprobs_num: int | None = 0
+    log_metrics: bool | None = None  # accepted: every request is in /metrics
+    # SGLang's, declared only to be refused (see UNSUPPORTED_GENERATE).
+    rid: Any = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool | None = None
+    token_ids_logprob: Any = None
+    lora_path: Any = None
+    image_data: Any = None
+    input_embeds: Any = None
+    modalities: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: bool | None = None
+
+
+# SGLang fields this server does not implement, and the values that ask for
+# nothing (None always does): anything else is a 400 naming the field.
+UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
+    "rid": (),  # request ids are the server's (a client's could collide)
+    "logprob_start_len": (-1,),  # -1: output logprobs only, which is what we return
+    "return_text_in_logprobs": (False,),
+    "token_ids_logprob": (),
+    "lora_path": (),
+    "image_data": (),
+    "input_embeds": (),
+    "modalities": (),
+    "session_params": (),
+    "custom_logit_processor": (),
+    "return_hidden_states": (False,),
+}
+UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "min_new_tokens": (0,),
+    "spaces_between_special_tokens": (True,),
+    "no_stop_trim": (False,),
+    "logit_bias": ({},),
+    "json_schema": (),
+    "regex": (),
+    "ebnf": (),
+    "structural_tag": (),
+    "stop_regex": (),
+    "custom_params": (),
+}
 
 
 class NativeMeta(msgspec.Struct, omit_defaults=True):
@@ -68,7 +128,7 @@ class NativeResponse(msgspec.Struct):
 
 
 def sampling_params(
-    s: NativeSampling, vocab_size: int, logprobs: bool, top_logprobs: int
+    s: NativeSampling, info: ModelInfo, logprobs: bool, top_logprobs: int
 ) -> SamplingParams:
     """Checked runner sampling parameters from SGLang's ``sampling_params``."""
     pre = "sampling_params."
@@ -92,7 +152,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
-    check_sampling(params, vocab_size, pre, "max_new_tokens")
+    check_sampling(params, info, pre, "max_new_tokens")
     return params
 
 
@@ -100,6 +160,9 @@ def generate_request(
     body: NativeGenerate, rid: str, model: P.ServedModel, arrival: float
 ) -> P.GenerateRequest:
     """The tokenizer's request for a /generate body."""
+    refuse_unsupported(body, UNSUPPORTED_GENERATE)
+    if body.sampling_params is not None:
+        refuse_unsupported(body.sampling_params, UNSUPPORTED_SAMPLING, "sampling_params.")
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "send exactly one of 'text' or 'input_ids'", "text")
     if isinstance(body.text, list):
@@ -108,7 +171,7 @@ def generate_request(
     if not 0 <= top_n <= 20:
         raise APIError(400, "'top_logprobs_num' must be in [0, 20]", "top_logprobs_num")
     s = body.sampling_params or NativeSampling()
-    params = sampling_params(s, model.info.vocab_size, bool(body.return_logprob), top_n)
+    params = sampling_params(s, model.info, bool(body.return_logprob), top_n)
     ids = None
     if body.input_ids is not None:
         if body.input_ids and isinstance(body.input_ids[0], list):

@@ -1,7 +1,10 @@
 """OpenAI-compatible request and response schemas, and their conversion.
 
-Requests decode straight into these Structs (unknown fields are ignored, as
-OpenAI clients send many optional ones); :func:`completion_request` and
+Requests decode straight into these Structs. Nothing a client sends is
+silently ignored: a field outside the OpenAI API (and vLLM's sampling
+extensions) is a 400 naming it, as OpenAI answers; a field of the API this
+server does not implement is declared here and refused with a 400 unless it
+holds its neutral value (``UNSUPPORTED``); :func:`completion_request` and
 :func:`chat_request` check them against the served model and build the
 :class:`GenerateRequest` the tokenizer workers take. Sampling defaults follow
 OpenAI (temperature 1, top_p 1); greedy is ``temperature=0``.
@@ -14,12 +17,14 @@ from typing import Any
 
 import msgspec
 
+from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
     check_sampling,
+    refuse_unsupported,
     require_chat_template,
     stop_list,
 )
@@ -29,6 +34,7 @@ from radixmux.runtime.api_common import (
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 16  # ``n``: each choice is a running request of its own
 
 
 # ---- requests -------------------------------------------------------------------
@@ -36,7 +42,7 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share (None: not sent, take the default)."""
 
     model: str | None = None
@@ -56,12 +62,23 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool | None = True
+    # Accepted with no effect on the answer: who asks (logged with the request
+    # id) and hints about how OpenAI's own service should store or route it.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # every prompt is prefix-cached anyway
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # Declared only to be refused (see UNSUPPORTED).
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
     logprobs: int | None = None
     echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -79,6 +96,45 @@ class ChatRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    store: bool | None = None
+    # Declared only to be refused (see UNSUPPORTED).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+
+
+# Fields of the API that this server does not implement, and the values that
+# ask for nothing (None always does): anything else is a 400 naming the field.
+UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},),
+    "service_tier": ("auto", "default"),
+}
+UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "echo": (False,), "suffix": ("",)}
+UNSUPPORTED_CHAT = {
+    **UNSUPPORTED_SHARED,
+    "store": (False,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # means nothing without tools
+    "functions": ([],),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+}
 
 
 # ---- responses ------------------------------------------------------------------
@@ -178,11 +234,20 @@ class ChatChunk(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """OpenAI's model object, plus what a multi-model client needs to route by:
+    the context length (vLLM's ``max_model_len``), which models share one
+    tokenizer (``tokenizer_group``: same ids for the same text) and which share
+    KV (``kv_share_key``: same weights, so one cached prefix serves both)."""
+
     id: str
     created: int
     owned_by: str
     root: str
     max_model_len: int
+    architecture: str
+    dtype: str
+    tokenizer_group: str
+    kv_share_key: str
     object: str = "model"
 
 
@@ -193,11 +258,10 @@ class ModelList(msgspec.Struct):
 
 # ---- conversion -----------------------------------------------------------------
 def sampling_params(
-    req: _SamplingFields, max_tokens: int, vocab_size: int, logprobs: int | None
+    req: _SamplingFields, max_tokens: int, info: ModelInfo, logprobs: int | None
 ) -> SamplingParams:
     """Checked runner sampling parameters from an OpenAI request."""
-    if req.n not in (None, 1):
-        raise APIError(400, "'n' must be 1: only one choice per request is supported", "n")
+    n_choices(req)
     top_k = req.top_k if req.top_k is not None else 0
     if top_k < -1:
         raise APIError(400, "'top_k' must be >= 0, or -1 to disable", "top_k")
@@ -216,8 +280,32 @@ def sampling_params(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
     )
-    check_sampling(params, vocab_size)
+    check_sampling(params, info)
     return params
+
+
+def n_choices(req: _SamplingFields) -> int:
+    """How many choices the request asks for (``n``, checked)."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"'n' must be in [1, {MAX_CHOICES}]", "n")
+    return n
+
+
+def choices(gen: P.GenerateRequest, n: int) -> list[P.GenerateRequest]:
+    """``n`` samples of one prompt as ``n`` requests (rids ``<rid>-<i>``). They
+    share the prompt's KV through the tree: the scheduler prefills it once and
+    the others find it cached. A seeded request's choice ``i`` samples with
+    ``seed + i``, so its choices differ from one another yet repeat run to run."""
+    if n == 1:
+        return [gen]
+    out = []
+    for i in range(n):
+        params = gen.params
+        if params.seed is not None:
+            params = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
+        out.append(msgspec.structs.replace(gen, rid=f"{gen.rid}-{i}", params=params))
+    return out
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -228,12 +316,16 @@ def completion_request(
     req: CompletionRequest, rid: str, model: P.ServedModel, arrival: float
 ) -> P.GenerateRequest:
     """The tokenizer's request for a /v1/completions body."""
-    if req.echo:
-        raise APIError(400, "'echo' is not supported", "echo")
+    refuse_unsupported(req, UNSUPPORTED_COMPLETION)
+    if req.best_of is not None and req.best_of != n_choices(req):
+        # best_of > n would rank samples by likelihood: not built.
+        raise APIError(
+            400, "'best_of' must equal 'n' (ranking samples is not supported)", "best_of"
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "'logprobs' must be in [0, 20]", "logprobs")
     max_tokens = _or(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-    params = sampling_params(req, max_tokens, model.info.vocab_size, req.logprobs)
+    params = sampling_params(req, max_tokens, model.info, req.logprobs)
     prompt: str | None = None
     ids: list[int] | None = None
     if isinstance(req.prompt, str):
@@ -265,15 +357,16 @@ def chat_request(
     req: ChatRequest, rid: str, model: P.ServedModel, arrival: float, template_flag: bool
 ) -> P.GenerateRequest:
     """The tokenizer's request for a /v1/chat/completions body."""
+    refuse_unsupported(req, UNSUPPORTED_CHAT)
     require_chat_template(model, template_flag)
     if not req.messages:
         raise APIError(400, "'messages' must not be empty", "messages")
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = _or(req.max_completion_tokens, _or(req.max_tokens, CHAT_DEFAULT_MAX_TOKENS))
-    params = sampling_params(req, max_tokens, model.info.vocab_size, logprobs)
+    params = sampling_params(req, max_tokens, model.info, logprobs)
     return P.GenerateRequest(
         rid=rid,
         model=model.name,
@@ -286,7 +379,7 @@ def chat_request(
     )
 
 
-def _message(m: ChatMessageIn, i: int) -> P.ChatMessage:
+def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:
     if m.role not in CHAT_ROLES:
         raise APIError(
             400, f"'messages[{i}].role' must be one of {CHAT_ROLES}", f"messages[{i}].role"
@@ -305,11 +398,13 @@ def _message(m: ChatMessageIn, i: int) -> P.ChatMessage:
     return P.ChatMessage(m.role, "".join(texts))
 
 
-def usage(out: P.TextOutput | None) -> Usage:
-    """Token counts of a finished (or latest) output."""
-    prompt = out.prompt_tokens if out else 0
-    completion = out.completion_tokens if out else 0
-    cached = out.cached_tokens if out else 0
+def usage(lasts: list[P.TextOutput | None]) -> Usage:
+    """Token counts from each choice's finished (or latest) output: the prompt
+    once (the choices share it), the completions summed."""
+    first = lasts[0]
+    prompt = first.prompt_tokens if first else 0
+    cached = first.cached_tokens if first else 0
+    completion = sum(out.completion_tokens for out in lasts if out)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
@@ -343,6 +438,19 @@ def chat_logprobs(lps: list[P.TokenLogprob]) -> ChatLogprobs:
 
 def model_list(served: list[P.ServedModel], created: int | None = None) -> ModelList:
     created = int(time.time()) if created is None else created
-    return ModelList(
-        [ModelCard(m.name, created, "radixmux", m.folder, m.info.context_length) for m in served]
+    return ModelList([model_card(m, created) for m in served])
+
+
+def model_card(m: P.ServedModel, created: int) -> ModelCard:
+    info = m.info
+    return ModelCard(
+        id=m.name,
+        created=created,
+        owned_by="radixmux",
+        root=m.folder,
+        max_model_len=info.context_length,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        tokenizer_group=info.tokenizer_fingerprint,
+        kv_share_key=info.kv_share_key,
     )

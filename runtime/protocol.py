@@ -150,6 +150,40 @@ class TextBatch(msgspec.Struct, tag="text", frozen=True):
     outputs: list[TextOutput]
 
 
+# ---- tokenizer service (/tokenize, /detokenize) ---------------------------------
+class TokenizeRequest(msgspec.Struct, tag="tokenize", frozen=True):
+    """Front to a tokenizer worker: a prompt's ids as generation would see them
+    (``messages`` through the chat template), without generating."""
+
+    req_id: str
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: as generation does for that form
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, tag="detokenize", frozen=True):
+    """Front to a tokenizer worker: token ids back to text."""
+
+    req_id: str
+    model: str
+    tokens: list[int]
+
+
+class TokenizerReply(msgspec.Struct, tag="tokenizer_reply", frozen=True):
+    """A tokenizer worker's answer; ``status`` >= 400 carries an error naming ``param``."""
+
+    req_id: str
+    status: int = 200
+    tokens: list[int] = msgspec.field(default_factory=list)
+    token_strs: list[str] | None = None
+    text: str | None = None
+    error: str | None = None
+    param: str | None = None
+
+
 # ---- control --------------------------------------------------------------------
 class ControlRequest(msgspec.Struct, tag="control", frozen=True):
     """Operations the front asks of the scheduler: ``stats``, ``check`` (stats
@@ -253,10 +287,10 @@ class ShutdownProcess(msgspec.Struct, tag="shutdown_process", frozen=True):
 
 
 # Unions, one per receiving socket.
-TokenizerInbox = GenerateRequest | ShutdownProcess
+TokenizerInbox = GenerateRequest | TokenizeRequest | DetokenizeRequest | ShutdownProcess
 SchedulerInbox = TokenizedRequest | AbortRequest | ControlRequest | RunnerDied | ShutdownProcess
 DetokenizerInbox = TokenBatch | ShutdownProcess
-FrontInbox = TextBatch | RequestError | ControlReply | ServerReady
+FrontInbox = TextBatch | RequestError | ControlReply | TokenizerReply | ServerReady
 LauncherInbox = ProcessReady | ProcessFailed
 
 _encoder = msgspec.msgpack.Encoder()

@@ -68,16 +68,26 @@ class ModelTokenizer:
                 given[-1] if given else "prompt",
             )
         if req.messages is not None:
-            return self._encode_chat(req.messages)
+            return self.encode_chat(req.messages)
         if req.input_ids is not None:
-            return self._check_ids(req.input_ids)
-        if not req.prompt:
-            raise RejectedRequest(400, "the prompt is empty", "prompt")
-        # Text prompts get the tokenizer's own special tokens (e.g. BOS), as
-        # transformers' ``tokenizer(text)`` does.
-        return list(self.tokenizer(req.prompt).input_ids)
+            return self.check_ids(req.input_ids, "input_ids")
+        return self.encode_text(req.prompt or "")
 
-    def _encode_chat(self, messages: list[P.ChatMessage]) -> list[int]:
+    def encode_text(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids; by default with the tokenizer's own special tokens
+        (e.g. BOS), as transformers' ``tokenizer(text)`` adds them."""
+        if not prompt:
+            raise RejectedRequest(400, "the prompt is empty", "prompt")
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+
+    def encode_chat(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Chat messages through the model's template; the rendered template
+        already holds every special token it wants, so none are added by default."""
         if self.chat_template is None:
             raise RejectedRequest(
                 400,
@@ -92,23 +102,40 @@ class ModelTokenizer:
                 [{"role": m.role, "content": m.content} for m in messages],
                 chat_template=self.chat_template,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # the template's own raise_exception(), bad roles, ...
             raise RejectedRequest(400, f"chat template failed: {exc}", "messages") from exc
-        # The rendered template already holds every special token it wants.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def check_ids(self, ids: list[int], field: str) -> list[int]:
+        """``ids`` unchanged if every one is in the vocabulary; else a 400 naming ``field``."""
         vocab = self.model.info.vocab_size
         for i, tok in enumerate(ids):
             if not 0 <= tok < vocab:
                 raise RejectedRequest(
-                    400,
-                    f"input_ids[{i}] = {tok} is outside the vocabulary [0, {vocab})",
-                    "input_ids",
+                    400, f"{field}[{i}] = {tok} is outside the vocabulary [0, {vocab})", field
                 )
         return ids
+
+    def tokenize(self, req: P.TokenizeRequest) -> P.TokenizerReply:
+        """``/tokenize``: exactly one of prompt or messages, tokenized as generation
+        would (special tokens for text, none beyond the template's for chat)."""
+        if (req.prompt is None) == (req.messages is None):
+            raise RejectedRequest(400, "send exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            special = bool(req.add_special_tokens)
+            ids = self.encode_chat(req.messages, req.add_generation_prompt, special)
+        else:
+            special = req.add_special_tokens is not False
+            ids = self.encode_text(req.prompt or "", special)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return P.TokenizerReply(req.req_id, tokens=ids, token_strs=strs)
+
+    def detokenize(self, req: P.DetokenizeRequest) -> P.TokenizerReply:
+        """``/detokenize``: the text of ``tokens`` (special tokens kept, as vLLM does)."""
+        ids = self.check_ids(req.tokens, "tokens")
+        return P.TokenizerReply(req.req_id, text=self.tokenizer.decode(ids))
 
     def check_length(self, ids: list[int], params: P.SamplingParams) -> None:
         """Reject empty prompts and prompts that leave no room for ``max_tokens``."""
@@ -145,13 +172,19 @@ def load_models(
     return models
 
 
-def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.TokenizedRequest:
-    """Turn one request into a ``TokenizedRequest`` or raise ``RejectedRequest``."""
-    mt = models.get(req.model)
+def model_tokenizer(models: dict[str, ModelTokenizer], name: str) -> ModelTokenizer:
+    """The served model ``name``'s tokenizer, or a 404 naming the served ones."""
+    mt = models.get(name)
     if mt is None:
         raise RejectedRequest(
-            404, f"model {req.model!r} is not served; served: {', '.join(sorted(models))}", "model"
+            404, f"model {name!r} is not served; served: {', '.join(sorted(models))}", "model"
         )
+    return mt
+
+
+def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.TokenizedRequest:
+    """Turn one request into a ``TokenizedRequest`` or raise ``RejectedRequest``."""
+    mt = model_tokenizer(models, req.model)
     ids = mt.encode_prompt(req)
     mt.check_length(ids, req.params)
     return P.TokenizedRequest(
@@ -163,6 +196,20 @@ def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.Tok
         skip_special_tokens=req.skip_special_tokens,
         arrival=req.arrival,
     )
+
+
+def tokenizer_service(
+    models: dict[str, ModelTokenizer], req: P.TokenizeRequest | P.DetokenizeRequest
+) -> P.TokenizerReply:
+    """Answer ``/tokenize`` or ``/detokenize``; every failure is a reply, never a raise."""
+    try:
+        mt = model_tokenizer(models, req.model)
+        return mt.tokenize(req) if isinstance(req, P.TokenizeRequest) else mt.detokenize(req)
+    except RejectedRequest as exc:
+        return P.TokenizerReply(req.req_id, exc.status, error=exc.message, param=exc.param)
+    except Exception:  # a tokenizer bug fails this call, not the worker
+        log.exception("req_id=%s %s failed", req.req_id, type(req).__name__)
+        return P.TokenizerReply(req.req_id, 500, error="tokenization failed (see the server log)")
 
 
 def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
@@ -182,6 +229,9 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
         ", ".join(f"{n} (chat={m.chat_template is not None})" for n, m in models.items()),
     )
     for msg in inbox_messages(inbox, decoder, log):
+        if isinstance(msg, P.TokenizeRequest | P.DetokenizeRequest):
+            to_front.send(P.encode(tokenizer_service(models, msg)))
+            continue
         try:
             out = tokenize(models, msg)
         except RejectedRequest as exc:

@@ -190,6 +190,9 @@ class Peers(threading.Thread):
             for sock, _ in poller.poll(max(0, int(wait * 1000))):
                 if sock is self.tok:
                     req = tok_dec.decode(self.tok.recv())
+                    if isinstance(req, P.TokenizeRequest | P.DetokenizeRequest):
+                        self.front.send(P.encode(tokenizer_reply(req)))
+                        continue
                     self.requests.put(req)
                     active[req.rid] = (time.monotonic(), self.script(req))
                 else:
@@ -217,6 +220,14 @@ class Peers(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         self.ctx.destroy(linger=0)
+
+
+def tokenizer_reply(req: P.TokenizeRequest | P.DetokenizeRequest) -> P.TokenizerReply:
+    """A worker's answer in this harness's toy vocabulary: token 100 + i per word."""
+    if isinstance(req, P.DetokenizeRequest):
+        return P.TokenizerReply(req.req_id, text=" ".join(f"w{t}" for t in req.tokens))
+    text = req.prompt or " ".join(m.content for m in req.messages or [])
+    return P.TokenizerReply(req.req_id, tokens=[100 + i for i, _ in enumerate(text.split())])
 
 
 def free_port() -> int:

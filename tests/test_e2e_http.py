@@ -222,6 +222,78 @@ def test_bad_input_gets_clear_errors(server) -> None:
     assert "a" in str(info)
 
 
+def test_n_choices_share_one_prefill(server, models) -> None:
+    _, url = server
+    prompt = SYSTEM + QUESTIONS[7]
+    assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+
+    def computed() -> int:
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        return info["scheduler"]["prompt_tokens_computed"]
+
+    before = computed()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    got = client.completions.create(
+        model="a", prompt=prompt, max_tokens=5, temperature=0, n=4, extra_body={"ignore_eos": True}
+    )
+    # Greedy: every choice is transformers' answer.
+    want = greedy_text(models["a"], prompt, 5)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert all(c.text == want for c in got.choices)
+    assert got.usage.completion_tokens == 20
+    # One prefill: the other three choices found the prompt in the tree.
+    prompt_len = got.usage.prompt_tokens
+    assert computed() - before <= prompt_len + 3 * 2, (computed() - before, prompt_len)
+    # Sampled with a seed: the choices differ from one another yet repeat.
+    seeded = dict(model="a", prompt=prompt, max_tokens=8, temperature=1.5, n=3, seed=5)
+    first = [c.text for c in client.completions.create(**seeded).choices]
+    again = [c.text for c in client.completions.create(**seeded).choices]
+    assert first == again and len(set(first)) > 1
+
+
+def test_tokenize_detokenize_and_model_cards(server, models) -> None:
+    _, url = server
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    text = SYSTEM + QUESTIONS[3]
+    r = httpx.post(f"{url}/tokenize", json={"model": "a", "prompt": text}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok(text).input_ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0
+    assert body["token_strs"] is None
+    # Chat: exactly the ids a chat completion is served with (its usage counts them).
+    chat = {"model": "a", "messages": [{"role": "user", "content": QUESTIONS[5]}]}
+    r = httpx.post(f"{url}/tokenize", json={**chat, "return_token_strs": True}, timeout=30)
+    ids = r.json()["tokens"]
+    assert r.json()["token_strs"] == tok.convert_ids_to_tokens(ids)
+    done = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 1}, timeout=60)
+    assert done.json()["usage"]["prompt_tokens"] == len(ids)
+    no_gen = httpx.post(
+        f"{url}/tokenize", json={**chat, "add_generation_prompt": False}, timeout=30
+    ).json()["tokens"]
+    assert len(no_gen) < len(ids) and ids[: len(no_gen)] == no_gen
+    r = httpx.post(f"{url}/detokenize", json={"model": "a", "tokens": body["tokens"]}, timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
+    # Refusals name the field; an unknown model is a 404.
+    both = {"model": "a", "prompt": "x", "messages": chat["messages"]}
+    for path, bad, status, param in [
+        ("/tokenize", both, 400, "prompt"),
+        ("/tokenize", {"model": "a", "prompt": ""}, 400, "prompt"),
+        ("/tokenize", {**chat, "model": "b"}, 400, "messages"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"model": "a", "tokens": [0, 10**7]}, 400, "tokens"),
+        ("/detokenize", {"model": "a", "tokens": "abc"}, 400, "tokens"),
+    ]:
+        r = httpx.post(f"{url}{path}", json=bad, timeout=30)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (bad, r.text)
+    # Model cards say what routes a request: context, tokenizer group, KV-share key.
+    cards = {c["id"]: c for c in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    card = httpx.get(f"{url}/v1/models/a", timeout=30).json()
+    assert card == cards["a"] and card["max_model_len"] == body["max_model_len"]
+    assert cards["a"]["tokenizer_group"] == cards["b"]["tokenizer_group"]  # same tokenizer
+    assert cards["a"]["kv_share_key"] != cards["b"]["kv_share_key"]  # different weights
+
+
 def test_disconnect_mid_stream_frees_the_request(server) -> None:
     _, url = server
     body = {

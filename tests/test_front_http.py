@@ -54,6 +54,48 @@ def next_abort(front: RunningFront, timeout: float = 5.0) -> P.AbortRequest:
     return front.peers.aborts.get(timeout=timeout)
 
 
+def test_neutral_values_and_no_effect_fields_are_accepted(
+    front: RunningFront, http: httpx.Client
+) -> None:
+    """What asks for nothing is served: unsupported fields at their neutral
+    value, and the fields that only inform (user, metadata, ...)."""
+    user = chat({"role": "user", "content": "x"})
+    for path, body in [
+        (CMPL, cmpl(echo=False, best_of=1, suffix="", logit_bias={}, user="u-1")),
+        (CMPL, cmpl(metadata={"k": "v"}, prompt_cache_key="p", service_tier="auto")),
+        (CHAT, {**user, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
+        (CHAT, {**user, "store": False, "parallel_tool_calls": True, "safety_identifier": "s"}),
+        (GEN, {"model": "chat", "text": "x", "logprob_start_len": -1, "log_metrics": True}),
+    ]:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, (body, r.text)
+
+
+def test_n_choices_run_as_one_request_each(front: RunningFront, http: httpx.Client) -> None:
+    r = http.post(CMPL, json=cmpl(n=3, best_of=3, max_tokens=2, seed=7))
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert all(c["text"] == "w0 w1 " and c["finish_reason"] == "length" for c in got["choices"])
+    # The prompt is counted once, the completions summed (OpenAI's usage for n).
+    assert got["usage"]["completion_tokens"] == 6 and got["usage"]["prompt_tokens"] == 1
+    sent = [front.peers.requests.get(timeout=1) for _ in range(3)]
+    base = got["id"].removeprefix("cmpl-")
+    assert sorted(q.rid for q in sent) == [f"{base}-{i}" for i in range(3)]
+    assert sorted(q.params.seed for q in sent) == [7, 8, 9]  # differ, yet repeatable
+    # Streamed chat: every choice announces its role, streams, finishes.
+    body = {**chat({"role": "user", "content": "x"}), "n": 2, "max_tokens": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    r = http.post(CHAT, json=body)
+    events = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in events if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == "w0 w1 "
+        assert mine[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_models_list(http: httpx.Client) -> None:
     r = http.get("/v1/models")
     assert r.status_code == 200
@@ -250,7 +292,9 @@ def chat(*messages: dict) -> dict:
         (CMPL, cmpl(model="nope"), 404, "model"),
         (CMPL, {"prompt": "x"}, 400, "model"),
         (CMPL, {"model": "chat"}, 400, "prompt"),
-        (CMPL, cmpl(n=2), 400, "n"),
+        (CMPL, cmpl(n=17), 400, "n"),
+        (CMPL, cmpl(n=0), 400, "n"),
+        (CMPL, cmpl(n=2, best_of=3), 400, "best_of"),
         (CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
         (CMPL, cmpl(max_tokens="9"), 400, "max_tokens"),
         (CMPL, cmpl(temperature=-1), 400, "temperature"),
@@ -279,6 +323,37 @@ def chat(*messages: dict) -> dict:
             "sampling_params.min_p",
         ),
         (GEN, {"model": "chat", "input_ids": [1, "a"]}, 400, "input_ids"),
+        # Nothing silently ignored: a field outside the API, or one of the API
+        # that is not implemented, is refused by name.
+        (CMPL, cmpl(guided_json={}), 400, "guided_json"),
+        (CMPL, cmpl(logit_bias={"5": 10}), 400, "logit_bias"),
+        (CMPL, cmpl(echo=True), 400, "echo"),
+        (CMPL, cmpl(best_of=3), 400, "best_of"),  # best_of > n: ranking not built
+        (CMPL, cmpl(suffix="!"), 400, "suffix"),
+        (CMPL, cmpl(service_tier="flex"), 400, "service_tier"),
+        (CHAT, {**chat({"role": "user", "content": "x"}), "tools": [{}]}, 400, "tools"),
+        (
+            CHAT,
+            {**chat({"role": "user", "content": "x"}), "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        (CHAT, {**chat({"role": "user", "content": "x"}), "store": True}, 400, "store"),
+        (CHAT, {**chat({"role": "user", "content": "x"}), "n_choices": 2}, 400, "n_choices"),
+        (GEN, {"model": "chat", "text": "x", "lora_path": "l"}, 400, "lora_path"),
+        (GEN, {"model": "chat", "text": "x", "typo": 1}, 400, "typo"),
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"regex": "a+"}},
+            400,
+            "sampling_params.regex",
+        ),
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"max_tokens": 3}},
+            400,
+            "sampling_params.max_tokens",
+        ),
     ],
 )
 def test_invalid_input(http: httpx.Client, path: str, body: dict, status: int, param: str) -> None:

@@ -1,0 +1,85 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: request and response schemas and conversion.
+
+The front holds no tokenizer, so both go to a tokenizer worker (the one that
+tokenizes generation requests), and ``/tokenize`` returns exactly the ids a
+generation request with the same prompt or messages would be served with.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import APIError, check_input_ids, require_chat_template
+from radixmux.runtime.openai_api import ChatMessageIn, chat_message
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: a text prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    # None: as generation does (text gets the tokenizer's special tokens, chat
+    # only what its template writes).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``: token ids back to text."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+def tokenize_request(
+    body: TokenizeBody, req_id: str, model: P.ServedModel, template_flag: bool
+) -> P.TokenizeRequest:
+    """The tokenizer worker's request for a ``/tokenize`` body (checked here first)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
+    messages = None
+    if body.messages is not None:
+        require_chat_template(model, template_flag)
+        if not body.messages:
+            raise APIError(400, "'messages' must not be empty", "messages")
+        messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+    elif not body.prompt:
+        raise APIError(400, "'prompt' must not be empty", "prompt")
+    return P.TokenizeRequest(
+        req_id=req_id,
+        model=model.name,
+        prompt=body.prompt,
+        messages=messages,
+        add_special_tokens=body.add_special_tokens,
+        add_generation_prompt=body.add_generation_prompt,
+        return_token_strs=body.return_token_strs,
+    )
+
+
+def tokenize_response(reply: P.TokenizerReply, model: P.ServedModel) -> TokenizeResponse:
+    return TokenizeResponse(
+        len(reply.tokens), model.info.context_length, reply.tokens, reply.token_strs
+    )
+
+
+def detokenize_request(
+    body: DetokenizeBody, req_id: str, model: P.ServedModel
+) -> P.DetokenizeRequest:
+    """The worker's request for a ``/detokenize`` body (no tokens: the empty text)."""
+    if body.tokens:
+        check_input_ids(body.tokens, model.info.vocab_size, "tokens")
+    return P.DetokenizeRequest(req_id, model.name, body.tokens)
