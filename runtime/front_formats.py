@@ -20,15 +20,18 @@ def _reason(gen: Generation) -> str | None:
     return gen.finish_reason if gen.done else None
 
 
-def _usage(gens: list[Generation]) -> O.Usage:
-    return O.usage([g.last for g in gens])
+def _usage(gens: list[Generation], n: int = 1) -> O.Usage:
+    return O.usage([g.last for g in gens], n)
 
 
 class CompletionFormat:
-    """``/v1/completions``."""
+    """``/v1/completions`` (``n`` choices per prompt)."""
 
-    def __init__(self, rid: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self, rid: str, model: str, logprobs: bool, include_usage: bool, n: int = 1
+    ) -> None:
         self.id = f"cmpl-{rid}"
+        self.n = n
         self.model = model
         self.created = int(time.time())
         self.logprobs = logprobs
@@ -53,14 +56,14 @@ class CompletionFormat:
         return [self._response([O.CompletionChoice(index, out.text, lps, reason)])]
 
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
-        return [self._response([], _usage(gens))] if self.include_usage else []
+        return [self._response([], _usage(gens, self.n))] if self.include_usage else []
 
     def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
         choices = [
             O.CompletionChoice(i, "".join(o.text for o in outs), self._lps(outs, 0), _reason(g))
             for i, (outs, g) in enumerate(zip(outputs, gens, strict=True))
         ]
-        return self._response(choices, _usage(gens))
+        return self._response(choices, _usage(gens, self.n))
 
 
 class ChatFormat:

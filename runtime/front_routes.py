@@ -69,11 +69,12 @@ def build_app(front: Front) -> ASGIApp:
         req = await body(request, O.CompletionRequest)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
-        gen = O.completion_request(req, rid, model, time.time())
+        prompts = O.completion_request(req, rid, model, time.time())
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = CompletionFormat(rid, model.name, gen.params.logprobs, usage)
-        gens = O.choices(gen, O.n_choices(req))
+        n = O.n_choices(req)
+        fmt = CompletionFormat(rid, model.name, prompts[0].params.logprobs, usage, n)
+        gens = O.choices(prompts, n)
         return await serve_generation(request, front.hub, gens, fmt, "completions")
 
     async def chat(request: Request) -> Response:
@@ -85,7 +86,7 @@ def build_app(front: Front) -> ASGIApp:
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
-        gens = O.choices(gen, O.n_choices(req))
+        gens = O.choices([gen], O.n_choices(req))
         return await serve_generation(request, front.hub, gens, fmt, "chat")
 
     async def generate(request: Request) -> Response:

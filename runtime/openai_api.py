@@ -34,7 +34,9 @@ from radixmux.runtime.api_common import (
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_CHOICES = 16  # ``n``: each choice is a running request of its own
+MAX_CHOICES = 64  # prompts x ``n``: each choice is a running request of its own
+MAX_PROMPTS = 64
+MAX_N = 16
 
 
 # ---- requests -------------------------------------------------------------------
@@ -287,24 +289,33 @@ def sampling_params(
 def n_choices(req: _SamplingFields) -> int:
     """How many choices the request asks for (``n``, checked)."""
     n = 1 if req.n is None else req.n
-    if not 1 <= n <= MAX_CHOICES:
-        raise APIError(400, f"'n' must be in [1, {MAX_CHOICES}]", "n")
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in [1, {MAX_N}]", "n")
     return n
 
 
-def choices(gen: P.GenerateRequest, n: int) -> list[P.GenerateRequest]:
-    """``n`` samples of one prompt as ``n`` requests (rids ``<rid>-<i>``). They
-    share the prompt's KV through the tree: the scheduler prefills it once and
-    the others find it cached. A seeded request's choice ``i`` samples with
-    ``seed + i``, so its choices differ from one another yet repeat run to run."""
-    if n == 1:
-        return [gen]
+def choices(prompts: list[P.GenerateRequest], n: int) -> list[P.GenerateRequest]:
+    """``n`` samples of each prompt, one request each, in OpenAI's choice order
+    (prompt ``i``'s samples are choices ``i*n`` to ``i*n+n-1``; rids ``<rid>-<choice>``).
+
+    Samples of one prompt share its KV through the tree: the scheduler
+    prefills it once and the others find it cached. A seeded request's sample
+    ``j`` draws with ``seed + j``, so its samples differ from one another yet
+    repeat run to run."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400, f"prompts x 'n' = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n"
+        )
+    if len(prompts) == 1 and n == 1:
+        return prompts
     out = []
-    for i in range(n):
-        params = gen.params
-        if params.seed is not None:
-            params = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
-        out.append(msgspec.structs.replace(gen, rid=f"{gen.rid}-{i}", params=params))
+    for gen in prompts:
+        for j in range(n):
+            params = gen.params
+            if params.seed is not None:
+                params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+            rid = f"{gen.rid}-{len(out)}"
+            out.append(msgspec.structs.replace(gen, rid=rid, params=params))
     return out
 
 
@@ -314,8 +325,8 @@ def _or(value: Any, default: Any) -> Any:
 
 def completion_request(
     req: CompletionRequest, rid: str, model: P.ServedModel, arrival: float
-) -> P.GenerateRequest:
-    """The tokenizer's request for a /v1/completions body."""
+) -> list[P.GenerateRequest]:
+    """The tokenizer's requests for a /v1/completions body, one per prompt."""
     refuse_unsupported(req, UNSUPPORTED_COMPLETION)
     if req.best_of is not None and req.best_of != n_choices(req):
         # best_of > n would rank samples by likelihood: not built.
@@ -326,31 +337,40 @@ def completion_request(
         raise APIError(400, "'logprobs' must be in [0, 20]", "logprobs")
     max_tokens = _or(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
     params = sampling_params(req, max_tokens, model.info, req.logprobs)
-    prompt: str | None = None
-    ids: list[int] | None = None
-    if isinstance(req.prompt, str):
-        prompt = req.prompt
-    elif len(req.prompt) == 1 and isinstance(req.prompt[0], (str, list)):
-        # A batch of one ([text] or [[ids]]) is what some clients always send.
-        only = req.prompt[0]
-        prompt, ids = (only, None) if isinstance(only, str) else (None, only)
-    elif req.prompt and all(isinstance(p, (str, list)) for p in req.prompt):
-        raise APIError(400, "'prompt' batches are not supported: send one prompt", "prompt")
-    else:
-        ids = req.prompt
-    if ids is not None:
-        ids = check_input_ids(ids, model.info.vocab_size, "prompt")
-    return P.GenerateRequest(
-        rid=rid,
-        model=model.name,
-        params=params,
-        prompt=prompt,
-        input_ids=ids,
-        stop=stop_list(req.stop),
-        stream=bool(req.stream),
-        skip_special_tokens=_or(req.skip_special_tokens, True),
-        arrival=arrival,
-    )
+    return [
+        P.GenerateRequest(
+            rid=rid,
+            model=model.name,
+            params=params,
+            prompt=text,
+            input_ids=ids,
+            stop=stop_list(req.stop),
+            stream=bool(req.stream),
+            skip_special_tokens=_or(req.skip_special_tokens, True),
+            arrival=arrival,
+        )
+        for text, ids in _prompts(req.prompt, model.info.vocab_size)
+    ]
+
+
+def _prompts(prompt: str | list[Any], vocab_size: int) -> list[tuple[str | None, list[int] | None]]:
+    """The prompts of a completions body as (text, ids) pairs: a string, a list of
+    token ids, or a batch of either (a list of strings or of id lists)."""
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt or not all(isinstance(p, (str, list)) for p in prompt):
+        return [(None, check_input_ids(prompt, vocab_size, "prompt"))]
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"'prompt' batches hold at most {MAX_PROMPTS} prompts", "prompt")
+    out: list[tuple[str | None, list[int] | None]] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            if not p:
+                raise APIError(400, f"'prompt[{i}]' is empty", f"prompt[{i}]")
+            out.append((p, None))
+        else:
+            out.append((None, check_input_ids(p, vocab_size, f"prompt[{i}]")))
+    return out
 
 
 def chat_request(
@@ -398,12 +418,12 @@ def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:
     return P.ChatMessage(m.role, "".join(texts))
 
 
-def usage(lasts: list[P.TextOutput | None]) -> Usage:
-    """Token counts from each choice's finished (or latest) output: the prompt
-    once (the choices share it), the completions summed."""
-    first = lasts[0]
-    prompt = first.prompt_tokens if first else 0
-    cached = first.cached_tokens if first else 0
+def usage(lasts: list[P.TextOutput | None], n: int = 1) -> Usage:
+    """Token counts from each choice's finished (or latest) output, ``n`` choices
+    per prompt: each prompt once (its choices share it), the completions summed."""
+    firsts = [out for out in lasts[::n] if out]
+    prompt = sum(out.prompt_tokens for out in firsts)
+    cached = sum(out.cached_tokens for out in firsts)
     completion = sum(out.completion_tokens for out in lasts if out)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 

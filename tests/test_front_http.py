@@ -83,6 +83,13 @@ def test_n_choices_run_as_one_request_each(front: RunningFront, http: httpx.Clie
     base = got["id"].removeprefix("cmpl-")
     assert sorted(q.rid for q in sent) == [f"{base}-{i}" for i in range(3)]
     assert sorted(q.params.seed for q in sent) == [7, 8, 9]  # differ, yet repeatable
+    # A batch of prompts: prompt i's samples are choices i*n .. i*n+n-1.
+    r = http.post(CMPL, json=cmpl(prompt=["a b", "c"], n=2, max_tokens=1))
+    got = r.json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    sent = sorted((front.peers.requests.get(timeout=1) for _ in range(4)), key=lambda q: q.rid)
+    assert [q.prompt for q in sent] == ["a b", "a b", "c", "c"]
+    assert got["usage"]["prompt_tokens"] == 3 and got["usage"]["completion_tokens"] == 4
     # Streamed chat: every choice announces its role, streams, finishes.
     body = {**chat({"role": "user", "content": "x"}), "n": 2, "max_tokens": 2, "stream": True}
     body["stream_options"] = {"include_usage": True}
@@ -311,7 +318,10 @@ def chat(*messages: dict) -> dict:
         ),
         (CMPL, cmpl(stop=[""]), 400, "stop"),
         (CMPL, cmpl(prompt=[1, 5000]), 400, "prompt"),
-        (CMPL, cmpl(prompt=["a", "b"]), 400, "prompt"),
+        (CMPL, cmpl(prompt=["a"] * 65), 400, "prompt"),
+        (CMPL, cmpl(prompt=["a", ""]), 400, "prompt[1]"),
+        (CMPL, cmpl(prompt=[[1], [1, 5000]]), 400, "prompt[1]"),
+        (CMPL, cmpl(prompt=["a"] * 5, n=16), 400, "n"),
         (CHAT, chat(), 400, "messages"),
         (CHAT, chat({"role": "bot", "content": "x"}), 400, "messages[0].role"),
         (CHAT, chat({"content": "x"}), 400, "messages[0].role"),
