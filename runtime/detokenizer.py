@@ -23,13 +23,16 @@ Run as ``python -m radixmux.runtime.detokenizer '<ProcessContext JSON>'``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from radixmux.runtime import protocol as P
@@ -44,6 +47,7 @@ log = logging.getLogger("radixmux.detokenizer")
 # abort and no final output for an aborted request, so entries expire instead.
 STOPPED_TTL_S = 60.0
 MAX_STOPPED = 65536
+TOKEN_NAMES_CACHED = 65536  # per model: token id -> text, for logprobs
 
 
 class IncrementalText:
@@ -120,6 +124,7 @@ class Detokenizer:
         self.tokenizers = tokenizers  # served model name -> tokenizer
         self.live: dict[str, IncrementalText] = {}
         self.stopped: OrderedDict[str, float] = OrderedDict()  # rid -> when it stopped
+        self.namers: dict[str, Callable[[int], str]] = {}  # model -> token id -> text
 
     def process(self, batch: P.TokenBatch) -> list[P.TextOutput]:
         """The text outputs for one batch (outputs of stopped requests dropped)."""
@@ -147,8 +152,38 @@ class Detokenizer:
             if matched is not None and out.finish_reason is None:
                 log.debug("rid=%s stop string %r matched", out.rid, matched)
                 self.stopped[out.rid] = now
+            out = self._named(out)
             outputs.append(_text_output(out, text, finish, matched, out.error, out.status))
         return outputs
+
+    def _named(self, out: P.RequestOutput) -> P.RequestOutput:
+        """``out`` with its logprob tokens named by their text (the front has no tokenizer)."""
+        if not out.logprobs or out.model not in self.tokenizers:
+            return out
+        name = self._namer(out.model)
+        lps = [
+            msgspec.structs.replace(
+                lp,
+                text=name(lp.token_id),
+                top_text=[name(t) for t, _ in lp.top] if lp.top is not None else None,
+            )
+            for lp in out.logprobs
+        ]
+        return msgspec.structs.replace(out, logprobs=lps)
+
+    def _namer(self, model: str) -> Callable[[int], str]:
+        namer = self.namers.get(model)
+        if namer is None:
+            tokenizer = self.tokenizers[model]
+
+            @functools.lru_cache(maxsize=TOKEN_NAMES_CACHED)
+            def namer(token_id: int) -> str:
+                # One token alone, special tokens by name; a piece of a
+                # multi-byte character decodes to U+FFFD, as in vLLM.
+                return tokenizer.decode([token_id], skip_special_tokens=False)
+
+            self.namers[model] = namer
+        return namer
 
     def _step(self, out: P.RequestOutput) -> tuple[str, str | None, str | None]:
         state = self.live.get(out.rid)

@@ -428,18 +428,39 @@ def usage(lasts: list[P.TextOutput | None], n: int = 1) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
-def token_name(token_id: int) -> str:
-    """How a token is named in logprobs: the front holds no tokenizer, so by id (vLLM's form)."""
-    return f"token_id:{token_id}"
+def token_name(token_id: int, text: str | None) -> str:
+    """A token in logprobs: its text as the detokenizer named it, else by id
+    (vLLM's ``token_id:N`` form)."""
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def token_bytes(text: str | None) -> list[int] | None:
+    """A token's UTF-8 bytes; None where it is only part of a character (its
+    text is then U+FFFD, which stands for bytes it does not show)."""
+    if text is None or "\ufffd" in text:
+        return None
+    return list(text.encode())
+
+
+def _tops(lp: P.TokenLogprob) -> list[tuple[str, float, str | None]]:
+    """(name, logprob, text) of each top alternative."""
+    texts: list[str | None] = list(lp.top_text or [None] * len(lp.top or []))
+    return [(token_name(t, x), v, x) for (t, v), x in zip(lp.top or [], texts, strict=True)]
 
 
 def completion_logprobs(lps: list[P.TokenLogprob], offset: int) -> CompletionLogprobs:
-    tops = [{token_name(t): v for t, v in (lp.top or [])} for lp in lps]
+    """Logprobs of a completion; ``text_offset`` is each token's character offset
+    in the choice's text, ``offset`` being the text before these tokens."""
+    names = [token_name(lp.token_id, lp.text) for lp in lps]
+    offsets = []
+    for name in names:
+        offsets.append(offset)
+        offset += len(name)
     return CompletionLogprobs(
-        tokens=[token_name(lp.token_id) for lp in lps],
+        tokens=names,
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=tops,
-        text_offset=[offset] * len(lps),
+        top_logprobs=[{name: v for name, v, _ in _tops(lp)} for lp in lps],
+        text_offset=offsets,
     )
 
 
@@ -447,9 +468,10 @@ def chat_logprobs(lps: list[P.TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(
         [
             ChatTokenLogprob(
-                token_name(lp.token_id),
+                token_name(lp.token_id, lp.text),
                 lp.logprob,
-                [TopLogprob(token_name(t), v) for t, v in (lp.top or [])],
+                [TopLogprob(name, v, token_bytes(text)) for name, v, text in _tops(lp)],
+                token_bytes(lp.text),
             )
             for lp in lps
         ]

@@ -98,9 +98,14 @@ class RequestError(msgspec.Struct, tag="error", frozen=True):
 
 # ---- outputs --------------------------------------------------------------------
 class TokenLogprob(msgspec.Struct, frozen=True):
+    """A sampled token's log-probability and the top alternatives'. ``text`` and
+    ``top_text`` (the tokens as text) are filled in by the detokenizer."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None = None
+    text: str | None = None
+    top_text: list[str] | None = None
 
 
 class RequestOutput(msgspec.Struct, frozen=True):

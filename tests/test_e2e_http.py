@@ -251,6 +251,45 @@ def test_n_choices_share_one_prefill(server, models) -> None:
     assert first == again and len(set(first)) > 1
 
 
+def test_logprob_tokens_are_text_with_offsets(server, models) -> None:
+    _, url = server
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    prompt = QUESTIONS[2]
+    native = httpx.post(
+        f"{url}/generate",
+        json={
+            "model": "a",
+            "text": prompt,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    ).json()
+    names = [tok.decode([i], skip_special_tokens=False) for i in native["output_ids"]]
+    got = complete(url, "a", prompt, logprobs=3).json()["choices"][0]["logprobs"]
+    assert got["tokens"] == names
+    assert got["text_offset"] == [sum(len(t) for t in names[:i]) for i in range(len(names))]
+    assert all(
+        len(top) == 3 and not any(k.startswith("token_id:") for k in top)
+        for top in got["top_logprobs"]
+    )
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "model": "a",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        timeout=60,
+    ).json()["choices"][0]["logprobs"]["content"]
+    for entry in chat:
+        if "\ufffd" not in entry["token"]:
+            assert bytes(entry["bytes"]).decode() == entry["token"]
+        assert len(entry["top_logprobs"]) == 2
+
+
 def test_tokenize_detokenize_and_model_cards(server, models) -> None:
     _, url = server
     tok = AutoTokenizer.from_pretrained(models["a"])
