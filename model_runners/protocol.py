@@ -33,7 +33,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     sequence's ``output_ids``. ``seed`` makes sampling reproducible: the same
     seed, step and logits give the same token, whatever else is in the batch.
     ``logprobs`` asks for the chosen token's log-probability and the
-    ``top_logprobs`` most likely alternatives.
+    ``top_logprobs`` most likely alternatives. ``logit_bias`` adds to the
+    logits of the listed token ids (after penalties, before everything else).
     """
 
     temperature: float = 0.0
@@ -49,6 +50,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     max_new_tokens: int = 128
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class SeqInput(msgspec.Struct, frozen=True):

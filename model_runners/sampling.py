@@ -1,9 +1,10 @@
 """Next-token sampling for a batch, vectorised over sequences.
 
-Order of operations (as in Hugging Face's logits processors): penalties,
-then temperature, top-k, top-p, min-p, then a draw. Log-probabilities are
-reported from the penalised distribution before temperature and filters, so
-they describe the model rather than the sampler settings.
+Order of operations (as in Hugging Face's logits processors): penalties and
+logit bias, then temperature, top-k, top-p, min-p, then a draw.
+Log-probabilities are reported from the penalised, biased distribution before
+temperature and filters, so they describe the model rather than the sampler
+settings.
 """
 
 from __future__ import annotations
@@ -60,6 +61,23 @@ def apply_penalties(
     penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
     logits = torch.where(present, penalised, logits)
     return logits - freq[:, None] * counts - pres[:, None] * present.float()
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to the logits of its token ids."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    r = [i for i in rows for _ in params[i].logit_bias]
+    ids = [t for i in rows for t, _ in params[i].logit_bias]
+    bias = [b for i in rows for _, b in params[i].logit_bias]
+    logits = logits.clone()
+    logits.index_put_(
+        (torch.tensor(r), torch.tensor(ids)),
+        torch.tensor(bias, dtype=logits.dtype),
+        accumulate=True,
+    )
+    return logits
 
 
 def _exponential_noise(
@@ -123,7 +141,7 @@ def sample(
     ``output_ids[i]`` are the tokens row ``i`` generated so far (penalties,
     and the step that keys a seeded draw).
     """
-    logits = apply_penalties(logits.float(), params, output_ids)
+    logits = apply_logit_bias(apply_penalties(logits.float(), params, output_ids), params)
     tokens = logits.argmax(-1)
     greedy = (_column(params, "temperature", torch.float32) <= 0) | (
         _column(params, "top_k", torch.int64) == 1

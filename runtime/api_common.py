@@ -208,6 +208,30 @@ def check_sampling(
         raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def logit_bias(
+    bias: dict[str, float] | None, vocab_size: int, param: str
+) -> list[tuple[int, float]]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias) as checked pairs."""
+    if not bias:
+        return []
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise APIError(400, f"'{param}' holds at most {MAX_LOGIT_BIAS_TOKENS} tokens", param)
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
+            raise APIError(
+                400, f"'{param}' keys must be token ids in [0, {vocab_size}); got {key!r}", param
+            )
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise APIError(400, f"'{param}' values must be in [-100, 100]; got {value}", param)
+        out.append((int(key), float(value)))
+    return out
+
+
 def check_input_ids(ids: list[Any], vocab_size: int, param: str) -> list[int]:
     """Token-id prompts must be a non-empty list of ids the model knows."""
     if not ids:

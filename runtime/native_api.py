@@ -20,6 +20,7 @@ from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
     check_sampling,
+    logit_bias,
     refuse_unsupported,
     stop_list,
 )
@@ -43,11 +44,11 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling_seed: int | None = None  # SGLang's own name for it
     skip_special_tokens: bool | None = True
     n: int | None = None
+    logit_bias: dict[str, float] | None = None
     # SGLang's, declared only to be refused (see UNSUPPORTED_SAMPLING).
     min_new_tokens: int | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    logit_bias: dict[str, float] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -98,7 +99,6 @@ UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
     "min_new_tokens": (0,),
     "spaces_between_special_tokens": (True,),
     "no_stop_trim": (False,),
-    "logit_bias": ({},),
     "json_schema": (),
     "regex": (),
     "ebnf": (),
@@ -151,6 +151,7 @@ def sampling_params(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if s.max_new_tokens is None else s.max_new_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        logit_bias=logit_bias(s.logit_bias, info.vocab_size, f"{pre}logit_bias"),
     )
     check_sampling(params, info, pre, "max_new_tokens")
     return params

@@ -24,6 +24,7 @@ from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
     check_sampling,
+    logit_bias,
     refuse_unsupported,
     require_chat_template,
     stop_list,
@@ -71,7 +72,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: str | None = None  # every prompt is prefix-cached anyway
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # Declared only to be refused (see UNSUPPORTED).
     logit_bias: dict[str, float] | None = None
 
 
@@ -117,7 +117,6 @@ class ChatRequest(_SamplingFields, kw_only=True):
 # Fields of the API that this server does not implement, and the values that
 # ask for nothing (None always does): anything else is a 400 naming the field.
 UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
     "service_tier": ("auto", "default"),
 }
 UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "echo": (False,), "suffix": ("",)}
@@ -281,6 +280,7 @@ def sampling_params(
         max_new_tokens=max_tokens,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
+        logit_bias=logit_bias(req.logit_bias, info.vocab_size, "logit_bias"),
     )
     check_sampling(params, info)
     return params

@@ -126,6 +126,7 @@ def test_completion_fields_reach_the_tokenizer(front: RunningFront, http: httpx.
         "presence_penalty": -0.5,
         "repetition_penalty": 1.1,
         "ignore_eos": True,
+        "logit_bias": {"5": 10, "7": -100},
     }
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -148,6 +149,7 @@ def test_completion_fields_reach_the_tokenizer(front: RunningFront, http: httpx.
     )  # fmt: skip
     assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
     assert p.ignore_eos and not p.logprobs
+    assert p.logit_bias == [(5, 10.0), (7, -100.0)]
 
 
 def test_token_id_prompt_and_logprobs(front: RunningFront, http: httpx.Client) -> None:
@@ -336,7 +338,15 @@ def chat(*messages: dict) -> dict:
         # Nothing silently ignored: a field outside the API, or one of the API
         # that is not implemented, is refused by name.
         (CMPL, cmpl(guided_json={}), 400, "guided_json"),
-        (CMPL, cmpl(logit_bias={"5": 10}), 400, "logit_bias"),
+        (CMPL, cmpl(logit_bias={"x5": 10}), 400, "logit_bias"),
+        (CMPL, cmpl(logit_bias={"5": 101}), 400, "logit_bias"),
+        (CMPL, cmpl(logit_bias={"1000": 1}), 400, "logit_bias"),  # past the vocabulary
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"logit_bias": {"5": -1e9}}},
+            400,
+            "sampling_params.logit_bias",
+        ),
         (CMPL, cmpl(echo=True), 400, "echo"),
         (CMPL, cmpl(best_of=3), 400, "best_of"),  # best_of > n: ranking not built
         (CMPL, cmpl(suffix="!"), 400, "suffix"),

@@ -94,6 +94,24 @@ def test_penalties():
     assert sample(both, params, [outs[0], outs[0]]).tokens.tolist() == [1, 0]
 
 
+def test_logit_bias_moves_only_its_rows_tokens():
+    logits = torch.tensor([[4.0, 3.0, -1.0, 0.5]]).repeat(3, 1)
+    params = [
+        SamplingParams(logit_bias=[(2, 10.0)]),  # greedy now picks token 2
+        SamplingParams(),  # untouched
+        SamplingParams(logit_bias=[(0, -100.0), (1, -100.0)], logprobs=True),
+    ]
+    out = sample(logits, params, [EMPTY] * 3)
+    assert out.tokens.tolist() == [2, 0, 3]
+    # Logprobs describe the biased distribution the token was drawn from.
+    biased = torch.tensor([-96.0, -97.0, -1.0, 0.5]).log_softmax(-1)
+    assert torch.allclose(out.logprobs[2], biased[3])
+    assert torch.equal(logits[0], torch.tensor([4.0, 3.0, -1.0, 0.5]))  # input not modified
+    # A sampled row never draws a token biased to -100.
+    hot = SamplingParams(temperature=1.0, logit_bias=[(0, -100.0)])
+    assert 0 not in draw(logits[:1].repeat(2000, 1), hot).tokens.tolist()
+
+
 def test_logprobs_and_top_logprobs():
     logits = torch.randn(3, 50)
     params = [SamplingParams(logprobs=True, top_logprobs=4)] * 3
