@@ -1943,10 +1943,10 @@ async def soak(config: SoakConfig, server: SoakServer, sources: Sequence[str]) -
     end.leftover = [p for p in procs if p != server.pid and _alive(p)]
     checks, rss_detail = all_checks(run, end)
     data = report(run, end, checks, rss_detail)
+    print_summary(data, checks)  # first: a half-hour's verdict must not hang on a file write
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(data, indent=1) + "\n")
     plot(data, config.png)
-    print_summary(data, checks)
     print(f"[soak] wrote {config.out} and {config.png}; server log {config.log}")
     return 0 if data["passed"] else 1
 
@@ -1968,7 +1968,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         "--out",
         type=Path,
         default=RESULTS_DIR / "soak.json",
-        help="JSON path; the PNG and the server log go beside it",
+        help="JSON path (or a folder: soak.json in it); the PNG and the server log go beside it",
     )
     p.add_argument(
         "--runner-timeout",
@@ -1994,7 +1994,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         kill_every_s=a.kill_every or profile.kill_every_s,
         seed=a.seed,
         port=port,
-        out=a.out,
+        out=a.out / "soak.json" if a.out.is_dir() else a.out,  # a folder: soak.json in it
         runner_timeout_s=a.runner_timeout,
         server_args=tuple(a.server_args.split()),
         profile=profile,

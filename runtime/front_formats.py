@@ -114,8 +114,9 @@ class ChatFormat:
 class NativeFormat:
     """SGLang ``/generate``: every streamed chunk carries the text and ids so far."""
 
-    def __init__(self, rid: str, logprobs: bool) -> None:
+    def __init__(self, rid: str, logprobs: bool, with_text: bool = False) -> None:
         self.rid = rid
+        self.with_text = with_text  # return_text_in_logprobs
         self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
         self.text = ""
         self.ids: list[int] = []
@@ -138,7 +139,9 @@ class NativeFormat:
                 last.completion_tokens,
             )
         lps = list(self.logprobs) if self.logprobs is not None else None
-        return N.response(self.rid, self.text, list(self.ids), last, finish, gen.latency, lps)
+        return N.response(
+            self.rid, self.text, list(self.ids), last, finish, gen.latency, lps, self.with_text
+        )
 
     def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         self._add(out)

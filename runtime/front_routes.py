@@ -94,7 +94,7 @@ def build_app(front: Front) -> ASGIApp:
         model = resolve_model(front.served, req.model)
         rid = new_rid()
         gen = N.generate_request(req, rid, model, time.time())
-        fmt = NativeFormat(rid, gen.params.logprobs)
+        fmt = NativeFormat(rid, gen.params.logprobs, bool(req.return_text_in_logprobs))
         return await serve_generation(request, front.hub, [gen], fmt, "generate")
 
     async def tokenize(request: Request) -> Response:

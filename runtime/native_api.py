@@ -66,10 +66,10 @@ class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_logprob: bool | None = False
     top_logprobs_num: int | None = 0
     log_metrics: bool | None = None  # accepted: every request is in /metrics
+    return_text_in_logprobs: bool | None = False
     # SGLang's, declared only to be refused (see UNSUPPORTED_GENERATE).
     rid: Any = None
     logprob_start_len: int | None = None
-    return_text_in_logprobs: bool | None = None
     token_ids_logprob: Any = None
     lora_path: Any = None
     image_data: Any = None
@@ -85,7 +85,6 @@ class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
     "rid": (),  # request ids are the server's (a client's could collide)
     "logprob_start_len": (-1,),  # -1: output logprobs only, which is what we return
-    "return_text_in_logprobs": (False,),
     "token_ids_logprob": (),
     "lora_path": (),
     "image_data": (),
@@ -117,8 +116,9 @@ class NativeMeta(msgspec.Struct, omit_defaults=True):
     cached_tokens: int
     finish_reason: dict[str, Any] | None
     e2e_latency: float
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
-    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # (logprob, token id, token text or None): the text with return_text_in_logprobs.
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
 class NativeResponse(msgspec.Struct):
@@ -214,6 +214,7 @@ def response(
     finish: dict[str, Any] | None,
     latency: float,
     logprobs: list[P.TokenLogprob] | None,
+    with_text: bool = False,
 ) -> NativeResponse:
     meta = NativeMeta(
         id=rid,
@@ -224,6 +225,15 @@ def response(
         e2e_latency=round(latency, 6),
     )
     if logprobs is not None:
-        meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in logprobs]
-        meta.output_top_logprobs = [[(v, t, None) for t, v in (lp.top or [])] for lp in logprobs]
+        meta.output_token_logprobs = [
+            (lp.logprob, lp.token_id, lp.text if with_text else None) for lp in logprobs
+        ]
+        meta.output_top_logprobs = [
+            [
+                (v, t, texts[k] if with_text and texts else None)
+                for k, (t, v) in enumerate(lp.top or [])
+            ]
+            for lp in logprobs
+            for texts in [lp.top_text]
+        ]
     return NativeResponse(text, ids, meta)

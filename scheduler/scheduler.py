@@ -488,20 +488,17 @@ class Scheduler:
         if restarting:
             runner.restarts += 1
         model = self.models[runner.model]
-        moved = list(runner.running)
+        running = list(runner.running)
+        moved: list[Req] = []
         failed: list[Req] = []
         if model.up:
             assert self.builder is not None
-            for req in reversed(moved):
+            for req in reversed(running):
                 self.builder.requeue(runner, model.waiting, req)
+            moved = running
         else:
-            failed = moved + model.waiting
-        log.error(
-            "%s; %d requests moved to a replica, %d failed",
-            why,
-            len(moved) - len(failed),
-            len(failed),
-        )
+            failed = running + model.waiting  # the waiting ones have no runner left either
+        log.error("%s; %d requests moved to a replica, %d failed", why, len(moved), len(failed))
         self._update_down_reason(model, why)
         self._fail_requests(
             [r.rid for r in failed], 503, f"model {model.name!r} is unavailable: {why}"

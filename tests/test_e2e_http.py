@@ -261,10 +261,16 @@ def test_logprob_tokens_are_text_with_offsets(server, models) -> None:
             "model": "a",
             "text": prompt,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
         },
         timeout=60,
     ).json()
     names = [tok.decode([i], skip_special_tokens=False) for i in native["output_ids"]]
+    meta = native["meta_info"]
+    assert [t[2] for t in meta["output_token_logprobs"]] == names  # SGLang's text slot
+    assert all(isinstance(t[2], str) for top in meta["output_top_logprobs"] for t in top)
     got = complete(url, "a", prompt, logprobs=3).json()["choices"][0]["logprobs"]
     assert got["tokens"] == names
     assert got["text_offset"] == [sum(len(t) for t in names[:i]) for i in range(len(names))]
