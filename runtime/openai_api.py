@@ -338,19 +338,30 @@ def completion_request(
     max_tokens = _or(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
     params = sampling_params(req, max_tokens, model.info, req.logprobs)
     return [
-        P.GenerateRequest(
-            rid=rid,
-            model=model.name,
-            params=params,
-            prompt=text,
-            input_ids=ids,
-            stop=stop_list(req.stop),
-            stream=bool(req.stream),
-            skip_special_tokens=_or(req.skip_special_tokens, True),
-            arrival=arrival,
-        )
+        _generate(req, rid, model, params, arrival, prompt=text, input_ids=ids)
         for text, ids in _prompts(req.prompt, model.info.vocab_size)
     ]
+
+
+def _generate(
+    req: _SamplingFields,
+    rid: str,
+    model: P.ServedModel,
+    params: SamplingParams,
+    arrival: float,
+    **prompt: Any,
+) -> P.GenerateRequest:
+    """The GenerateRequest for one prompt (``prompt``, ``input_ids`` or ``messages``)."""
+    return P.GenerateRequest(
+        rid=rid,
+        model=model.name,
+        params=params,
+        stop=stop_list(req.stop),
+        stream=bool(req.stream),
+        skip_special_tokens=_or(req.skip_special_tokens, True),
+        arrival=arrival,
+        **prompt,
+    )
 
 
 def _prompts(prompt: str | list[Any], vocab_size: int) -> list[tuple[str | None, list[int] | None]]:
@@ -387,16 +398,7 @@ def chat_request(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = _or(req.max_completion_tokens, _or(req.max_tokens, CHAT_DEFAULT_MAX_TOKENS))
     params = sampling_params(req, max_tokens, model.info, logprobs)
-    return P.GenerateRequest(
-        rid=rid,
-        model=model.name,
-        params=params,
-        messages=messages,
-        stop=stop_list(req.stop),
-        stream=bool(req.stream),
-        skip_special_tokens=_or(req.skip_special_tokens, True),
-        arrival=arrival,
-    )
+    return _generate(req, rid, model, params, arrival, messages=messages)
 
 
 def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:

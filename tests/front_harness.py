@@ -294,3 +294,14 @@ def running_front(
         yield front
     finally:
         front.stop()
+
+
+@contextlib.contextmanager
+def chat_and_base_front(**args: Any) -> Iterator[RunningFront]:
+    """The usual test front: a model with a chat template (``chat``) and one
+    without (``base``), peers answering with :func:`words`."""
+    models = [served_model("chat"), served_model("base", chat_template=False)]
+    with running_front(models, **args) as front:
+        front.peers.script = words()
+        front.peers.stats = stats(["chat", "base"])
+        yield front

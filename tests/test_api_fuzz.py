@@ -17,7 +17,7 @@ import httpx
 import hypothesis
 import pytest
 import schemathesis
-from front_harness import RunningFront, running_front, served_model, stats, words
+from front_harness import RunningFront, chat_and_base_front
 from schemathesis import GenerationMode
 
 KEY = "fuzz-key"
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def front() -> Iterator[RunningFront]:
-    models = [served_model("chat"), served_model("base", chat_template=False)]
-    with running_front(models, api_key=KEY, max_request_bytes=LIMIT) as f:
-        f.peers.script = words()
-        f.peers.stats = stats(["chat", "base"])
+    with chat_and_base_front(api_key=KEY, max_request_bytes=LIMIT) as f:
         yield f
 
 

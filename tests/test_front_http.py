@@ -19,7 +19,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmux.runtime import protocol as P
-from tests.front_harness import RunningFront, fail, running_front, served_model, stats, words
+from tests.front_harness import (
+    RunningFront,
+    chat_and_base_front,
+    fail,
+    running_front,
+    served_model,
+    stats,
+    words,
+)
 
 KEY = "sekret"
 LIMIT = 4096
@@ -28,8 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def front() -> Iterator[RunningFront]:
-    models = [served_model("chat"), served_model("base", chat_template=False)]
-    with running_front(models, api_key=KEY, max_request_bytes=LIMIT) as f:
+    with chat_and_base_front(api_key=KEY, max_request_bytes=LIMIT) as f:
         yield f
 
 
