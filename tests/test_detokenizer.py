@@ -193,7 +193,10 @@ def test_process_streams_and_stops(peers, tok):
     ids = tok(TEXT).input_ids
     stop_ids = tok("one 世界 STOP two").input_ids
     texts: dict[str, str] = {"u": "", "s": ""}
-    logprobs = [P.TokenLogprob(ids[0], -0.5)]
+    logprobs = [P.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)])]
+    # The front has no tokenizer: the detokenizer names the logprob tokens.
+    name = [tok.decode([i], skip_special_tokens=False) for i in ids[:2]]
+    named = [P.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)], name[0], name)]
     for i in range(max(len(ids), len(stop_ids))):
         outs = []
         if i < len(ids):
@@ -215,7 +218,7 @@ def test_process_streams_and_stops(peers, tok):
             texts[o.rid] += o.text
             if o.rid == "u":
                 assert (o.prompt_tokens, o.completion_tokens, o.cached_tokens) == (5, i + 1, 2)
-                assert o.logprobs == (logprobs if i == 0 else None)
+                assert o.logprobs == (named if i == 0 else None)
             if o.rid == "s" and o.finish_reason:
                 assert (o.finish_reason, o.matched_stop) == ("stop", "STOP")
     assert texts == {"u": TEXT, "s": "one 世界 "}
