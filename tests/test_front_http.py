@@ -278,6 +278,15 @@ def test_disconnect_mid_stream_aborts(front: RunningFront, http: httpx.Client) -
         http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
     assert next_abort(front).reason == "client disconnected"
 
+    # n choices: a client that leaves stops every one of them, streamed or not.
+    with http.stream("POST", "/v1/completions", json={**body, "n": 3}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={**body, "n": 3, "stream": False}, timeout=0.5)
+    for _ in range(2):
+        aborted = {next_abort(front).rid for _ in range(3)}
+        assert len(aborted) == 3 and all(r.rsplit("-", 1)[1] in "012" for r in aborted)
+
 
 def test_disconnect_before_any_reply_is_an_early_abort(
     front: RunningFront, http: httpx.Client
