@@ -28,10 +28,18 @@ class CompletionFormat:
     """``/v1/completions`` (``n`` choices per prompt)."""
 
     def __init__(
-        self, rid: str, model: str, logprobs: bool, include_usage: bool, n: int = 1
+        self,
+        rid: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        n: int = 1,
+        echo: list[str] | None = None,
     ) -> None:
         self.id = f"cmpl-{rid}"
         self.n = n
+        self.echo = echo  # ``echo``: each prompt's text, put before its choices' text
+        self.echoed: set[int] = set()  # streamed choices whose prompt is sent
         self.model = model
         self.created = int(time.time())
         self.logprobs = logprobs
@@ -46,21 +54,33 @@ class CompletionFormat:
     def _response(self, choices: list[O.CompletionChoice], usage=None) -> O.CompletionResponse:
         return O.CompletionResponse(self.id, self.created, self.model, choices, usage)
 
+    def _prompt(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
     def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         reason = _reason(gen)
-        if not out.text and not out.logprobs and reason is None:
+        text = out.text
+        if self.echo and index not in self.echoed:
+            self.echoed.add(index)
+            text = self._prompt(index) + text
+        if not text and not out.logprobs and reason is None:
             return []
         offset = self.offsets.get(index, 0)
         lps = self._lps([out], offset)
-        self.offsets[index] = offset + len(out.text)
-        return [self._response([O.CompletionChoice(index, out.text, lps, reason)])]
+        self.offsets[index] = offset + len(text)
+        return [self._response([O.CompletionChoice(index, text, lps, reason)])]
 
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return [self._response([], _usage(gens, self.n))] if self.include_usage else []
 
     def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
         choices = [
-            O.CompletionChoice(i, "".join(o.text for o in outs), self._lps(outs, 0), _reason(g))
+            O.CompletionChoice(
+                i,
+                self._prompt(i) + "".join(o.text for o in outs),
+                self._lps(outs, 0),
+                _reason(g),
+            )
             for i, (outs, g) in enumerate(zip(outputs, gens, strict=True))
         ]
         return self._response(choices, _usage(gens, self.n))

@@ -65,6 +65,14 @@ def build_app(front: Front) -> ASGIApp:
         check_json_content_type(request.headers.get("content-type"))
         return decode_body(await read_body(request, front.args.max_request_bytes), type_)
 
+    async def prompt_text(gen: P.GenerateRequest) -> str:
+        """A prompt as text (``echo``): as sent, or its token ids decoded."""
+        if gen.prompt is not None:
+            return gen.prompt
+        ids = gen.input_ids or []
+        reply = await front.hub.tokenizer_call(P.DetokenizeRequest(new_rid(), gen.model, ids))
+        return reply.text or ""
+
     async def completions(request: Request) -> Response:
         req = await body(request, O.CompletionRequest)
         model = resolve_model(front.served, req.model)
@@ -73,7 +81,8 @@ def build_app(front: Front) -> ASGIApp:
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         n = O.n_choices(req)
-        fmt = CompletionFormat(rid, model.name, prompts[0].params.logprobs, usage, n)
+        echo = [await prompt_text(p) for p in prompts] if req.echo else None
+        fmt = CompletionFormat(rid, model.name, prompts[0].params.logprobs, usage, n, echo)
         gens = O.choices(prompts, n)
         return await serve_generation(request, front.hub, gens, fmt, "completions")
 

@@ -119,7 +119,7 @@ class ChatRequest(_SamplingFields, kw_only=True):
 UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
 }
-UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "echo": (False,), "suffix": ("",)}
+UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "suffix": ("",)}
 UNSUPPORTED_CHAT = {
     **UNSUPPORTED_SHARED,
     "store": (False,),
@@ -335,6 +335,9 @@ def completion_request(
         )
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "'logprobs' must be in [0, 20]", "logprobs")
+    if req.echo and req.logprobs is not None:
+        # The prompt's own logprobs would need logits at every prompt position.
+        raise APIError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
     max_tokens = _or(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
     params = sampling_params(req, max_tokens, model.info, req.logprobs)
     return [

@@ -87,7 +87,9 @@ def greedy_text(folder: Path, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def complete(url: str, model: str, prompt: str, n: int = 6, **extra: object) -> httpx.Response:
+def complete(
+    url: str, model: str, prompt: str | list[int], n: int = 6, **extra: object
+) -> httpx.Response:
     body = {
         "model": model,
         "prompt": prompt,
@@ -294,6 +296,18 @@ def test_logprob_tokens_are_text_with_offsets(server, models) -> None:
         if "\ufffd" not in entry["token"]:
             assert bytes(entry["bytes"]).decode() == entry["token"]
         assert len(entry["top_logprobs"]) == 2
+
+
+def test_echo_returns_prompt_then_completion(server, models) -> None:
+    _, url = server
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    prompt = QUESTIONS[4]
+    plain = complete(url, "a", prompt).json()["choices"][0]["text"]
+    echoed = complete(url, "a", prompt, echo=True).json()["choices"][0]["text"]
+    assert echoed == prompt + plain
+    ids = tok(prompt).input_ids
+    by_ids = complete(url, "a", ids, echo=True).json()["choices"][0]["text"]
+    assert by_ids == tok.decode(ids) + plain
 
 
 def test_tokenize_detokenize_and_model_cards(server, models) -> None:

@@ -110,6 +110,17 @@ def test_n_choices_run_as_one_request_each(front: RunningFront, http: httpx.Clie
     assert events[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_echo_puts_the_prompt_before_each_choice(http: httpx.Client) -> None:
+    r = http.post(CMPL, json=cmpl(prompt="a b", echo=True, max_tokens=2, n=2))
+    assert [c["text"] for c in r.json()["choices"]] == ["a bw0 w1 "] * 2
+    # Token ids are echoed as their text (a tokenizer worker decodes them).
+    r = http.post(CMPL, json=cmpl(prompt=[[5, 6], [7]], echo=True, max_tokens=1))
+    assert [c["text"] for c in r.json()["choices"]] == ["w5 w6w0 ", "w7w0 "]
+    r = http.post(CMPL, json=cmpl(prompt="a b", echo=True, max_tokens=2, stream=True))
+    texts = [json.loads(e)["choices"][0]["text"] for e in sse_events(r.text) if e != "[DONE]"]
+    assert texts == ["a bw0 ", "w1 "]
+
+
 def test_models_list(http: httpx.Client) -> None:
     r = http.get("/v1/models")
     assert r.status_code == 200
@@ -363,7 +374,7 @@ def chat(*messages: dict) -> dict:
             400,
             "sampling_params.logit_bias",
         ),
-        (CMPL, cmpl(echo=True), 400, "echo"),
+        (CMPL, cmpl(echo=True, logprobs=1), 400, "echo"),  # prompt logprobs: not built
         (CMPL, cmpl(best_of=3), 400, "best_of"),  # best_of > n: ranking not built
         (CMPL, cmpl(suffix="!"), 400, "suffix"),
         (CMPL, cmpl(service_tier="flex"), 400, "service_tier"),
