@@ -229,7 +229,6 @@ class ModelRunner:
             outputs,
             forward_ms=(t1 - t0) * 1e3,
             sample_ms=(t2 - t1) * 1e3,
-            num_tokens=sum(len(s.tokens) for s in seqs),
             threads=torch.get_num_threads(),
         )
 

@@ -121,7 +121,6 @@ class ForwardResult(msgspec.Struct, tag="result", frozen=True):
     outputs: list[SeqOutput] = msgspec.field(default_factory=list)
     forward_ms: float = 0.0
     sample_ms: float = 0.0
-    num_tokens: int = 0
     error: str | None = None
     threads: int = 0  # torch threads it ran with
 

@@ -60,30 +60,20 @@ class KVManager:
             self.use_cache and self.cache.evict_for(req.model, n)
         )
 
-    def reserve(self, req: Req, n: int, evict: bool = True) -> bool:
+    def reserve(self, req: Req, n: int) -> bool:
         """Make room for ``n`` more tokens of KV; False when there is none."""
         need = req.kv_len + n - len(req.slots)
         if need <= 0:
             return True
         pool = self.cache.pool_of(req.model)
         new = self.cache.allocator.alloc(pool, need)
-        if new is None and evict and self.cache.evict_for(req.model, need):
+        if new is None and self.cache.evict_for(req.model, need):
             new = self.cache.allocator.alloc(pool, need)
         if new is None:
             return False
         self.allocated_tokens[req.model] += len(new)
         req.slots = np.concatenate([req.slots, new])
         return True
-
-    def can_reserve(self, req: Req, n: int) -> bool:
-        """Whether ``reserve`` could succeed (counting what eviction could free)."""
-        need = req.kv_len + n - len(req.slots)
-        pool = self.cache.pool_of(req.model)
-        return (
-            need <= 0
-            or self.cache.allocator.can_alloc(pool, need)
-            or (self.use_cache and self.cache.evict_for(req.model, need))
-        )
 
     def cacheable(self, req: Req) -> bool:
         """False once the model was invalidated after this request matched."""

@@ -80,7 +80,7 @@ def test_ready_forward_errors_shutdown(tiny_folder, arena, router):
         assert out.token_id == int(ref.argmax())
         assert abs(out.logprob - float(ref.log_softmax(-1).max())) < 1e-4
         assert [t for t, _ in out.top_logprobs] == ref.topk(3).indices.tolist()
-        assert res.num_tokens == 12 and res.forward_ms > 0
+        assert res.forward_ms > 0
 
         # Garbage bytes, then a batch with out-of-range slots: error replies.
         sock.send_multipart([ident, b"\x93not msgpack"])
