@@ -978,9 +978,9 @@ def bad_cases(facts: dict[str, ModelFacts]) -> list[BadCase]:
             "sampling_params.top_k",
         ),
         BadCase(
-            "generate n 2",
+            "generate n 99",
             "/generate",
-            {"model": m.name, "text": "Hi", "sampling_params": {"n": 2}},
+            {"model": m.name, "text": "Hi", "sampling_params": {"n": 99}},
             400,
             "sampling_params.n",
         ),

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
-from radixmux.runtime.protocol import ServedModel
+from radixmux.runtime.protocol import GenerateRequest, ServedModel
 
 T = TypeVar("T")
 
@@ -229,6 +229,44 @@ def logit_bias(
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
             raise APIError(400, f"'{param}' values must be in [-100, 100]; got {value}", param)
         out.append((int(key), float(value)))
+    return out
+
+
+MAX_N = 16  # samples of one prompt
+MAX_PROMPTS = 64  # prompts in one batch
+MAX_CHOICES = 64  # prompts x n: each is a running request of its own
+
+
+def check_n(n: int | None, param: str) -> int:
+    """``n`` (samples per prompt), checked; None means 1."""
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'{param}' must be in [1, {MAX_N}]", param)
+    return n
+
+
+def fan_out(prompts: list[GenerateRequest], n: int, param: str = "n") -> list[GenerateRequest]:
+    """``n`` samples of each prompt, one request each, prompt ``i``'s samples
+    at ``i*n`` to ``i*n+n-1`` (OpenAI's choice order; rids ``<rid>-<k>``).
+
+    Samples of one prompt share its KV through the tree: the scheduler
+    prefills it once and the others find it cached. A seeded request's sample
+    ``j`` draws with ``seed + j``, so its samples differ from one another yet
+    repeat run to run."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400, f"prompts x {param} = {len(prompts) * n} choices; at most {MAX_CHOICES}", param
+        )
+    if len(prompts) == 1 and n == 1:
+        return prompts
+    out = []
+    for gen in prompts:
+        for j in range(n):
+            params = gen.params
+            if params.seed is not None:
+                params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+            rid = f"{gen.rid}-{len(out)}"
+            out.append(msgspec.structs.replace(gen, rid=rid, params=params))
     return out
 
 

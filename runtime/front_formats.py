@@ -7,6 +7,7 @@ and ``tail`` after the last, non-streaming calls ``full`` with every output.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 
@@ -131,23 +132,38 @@ class ChatFormat:
         return O.ChatResponse(self.id, self.created, self.model, choices, _usage(gens))
 
 
-class NativeFormat:
-    """SGLang ``/generate``: every streamed chunk carries the text and ids so far."""
+class _NativeChoice:
+    """One item's text, ids and logprobs so far (SGLang chunks are cumulative)."""
 
-    def __init__(self, rid: str, logprobs: bool, with_text: bool = False) -> None:
-        self.rid = rid
-        self.with_text = with_text  # return_text_in_logprobs
-        self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
+    def __init__(self, logprobs: bool) -> None:
         self.text = ""
         self.ids: list[int] = []
+        self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
 
-    def _add(self, out: P.TextOutput) -> None:
+    def add(self, out: P.TextOutput) -> None:
         self.text += out.text
         self.ids += out.token_ids
         if self.logprobs is not None:
             self.logprobs += out.logprobs or []
 
-    def _response(self, gen: Generation) -> N.NativeResponse:
+
+class NativeFormat:
+    """SGLang ``/generate``: every streamed chunk carries the text and ids so far;
+    a batch (or ``n`` > 1) is answered with a list, its chunks tagged by index."""
+
+    def __init__(self, logprobs: bool, with_text: bool = False, batch: bool = False) -> None:
+        self.logprobs = logprobs
+        self.with_text = with_text  # return_text_in_logprobs
+        self.batch = batch
+        self.items: dict[int, _NativeChoice] = {}
+
+    def _item(self, index: int) -> _NativeChoice:
+        if index not in self.items:
+            self.items[index] = _NativeChoice(self.logprobs)
+        return self.items[index]
+
+    def _response(self, gen: Generation, index: int) -> N.NativeResponse:
+        item = self._item(index)
         last = gen.last
         assert last is not None
         finish = None
@@ -155,25 +171,30 @@ class NativeFormat:
             finish = N.finish_reason(
                 gen.finish_reason,
                 gen.matched_stop,
-                self.ids[-1] if self.ids else None,
+                item.ids[-1] if item.ids else None,
                 last.completion_tokens,
             )
-        lps = list(self.logprobs) if self.logprobs is not None else None
-        return N.response(
-            self.rid, self.text, list(self.ids), last, finish, gen.latency, lps, self.with_text
+        lps = list(item.logprobs) if item.logprobs is not None else None
+        out = N.response(
+            gen.rid, item.text, list(item.ids), last, finish, gen.latency, lps, self.with_text
         )
+        if self.batch:
+            out.index = index
+        return out
 
     def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
-        self._add(out)
+        self._item(index).add(out)
         if not out.text and not out.token_ids and not gen.done:
             return []
-        return [self._response(gen)]
+        return [self._response(gen, index)]
 
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return []
 
-    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
-        # SGLang's /generate takes one sample per request here (n is refused).
-        for out in outputs[0]:
-            self._add(out)
-        return self._response(gens[0])
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> Any:
+        answers = []
+        for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
+            for out in outs:
+                self._item(i).add(out)
+            answers.append(self._response(gen, i))
+        return answers if self.batch else answers[0]

@@ -32,6 +32,7 @@ from radixmux.runtime.api_common import (
     APIError,
     check_json_content_type,
     decode_body,
+    fan_out,
     json_response,
     read_body,
     resolve_model,
@@ -83,7 +84,7 @@ def build_app(front: Front) -> ASGIApp:
         n = O.n_choices(req)
         echo = [await prompt_text(p) for p in prompts] if req.echo else None
         fmt = CompletionFormat(rid, model.name, prompts[0].params.logprobs, usage, n, echo)
-        gens = O.choices(prompts, n)
+        gens = fan_out(prompts, n)
         return await serve_generation(request, front.hub, gens, fmt, "completions")
 
     async def chat(request: Request) -> Response:
@@ -95,16 +96,17 @@ def build_app(front: Front) -> ASGIApp:
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
-        gens = O.choices([gen], O.n_choices(req))
+        gens = fan_out([gen], O.n_choices(req))
         return await serve_generation(request, front.hub, gens, fmt, "chat")
 
     async def generate(request: Request) -> Response:
         req = await body(request, N.NativeGenerate)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
-        gen = N.generate_request(req, rid, model, time.time())
-        fmt = NativeFormat(rid, gen.params.logprobs, bool(req.return_text_in_logprobs))
-        return await serve_generation(request, front.hub, [gen], fmt, "generate")
+        gens = N.generate_request(req, rid, model, time.time())
+        with_text = bool(req.return_text_in_logprobs)
+        fmt = NativeFormat(gens[0].params.logprobs, with_text, N.is_batch(req))
+        return await serve_generation(request, front.hub, gens, fmt, "generate")
 
     async def tokenize(request: Request) -> Response:
         req = await body(request, tokenize_api.TokenizeBody)

@@ -17,9 +17,12 @@ from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import (
+    MAX_PROMPTS,
     APIError,
     check_input_ids,
+    check_n,
     check_sampling,
+    fan_out,
     logit_bias,
     refuse_unsupported,
     stop_list,
@@ -121,10 +124,11 @@ class NativeMeta(msgspec.Struct, omit_defaults=True):
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
 
 
-class NativeResponse(msgspec.Struct):
+class NativeResponse(msgspec.Struct, omit_defaults=True):
     text: str
     output_ids: list[int]
     meta_info: NativeMeta
+    index: int | None = None  # the item's place in a batched answer (streamed chunks)
 
 
 def sampling_params(
@@ -132,8 +136,7 @@ def sampling_params(
 ) -> SamplingParams:
     """Checked runner sampling parameters from SGLang's ``sampling_params``."""
     pre = "sampling_params."
-    if s.n not in (None, 1):
-        raise APIError(400, f"'{pre}n' must be 1", f"{pre}n")
+    check_n(s.n, f"{pre}n")
     top_k = -1 if s.top_k is None else s.top_k
     if top_k < -1:
         raise APIError(400, f"'{pre}top_k' must be >= 0, or -1 to disable", f"{pre}top_k")
@@ -159,36 +162,62 @@ def sampling_params(
 
 def generate_request(
     body: NativeGenerate, rid: str, model: P.ServedModel, arrival: float
-) -> P.GenerateRequest:
-    """The tokenizer's request for a /generate body."""
+) -> list[P.GenerateRequest]:
+    """The tokenizer's requests for a /generate body: one per prompt, ``n``
+    samples each (SGLang answers a batch or ``n`` > 1 with a list, in that order)."""
     refuse_unsupported(body, UNSUPPORTED_GENERATE)
     if body.sampling_params is not None:
         refuse_unsupported(body.sampling_params, UNSUPPORTED_SAMPLING, "sampling_params.")
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "send exactly one of 'text' or 'input_ids'", "text")
-    if isinstance(body.text, list):
-        raise APIError(400, "'text' batches are not supported: send one prompt", "text")
     top_n = body.top_logprobs_num or 0
     if not 0 <= top_n <= 20:
         raise APIError(400, "'top_logprobs_num' must be in [0, 20]", "top_logprobs_num")
     s = body.sampling_params or NativeSampling()
     params = sampling_params(s, model.info, bool(body.return_logprob), top_n)
-    ids = None
-    if body.input_ids is not None:
-        if body.input_ids and isinstance(body.input_ids[0], list):
-            raise APIError(400, "'input_ids' batches are not supported", "input_ids")
-        ids = check_input_ids(body.input_ids, model.info.vocab_size, "input_ids")
-    return P.GenerateRequest(
-        rid=rid,
-        model=model.name,
-        params=params,
-        prompt=body.text,
-        input_ids=ids,
-        stop=stop_list(s.stop, "sampling_params.stop"),
-        stream=bool(body.stream),
-        skip_special_tokens=True if s.skip_special_tokens is None else s.skip_special_tokens,
-        arrival=arrival,
-    )
+    prompts = [
+        P.GenerateRequest(
+            rid=rid,
+            model=model.name,
+            params=params,
+            prompt=text,
+            input_ids=ids,
+            stop=stop_list(s.stop, "sampling_params.stop"),
+            stream=bool(body.stream),
+            skip_special_tokens=True if s.skip_special_tokens is None else s.skip_special_tokens,
+            arrival=arrival,
+        )
+        for text, ids in _prompts(body, model.info.vocab_size)
+    ]
+    return fan_out(prompts, check_n(s.n, "sampling_params.n"), "sampling_params.n")
+
+
+def is_batch(body: NativeGenerate) -> bool:
+    """Whether SGLang answers ``body`` with a list: a batch of prompts, or n > 1."""
+    n = body.sampling_params.n if body.sampling_params else None
+    ids = body.input_ids
+    return isinstance(body.text, list) or bool(ids and isinstance(ids[0], list)) or (n or 1) > 1
+
+
+def _prompts(body: NativeGenerate, vocab: int) -> list[tuple[str | None, list[int] | None]]:
+    """(text, ids) per prompt: ``text`` a string or a list of them, ``input_ids``
+    a list of ids or a list of such lists."""
+    if isinstance(body.text, str):
+        return [(body.text, None)]
+    if body.text is not None:
+        if not body.text or len(body.text) > MAX_PROMPTS:
+            raise APIError(400, f"'text' batches hold 1 to {MAX_PROMPTS} prompts", "text")
+        if not all(isinstance(t, str) and t for t in body.text):
+            raise APIError(400, "'text' batches hold non-empty strings", "text")
+        return [(t, None) for t in body.text]
+    ids = body.input_ids or []
+    if not (ids and isinstance(ids[0], list)):
+        return [(None, check_input_ids(ids, vocab, "input_ids"))]
+    if len(ids) > MAX_PROMPTS or not all(isinstance(p, list) for p in ids):
+        raise APIError(
+            400, f"'input_ids' batches hold up to {MAX_PROMPTS} lists of ids", "input_ids"
+        )
+    return [(None, check_input_ids(p, vocab, f"input_ids[{i}]")) for i, p in enumerate(ids)]
 
 
 def finish_reason(

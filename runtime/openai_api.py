@@ -21,8 +21,10 @@ from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import (
+    MAX_PROMPTS,
     APIError,
     check_input_ids,
+    check_n,
     check_sampling,
     logit_bias,
     refuse_unsupported,
@@ -35,9 +37,6 @@ from radixmux.runtime.api_common import (
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_CHOICES = 64  # prompts x ``n``: each choice is a running request of its own
-MAX_PROMPTS = 64
-MAX_N = 16
 
 
 # ---- requests -------------------------------------------------------------------
@@ -288,35 +287,7 @@ def sampling_params(
 
 def n_choices(req: _SamplingFields) -> int:
     """How many choices the request asks for (``n``, checked)."""
-    n = 1 if req.n is None else req.n
-    if not 1 <= n <= MAX_N:
-        raise APIError(400, f"'n' must be in [1, {MAX_N}]", "n")
-    return n
-
-
-def choices(prompts: list[P.GenerateRequest], n: int) -> list[P.GenerateRequest]:
-    """``n`` samples of each prompt, one request each, in OpenAI's choice order
-    (prompt ``i``'s samples are choices ``i*n`` to ``i*n+n-1``; rids ``<rid>-<choice>``).
-
-    Samples of one prompt share its KV through the tree: the scheduler
-    prefills it once and the others find it cached. A seeded request's sample
-    ``j`` draws with ``seed + j``, so its samples differ from one another yet
-    repeat run to run."""
-    if len(prompts) * n > MAX_CHOICES:
-        raise APIError(
-            400, f"prompts x 'n' = {len(prompts) * n} choices; at most {MAX_CHOICES}", "n"
-        )
-    if len(prompts) == 1 and n == 1:
-        return prompts
-    out = []
-    for gen in prompts:
-        for j in range(n):
-            params = gen.params
-            if params.seed is not None:
-                params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
-            rid = f"{gen.rid}-{len(out)}"
-            out.append(msgspec.structs.replace(gen, rid=rid, params=params))
-    return out
+    return check_n(req.n, "n")
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -121,6 +121,20 @@ def test_echo_puts_the_prompt_before_each_choice(http: httpx.Client) -> None:
     assert texts == ["a bw0 ", "w1 "]
 
 
+def test_native_batches_and_n_answer_a_list(http: httpx.Client) -> None:
+    sp = {"max_new_tokens": 2, "n": 2}
+    r = http.post(GEN, json={"model": "chat", "text": ["a", "b c"], "sampling_params": sp})
+    got = r.json()
+    assert isinstance(got, list) and [g["text"] for g in got] == ["w0 w1 "] * 4
+    assert [g["meta_info"]["prompt_tokens"] for g in got] == [1, 1, 2, 2]  # prompt i at i*n
+    assert len({g["meta_info"]["id"] for g in got}) == 4
+    r = http.post(GEN, json={"model": "chat", "input_ids": [[1, 2], [3]], "stream": True})
+    chunks = [json.loads(e) for e in sse_events(r.text) if e != "[DONE]"]
+    assert {c["index"] for c in chunks} == {0, 1} and all(c["text"] for c in chunks)
+    one = http.post(GEN, json={"model": "chat", "text": "a"}).json()
+    assert isinstance(one, dict) and "index" not in one  # one prompt, one sample: an object
+
+
 def test_models_list(http: httpx.Client) -> None:
     r = http.get("/v1/models")
     assert r.status_code == 200
@@ -389,6 +403,15 @@ def chat(*messages: dict) -> dict:
         (CHAT, {**chat({"role": "user", "content": "x"}), "n_choices": 2}, 400, "n_choices"),
         (GEN, {"model": "chat", "text": "x", "lora_path": "l"}, 400, "lora_path"),
         (GEN, {"model": "chat", "text": "x", "typo": 1}, 400, "typo"),
+        (GEN, {"model": "chat", "text": ["a", ""]}, 400, "text"),
+        (GEN, {"model": "chat", "input_ids": [[1], 2]}, 400, "input_ids"),
+        (GEN, {"model": "chat", "input_ids": [[1], [5000]]}, 400, "input_ids[1]"),
+        (
+            GEN,
+            {"model": "chat", "text": "x", "sampling_params": {"n": 17}},
+            400,
+            "sampling_params.n",
+        ),
         (
             GEN,
             {"model": "chat", "text": "x", "sampling_params": {"regex": "a+"}},
