@@ -40,7 +40,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # ---- requests -------------------------------------------------------------------
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False
 
 
@@ -87,9 +87,16 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
-class ChatMessageIn(msgspec.Struct):
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
+    # Declared only to be refused unless neutral (see UNSUPPORTED_MESSAGE).
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatRequest(_SamplingFields, kw_only=True):
@@ -117,6 +124,16 @@ class ChatRequest(_SamplingFields, kw_only=True):
 # ask for nothing (None always does): anything else is a 400 naming the field.
 UNSUPPORTED_SHARED: dict[str, tuple[Any, ...]] = {
     "service_tier": ("auto", "default"),
+}
+# A message's fields the chat template is not given (a participant's name,
+# tool calls and results): refused rather than dropped from the prompt.
+UNSUPPORTED_MESSAGE: dict[str, tuple[Any, ...]] = {
+    "name": (),
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "refusal": (),
+    "audio": (),
+    "function_call": (),
 }
 UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "suffix": ("",)}
 UNSUPPORTED_CHAT = {
@@ -376,6 +393,7 @@ def chat_request(
 
 
 def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:
+    refuse_unsupported(m, UNSUPPORTED_MESSAGE, f"messages[{i}].")
     if m.role not in CHAT_ROLES:
         raise APIError(
             400, f"'messages[{i}].role' must be one of {CHAT_ROLES}", f"messages[{i}].role"

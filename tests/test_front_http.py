@@ -73,6 +73,7 @@ def test_neutral_values_and_no_effect_fields_are_accepted(
         (CHAT, {**user, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}),
         (CHAT, {**user, "store": False, "parallel_tool_calls": True, "safety_identifier": "s"}),
         (GEN, {"model": "chat", "text": "x", "logprob_start_len": -1, "log_metrics": True}),
+        (CHAT, chat({"role": "assistant", "content": "x", "tool_calls": []}, {"role": "user"})),
     ]:
         r = http.post(path, json=body)
         assert r.status_code == 200, (body, r.text)
@@ -401,6 +402,14 @@ def chat(*messages: dict) -> dict:
         ),
         (CHAT, {**chat({"role": "user", "content": "x"}), "store": True}, 400, "store"),
         (CHAT, {**chat({"role": "user", "content": "x"}), "n_choices": 2}, 400, "n_choices"),
+        (CHAT, chat({"role": "user", "content": "x", "name": "ann"}), 400, "messages[0].name"),
+        (CHAT, chat({"role": "user", "content": "x", "colour": 1}), 400, "messages[0].colour"),
+        (
+            CHAT,
+            {**chat({"role": "user", "content": "x"}), "stream_options": {"continuous": True}},
+            400,
+            "stream_options.continuous",
+        ),
         (GEN, {"model": "chat", "text": "x", "lora_path": "l"}, 400, "lora_path"),
         (GEN, {"model": "chat", "text": "x", "typo": 1}, 400, "typo"),
         (GEN, {"model": "chat", "text": ["a", ""]}, 400, "text"),
