@@ -78,16 +78,16 @@ class Ours:
         return [o.token_id for o in res.outputs]
 
     def prefill(self, tokens: list[int]) -> None:
-        self.run([SeqInput("p", pack_ids(tokens), pack_ids(self.slots.take(len(tokens))), 0)])
+        self.run([SeqInput("p", pack_ids(tokens), pack_ids(self.slots.take(len(tokens))))])
 
     def hit_prefill(self, cached: list[int], tokens: list[int]) -> None:
         s = cached + self.slots.take(len(tokens))
-        self.run([SeqInput("h", pack_ids(tokens), pack_ids(s), len(cached))])
+        self.run([SeqInput("h", pack_ids(tokens), pack_ids(s))])
 
     def start(self, prompts: list[list[int]]) -> list[int]:
         self.ctx = [(list(p), self.slots.take(len(p))) for p in prompts]
         return self.run(
-            [SeqInput(f"r{i}", pack_ids(p), pack_ids(s), 0) for i, (p, s) in enumerate(self.ctx)]
+            [SeqInput(f"r{i}", pack_ids(p), pack_ids(s)) for i, (p, s) in enumerate(self.ctx)]
         )
 
     def step(self, nxt: list[int]) -> list[int]:
@@ -95,7 +95,7 @@ class Ours:
         for i, (ids, slots) in enumerate(self.ctx):
             ids.append(nxt[i])
             slots += self.slots.take(1)
-            seqs.append(SeqInput(f"r{i}", pack_ids(nxt[i : i + 1]), pack_ids(slots), len(ids) - 1))
+            seqs.append(SeqInput(f"r{i}", pack_ids(nxt[i : i + 1]), pack_ids(slots)))
         return self.run(seqs)
 
 
@@ -137,7 +137,7 @@ def bench_dtype(loaded: LoadedModel, runner: ModelRunner, plain_model, args) -> 
     pre = {"radixmux": [], "transformers": []}
     hit = []
     cached = ours.slots.take(CACHED)
-    ours.run([SeqInput("c", pack_ids(prompt[:CACHED]), pack_ids(cached), 0, sample=False)])
+    ours.run([SeqInput("c", pack_ids(prompt[:CACHED]), pack_ids(cached), sample=False)])
     for _ in range(args.repeat):
         pre["radixmux"].append(_timed(lambda: ours.prefill(prompt)))
         pre["transformers"].append(_timed(lambda: plain.prefill(prompt)))

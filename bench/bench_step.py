@@ -168,9 +168,7 @@ class Decoding:
         for i, ctx in enumerate(self.slots):
             ctx.append(self.next_slot)
             self.next_slot += 1
-            seqs.append(
-                SeqInput(f"r{i}", pack_ids(self.tokens[i : i + 1]), pack_ids(ctx), len(ctx) - 1)
-            )
+            seqs.append(SeqInput(f"r{i}", pack_ids(self.tokens[i : i + 1]), pack_ids(ctx)))
         if not self.group_prefix:
             return ForwardBatch(0, seqs)
         group = protocol.PrefixGroup(self.group_prefix, list(range(len(seqs))))

@@ -100,15 +100,13 @@ class ModelRunner:
             raise BatchError(f"{seq.rid}: no new tokens")
         if len(slots) < n:
             raise BatchError(f"{seq.rid}: {len(slots)} slots for {n} new tokens")
-        if seq.start_pos < len(slots) - n:
-            raise BatchError(f"{seq.rid}: start_pos {seq.start_pos} before the cached prefix")
         if slots.min() < 0 or slots.max() >= self.num_slots:
             raise BatchError(f"{seq.rid}: slot ids outside [0, {self.num_slots})")
         if tokens.min() < 0 or tokens.max() >= self.info.vocab_size:
             raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")
         if len(np.unique(slots)) != len(slots):
             raise BatchError(f"{seq.rid}: repeated slot ids")
-        return _Seq(tokens, slots, seq.start_pos, unpack_ids(seq.output_ids))
+        return _Seq(tokens, slots, len(slots) - n, unpack_ids(seq.output_ids))
 
     # ---- batch preparation -----------------------------------------------
     def _paged_batch(

@@ -58,16 +58,14 @@ class SeqInput(msgspec.Struct, frozen=True):
 
     ``slots`` lists the arena slot of every context token, oldest first
     (cached prefix then the new tokens); the last ``len(new_tokens)`` are where
-    the new tokens' K/V are written. ``start_pos`` is the position of the first
-    new token (normally ``len(slots) - len(new_tokens)``; larger when the
-    scheduler has dropped keys no layer can see any more). ``sample`` is False
-    for a prefill chunk that is not the prompt's last.
+    the new tokens' K/V are written, so the first new token's position is
+    ``len(slots) - len(new_tokens)``. ``sample`` is False for a prefill chunk
+    that is not the prompt's last.
     """
 
     rid: str
     new_tokens: bytes
     slots: bytes
-    start_pos: int
     sample: bool = True
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output_ids: bytes = b""

@@ -86,7 +86,6 @@ class ScheduledBatch:
                     rid=req.rid,
                     new_tokens=req.tokens[start:end].tobytes(),
                     slots=req.slots[:end].astype(np.int32).tobytes(),
-                    start_pos=start,
                     sample=end == req.num_tokens,
                     params=req.params,
                     output_ids=pack_ids(req.output_ids),

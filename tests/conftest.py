@@ -199,8 +199,10 @@ def backend(request) -> str:
 def seq(
     rid: str, new: list[int], slots: list[int], start: int, sample: bool = True, **kw
 ) -> SeqInput:
-    """A SeqInput from plain lists."""
-    return SeqInput(rid, pack_ids(new), pack_ids(slots), start, sample, **kw)
+    """A SeqInput from plain lists; ``start`` (the first new token's position)
+    is what the runner derives from them, checked here to keep tests honest."""
+    assert start == len(slots) - len(new), (start, len(slots), len(new))
+    return SeqInput(rid, pack_ids(new), pack_ids(slots), sample, **kw)
 
 
 @pytest.fixture(scope="session")
