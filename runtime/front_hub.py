@@ -189,8 +189,7 @@ class RequestHub:
     @contextlib.asynccontextmanager
     async def generate(self, req: P.GenerateRequest, source: str) -> AsyncIterator[Generation]:
         """Submit ``req`` and yield its :class:`Generation`; leaving early aborts it."""
-        if not self.ready:
-            raise APIError(503, "the server is starting; retry when /health answers 200")
+        self._check_ready()
         gen = Generation(self, req)
         self.live[req.rid] = gen
         log.info(
@@ -207,6 +206,10 @@ class RequestHub:
         finally:
             self.live.pop(req.rid, None)
             gen.abandon("client disconnected")
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise APIError(503, "the server is starting; retry when /health answers 200")
 
     def abort(self, rid: str, reason: str, early: bool = False) -> None:
         """Tell the scheduler to stop ``rid`` (callable from cleanup code: never awaits)."""
@@ -235,8 +238,7 @@ class RequestHub:
         self, req: P.TokenizeRequest | P.DetokenizeRequest, timeout: float = 30.0
     ) -> P.TokenizerReply:
         """``/tokenize`` or ``/detokenize`` by a tokenizer worker; its errors raise APIError."""
-        if not self.ready:
-            raise APIError(503, "the server is starting; retry when /health answers 200")
+        self._check_ready()
         reply = await self._ask(self.tokenizer, req.req_id, req, timeout, "a tokenizer worker")
         if reply.status >= 400:
             raise APIError(reply.status, reply.error or "tokenization failed", reply.param)

@@ -380,16 +380,23 @@ def chat_request(
 ) -> P.GenerateRequest:
     """The tokenizer's request for a /v1/chat/completions body."""
     refuse_unsupported(req, UNSUPPORTED_CHAT)
-    require_chat_template(model, template_flag)
-    if not req.messages:
-        raise APIError(400, "'messages' must not be empty", "messages")
-    messages = [chat_message(m, i) for i, m in enumerate(req.messages)]
+    messages = chat_messages(req.messages, model, template_flag)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = _or(req.max_completion_tokens, _or(req.max_tokens, CHAT_DEFAULT_MAX_TOKENS))
     params = sampling_params(req, max_tokens, model.info, logprobs)
     return _generate(req, rid, model, params, arrival, messages=messages)
+
+
+def chat_messages(
+    messages: list[ChatMessageIn], model: P.ServedModel, template_flag: bool
+) -> list[P.ChatMessage]:
+    """Checked chat messages for ``model``'s template (chat and /tokenize alike)."""
+    require_chat_template(model, template_flag)
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", "messages")
+    return [chat_message(m, i) for i, m in enumerate(messages)]
 
 
 def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:

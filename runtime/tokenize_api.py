@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 
 from radixmux.runtime import protocol as P
-from radixmux.runtime.api_common import APIError, check_input_ids, require_chat_template
-from radixmux.runtime.openai_api import ChatMessageIn, chat_message
+from radixmux.runtime.api_common import APIError, check_input_ids
+from radixmux.runtime.openai_api import ChatMessageIn, chat_messages
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -53,10 +53,7 @@ def tokenize_request(
         raise APIError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
     messages = None
     if body.messages is not None:
-        require_chat_template(model, template_flag)
-        if not body.messages:
-            raise APIError(400, "'messages' must not be empty", "messages")
-        messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+        messages = chat_messages(body.messages, model, template_flag)
     elif not body.prompt:
         raise APIError(400, "'prompt' must not be empty", "prompt")
     return P.TokenizeRequest(
