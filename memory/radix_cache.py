@@ -213,6 +213,11 @@ class RadixCache:
         self._evicted_for: Counter[str] = Counter()  # capacity evictions made for each model
         self._locks: Counter[tuple[Node, int]] = Counter()
         self._nodes = 0
+        # Called with (pool, path tokens, path slots, first evicted position)
+        # just before a capacity eviction frees an entry's slots: the disk
+        # tier copies the KV out first. The slots stay intact until the next
+        # forward pass writes them.
+        self.on_evict: Callable[[str, bytes, np.ndarray, int], None] | None = None
 
     # ---- models ------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> None:
@@ -347,6 +352,25 @@ class RadixCache:
         # Lock handles point at nodes, never at the part that moved up, so
         # they stay valid: a handle on `child` still covers both halves.
         return upper
+
+    def path(self, node: Node, cid: int) -> tuple[bytes, np.ndarray]:
+        """The tokens from the root to the end of ``node`` and ``cid``'s slots for them."""
+        keys: list[bytes] = []
+        slots: list[np.ndarray] = []
+        while node.parent is not None:
+            keys.append(node.key)
+            slots.append(node.entries[cid].slots)
+            node = node.parent
+        empty = np.zeros(0, dtype=np.int64)
+        return b"".join(reversed(keys)), np.concatenate([empty, *reversed(slots)])
+
+    def cached_paths(self) -> Iterable[tuple[str, bytes, np.ndarray]]:
+        """``(pool, tokens, slots)`` of every leaf-most entry of a live cache:
+        together they cover everything the tree holds (for a flush to disk)."""
+        for cid, cache in self._caches.items():
+            if not cache.orphaned:
+                for node in list(cache.leaves):
+                    yield (cache.pool, *self.path(node, cid))
 
     # ---- sharing ---------------------------------------------------------------
     def shared_prefixes(
@@ -483,9 +507,13 @@ class RadixCache:
             cache.leaves.discard(parent)
 
     def _remove_entry(self, node: Node, cid: int, reason: str) -> int:
-        entry = node.entries.pop(cid)
+        entry = node.entries[cid]
         assert entry.lock_ref == 0 and entry.child_refs == 0
         cache = self._caches[cid]
+        if self.on_evict is not None and reason == "capacity" and not cache.orphaned:
+            tokens, slots = self.path(node, cid)
+            self.on_evict(cache.pool, tokens, slots, len(slots) - len(entry.slots))
+        del node.entries[cid]
         self.allocator.free(cache.pool, entry.slots)
         cache.cached_tokens -= len(entry.slots)
         cache.leaves.discard(node)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixmux.runtime.protocol import ModelStatus, SchedulerStats
+from radixmux.runtime.protocol import DiskTierStats, ModelStatus, SchedulerStats
 
 # Latency buckets from 5 ms to 2 min: CPU runners are slow, GPUs fast.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -89,6 +89,8 @@ class SchedulerCollector(Collector):
             return
         yield from _model_metrics(self.stats)
         yield from _global_metrics(self.stats)
+        if self.stats.disk is not None:
+            yield from _disk_metrics(self.stats)
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:
@@ -245,3 +247,49 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         metric = family(name, doc)
         metric.add_metric([], float(value))
         yield metric
+
+
+# (metric, kind, help, DiskTierStats field)
+_DISK: list[tuple[str, type[Metric], str, str]] = [
+    ("radixmux_disk_tier_enabled", GaugeMetricFamily, "1 while the disk tier works", "enabled"),
+    ("radixmux_disk_store_bytes", GaugeMetricFamily, "Bytes of KV chunk files", "store_bytes"),
+    ("radixmux_disk_store_chunks", GaugeMetricFamily, "KV chunk files", "store_chunks"),
+    ("radixmux_disk_capacity_bytes", GaugeMetricFamily, "--kv-disk-bytes", "capacity_bytes"),
+    ("radixmux_disk_written_bytes", CounterMetricFamily, "Bytes saved", "bytes_written"),
+    ("radixmux_disk_read_bytes", CounterMetricFamily, "Bytes loaded", "bytes_read"),
+    ("radixmux_disk_chunks_written", CounterMetricFamily, "Chunks saved", "chunks_written"),
+    (
+        "radixmux_disk_chunks_dropped",
+        CounterMetricFamily,
+        "Corrupt, truncated or mismatched chunk files deleted instead of used",
+        "chunks_dropped",
+    ),
+    ("radixmux_disk_loads", CounterMetricFamily, "Requests that loaded KV from disk", "loads"),
+    (
+        "radixmux_disk_load_seconds",
+        CounterMetricFamily,
+        "Seconds from a load's start to its KV in memory, summed",
+        "load_seconds",
+    ),
+    ("radixmux_disk_load_p50_seconds", GaugeMetricFamily, "Median load (last 1,024)", "load_p50_s"),
+    ("radixmux_disk_load_p99_seconds", GaugeMetricFamily, "p99 load (last 1,024)", "load_p99_s"),
+]
+
+
+def _disk_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    disk: DiskTierStats | None = stats.disk
+    assert disk is not None
+    for name, family, doc, key in _DISK:
+        metric = family(name, doc)
+        metric.add_metric([], float(getattr(disk, key)))
+        yield metric
+    loaded = _counter("radixmux_disk_tokens_loaded", "Prompt tokens loaded from disk, not computed")
+    rate = _gauge(
+        "radixmux_disk_hit_rate", "Prompt tokens loaded from disk / prompt tokens looked up"
+    )
+    for m in stats.models:
+        tokens = disk.tokens_loaded.get(m.name, 0)
+        loaded.add_metric([m.name], float(tokens))
+        rate.add_metric([m.name], tokens / m.tokens_queried if m.tokens_queried else 0.0)
+    yield loaded
+    yield rate

@@ -229,6 +229,26 @@ class ModelStatus(msgspec.Struct, frozen=True):
     kv_allocated_tokens: int = 0
 
 
+class DiskTierStats(msgspec.Struct, frozen=True):
+    """The disk tier's counters (``--kv-disk-bytes``)."""
+
+    enabled: bool
+    write_policy: str
+    disabled_reason: str | None
+    store_bytes: int
+    store_chunks: int
+    capacity_bytes: int
+    bytes_written: int
+    bytes_read: int
+    chunks_written: int
+    chunks_dropped: int  # corrupt, truncated or mismatched files found and deleted
+    loads: int
+    load_seconds: float
+    load_p50_s: float  # over the last 1,024 loads
+    load_p99_s: float
+    tokens_loaded: dict[str, int] = msgspec.field(default_factory=dict)  # per model
+
+
 class SchedulerStats(msgspec.Struct, frozen=True):
     """Everything ``/metrics`` and ``/get_server_info`` report from the scheduler."""
 
@@ -249,6 +269,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     aborted_before_arrival: int = 0  # requests dropped: their abort came first
     contained_failures: int = 0  # messages/results whose handling raised
     shared_prefix_rows: int = 0  # decode context rows read once for a group, not per member
+    disk: DiskTierStats | None = None  # None: no disk tier
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):

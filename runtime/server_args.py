@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from radixmux.memory.eviction import EVICTION_POLICIES
+from radixmux.memory.kv_disk_store import WRITE_POLICIES
 from radixmux.model_runners.protocol import ATTENTION_BACKENDS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
@@ -20,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL = "smollm2"
+DEFAULT_KV_DISK_DIR = "~/.cache/radixmux/kv"
 
 
 class ModelArg(msgspec.Struct, frozen=True):
@@ -98,6 +100,11 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     check_invariants: bool = False
     seed: int = 0
     runner_timeout: float = 300.0
+    kv_disk_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_write_policy: str = "write_back"
+    kv_disk_chunk_tokens: int = 64
+    kv_disk_min_load_tokens: int = 0
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -141,11 +148,34 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"--log-level {self.log_level!r}: choose one of {list(LOG_LEVELS)}")
         if not self.schedule_conservativeness >= 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
+        self._check_disk_tier()
         if not self.models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
+
+    def _check_disk_tier(self) -> None:
+        _one_of("kv_disk_write_policy", self.kv_disk_write_policy, WRITE_POLICIES)
+        if self.kv_disk_bytes < 0 or self.kv_disk_min_load_tokens < 0:
+            raise ValueError("--kv-disk-bytes and --kv-disk-min-load-tokens must be >= 0")
+        if self.kv_disk_chunk_tokens <= 0 or self.kv_disk_chunk_tokens % self.page_size:
+            raise ValueError(
+                f"--kv-disk-chunk-tokens {self.kv_disk_chunk_tokens} must be a positive multiple "
+                f"of --page-size {self.page_size}"
+            )
+        if not self.kv_disk_bytes:
+            if self.kv_disk_dir is not None:
+                raise ValueError("--kv-disk-dir needs --kv-disk-bytes (the store's size)")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--kv-disk-bytes needs the radix cache (not --disable-radix-cache)")
+        if self.kv_disk_dir is None:
+            self.kv_disk_dir = DEFAULT_KV_DISK_DIR
+
+    @property
+    def disk_tier(self) -> bool:
+        return self.kv_disk_bytes > 0
 
 
 def _one_of(flag: str, value: str, choices: Sequence[str]) -> None:
@@ -199,6 +229,25 @@ _FLAGS: list[tuple[str, type, str]] = [
         float,
         "seconds a runner may take to answer one batch before it is treated as hung "
         "(killed and restarted)",
+    ),
+    (
+        "kv-disk-bytes",
+        int,
+        "size of the disk tier under the arena: evicted KV is saved to files and loaded "
+        "back instead of recomputed, across restarts too (0: off)",
+    ),
+    ("kv-disk-dir", str, f"directory of the disk tier (default {DEFAULT_KV_DISK_DIR})"),
+    (
+        "kv-disk-write-policy",
+        str,
+        f"{WRITE_POLICIES}: save KV when it is evicted, or as soon as it is cached",
+    ),
+    ("kv-disk-chunk-tokens", int, "tokens per disk chunk (a multiple of --page-size)"),
+    (
+        "kv-disk-min-load-tokens",
+        int,
+        "load from disk only when at least this many prompt tokens come back "
+        "(shorter ones are recomputed; 0: one chunk)",
     ),
 ]
 _SWITCHES: list[tuple[str, str]] = [

@@ -12,7 +12,9 @@ A batch mixes, in this order:
 3. new requests from the model's waiting queue, in schedule-policy order, while
    the token budget, ``max_running_requests`` and free KV allow. A request that
    shares a not-yet-cached prefix with one admitted in this round waits a round,
-   so the prefix is computed once and the others hit the cache.
+   so the prefix is computed once and the others hit the cache. A request
+   whose prompt continues on the disk tier first loads that part (it leaves
+   the queue until its KV is in memory; see ``disk_tier``).
 """
 
 from __future__ import annotations
@@ -220,7 +222,11 @@ class BatchBuilder:
             if budget <= 0 or len(runner.running) >= lim.max_running_requests:
                 break
             self.kv.lookup(req)  # locks the matched path: every exit below releases it
-            verdict = self._admissible(req, runner, budget, cap, admitted)
+            loading = self.kv.start_disk_load(req)
+            if loading == "loading":  # back in the queue once its KV is in memory
+                waiting.remove(req)
+                continue
+            verdict = self._admissible(req, runner, budget, cap, admitted, loading)
             if verdict != "admit":
                 self.kv.release(req, keep=False)
                 if verdict == "stop":
@@ -239,12 +245,21 @@ class BatchBuilder:
             admitted.append(req.tokens.tobytes())
 
     def _admissible(
-        self, req: Req, runner: RunnerState, budget: int, cap: int | None, admitted: list[bytes]
+        self,
+        req: Req,
+        runner: RunnerState,
+        budget: int,
+        cap: int | None,
+        admitted: list[bytes],
+        loading: str | None = None,
     ) -> Literal["admit", "skip", "stop"]:
         """Whether a looked-up request runs now: ``admit`` (its first chunk's KV
-        is reserved), ``skip`` (wait a round: it shares a prefix being computed)
-        or ``stop`` (no later request may be admitted this round either)."""
-        if self.kv.use_cache and self._shares_uncached(req, admitted):
+        is reserved), ``skip`` (wait a round: it shares a prefix being computed
+        or loaded from disk) or ``stop`` (no later request may be admitted this
+        round either)."""
+        if loading == "no room":
+            return "stop"
+        if loading == "wait" or (self.kv.use_cache and self._shares_uncached(req, admitted)):
             return "skip"
         n = min(req.pending, budget)
         if cap is not None and n > cap and runner.running:

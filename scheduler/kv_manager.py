@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 
 from radixmux.memory.radix_cache import RadixCache
+from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.request import Req
 
 
@@ -20,12 +21,17 @@ class KVManager:
     """Admission, growth and release of requests' KV over one radix cache.
 
     With ``use_cache`` False (``--disable-radix-cache``) nothing is matched or
-    inserted: every request computes and frees its own KV.
+    inserted: every request computes and frees its own KV. With a ``disk``
+    tier, a prompt's chunks found on disk past the memory match are loaded
+    instead of computed (``start_disk_load``).
     """
 
-    def __init__(self, cache: RadixCache, use_cache: bool = True) -> None:
+    def __init__(
+        self, cache: RadixCache, use_cache: bool = True, disk: DiskTier | None = None
+    ) -> None:
         self.cache = cache
         self.use_cache = use_cache
+        self.disk = disk
         self.page = cache.page_size
         self.allocated_tokens: Counter[str] = Counter()  # KV slots given, per model
 
@@ -52,6 +58,23 @@ class KVManager:
         if not req.admitted_once:
             req.cached_tokens = req.kv_len
             req.admitted_once = True
+
+    def start_disk_load(self, req: Req) -> str | None:
+        """After ``lookup``: start loading the prompt's chunks that are on disk.
+
+        ``"loading"`` (slots reserved, the request is the tier's until its load
+        ends), ``"wait"`` (another request is loading those chunks: look again
+        next round), ``"no room"``, or None (nothing worth loading)."""
+        if self.disk is None:
+            return None
+        plan = self.disk.plan_load(req)
+        if plan is None or plan == "wait":
+            return plan
+        assert not isinstance(plan, str)
+        if not self.reserve(req, plan.tokens):
+            return "no room"
+        self.disk.start_load(req, plan)
+        return "loading"
 
     def room_for(self, req: Req, n: int) -> bool:
         """Whether ``n`` more slots for this model can be had (evicting if needed)."""
@@ -94,6 +117,8 @@ class KVManager:
             return
         tokens = req.tokens[:aligned]
         self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
+        if self.disk is not None:
+            self.disk.inserted(req.model, tokens)
         m = self.cache.match(req.model, tokens, record=False)
         assert m.length == aligned, "a just-inserted prefix must match"
         self.cache.lock(m.handle)
@@ -110,6 +135,8 @@ class KVManager:
             aligned = req.kv_len - req.kv_len % self.page
             self.cache.insert(req.model, req.tokens[:aligned], req.slots[:aligned], req.handle)
             self.cache.allocator.free(pool, req.slots[aligned:])
+            if self.disk is not None:
+                self.disk.inserted(req.model, req.tokens[:aligned])
         else:
             self.cache.allocator.free(pool, req.owned_slots)
         if req.handle is not None:

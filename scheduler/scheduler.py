@@ -30,6 +30,8 @@ import numpy as np
 import zmq
 
 from radixmux.memory.allocator import KVAllocator
+from radixmux.memory.arena import KVArena
+from radixmux.memory.kv_disk_store import DiskKVStore, StoreLocked
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.model_runners import protocol as RP
 from radixmux.model_runners.info import ModelInfo
@@ -39,6 +41,7 @@ from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, report, run_process
 from radixmux.runtime.server_args import ModelArg, ServerArgs
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState, ScheduledBatch
+from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req
 
@@ -122,6 +125,9 @@ class Scheduler:
         self.cache: RadixCache | None = None
         self.kv: KVManager | None = None
         self.builder: BatchBuilder | None = None
+        self.disk: DiskTier | None = None
+        # Batches built but not sent: they would overwrite KV a disk save still reads.
+        self.held: dict[str, ScheduledBatch] = {}
 
     # ---- start-up ------------------------------------------------------------------
     def wait_for_runners(self) -> list[P.ServedModel]:
@@ -194,7 +200,8 @@ class Scheduler:
             specs = [_fixed_share(s, share, arena.block_bytes) for s in specs]
         for spec in specs:
             self.cache.register_model(spec)
-        self.kv = KVManager(self.cache, use_cache=not args.disable_radix_cache)
+        self.disk = self._open_disk_tier()
+        self.kv = KVManager(self.cache, use_cache=not args.disable_radix_cache, disk=self.disk)
         limits = BatchLimits(
             policy=args.schedule_policy,
             chunked_prefill_size=args.chunked_prefill_size,
@@ -205,13 +212,42 @@ class Scheduler:
         self.builder = BatchBuilder(self.kv, limits, seed=args.seed)
         return served
 
+    def _open_disk_tier(self) -> DiskTier | None:
+        """The disk tier when ``--kv-disk-bytes`` asks for one. A directory
+        another server holds is a start-up error; one that cannot be created
+        or written leaves the tier off (logged) and the server serves from memory."""
+        args = self.args
+        if not args.disk_tier:
+            return None
+        assert self.cache is not None and self.ctx.arena is not None and args.kv_disk_dir
+        try:
+            store = DiskKVStore(args.kv_disk_dir, args.kv_disk_bytes)
+        except StoreLocked as exc:
+            raise StartupError(str(exc)) from None
+        except OSError as exc:
+            log.error("disk tier off (serving from memory only): %s", exc)
+            return None
+        return DiskTier(
+            self.cache,
+            KVArena.attach(self.ctx.arena),
+            store,
+            args.kv_disk_chunk_tokens,
+            args.kv_disk_write_policy,
+            args.kv_disk_min_load_tokens,
+        )
+
     # ---- the loop --------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         poller.register(self.runner_sock, zmq.POLLIN)
+        if self.disk is not None:
+            poller.register(self.disk.fileno(), zmq.POLLIN)
         while not self.stopping:
             events = dict(poller.poll(1000))
+            if self.disk is not None and self.disk.fileno() in events:
+                with self._contained("disk tier results", []):
+                    self.disk_results()
             if self.inbox in events:
                 while self._poll_once(self.inbox):
                     raw = self.inbox.recv()
@@ -229,9 +265,32 @@ class Scheduler:
             self.check_timeouts()
             if not self.stopping:
                 self.dispatch()
+        if self.disk is not None:
+            self.disk.close(flush=True)
         for runner in self.runners.values():
             if runner.up:
                 self._send_runner(runner.runner_id, RP.Shutdown())
+
+    def disk_results(self) -> None:
+        """Finished disk jobs: loaded requests go back first in their queue;
+        batches held for a save are sent once it is done."""
+        assert self.disk is not None and self.kv is not None
+        for req in self.disk.poll():
+            self.kv.release(req, keep=True)  # the loaded pages go into the tree
+            model = self.models[req.model]
+            if req.aborted is not None or req.rid not in self.requests:
+                self._forget(req)
+            elif not model.up and model.state == "down":
+                self._fail_requests([req.rid], 503, f"model {model.name!r} is down")
+            else:
+                model.waiting.insert(0, req)
+        for runner_id, batch in list(self.held.items()):
+            runner = self.runners[runner_id]
+            if runner.inflight is not batch or not runner.up:
+                del self.held[runner_id]  # the runner was lost meanwhile
+            elif not self._overwrites_pending_save(batch):
+                del self.held[runner_id]
+                self._send_batch(runner, batch)
 
     @staticmethod
     def _poll_once(sock: zmq.Socket) -> bool:
@@ -280,7 +339,10 @@ class Scheduler:
         model = self.models[req.model]
         if req in model.waiting:
             model.waiting.remove(req)
-        if req.runner is not None or req.handle is not None or len(req.slots):
+        if self.disk is not None and self.disk.is_loading(req):
+            req.aborted = "failed"  # the load still writes its slots: freed when it ends
+            self._forget(req)
+        elif req.runner is not None or req.handle is not None or len(req.slots):
             self._finish(req, keep=False)
         else:
             self._forget(req)
@@ -321,8 +383,29 @@ class Scheduler:
                     if batch is None:
                         continue
                     runner.inflight = batch
-                    runner.sent_at = time.monotonic()
-                    self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
+                    if self._overwrites_pending_save(batch):
+                        self.held[runner.runner_id] = batch
+                        runner.sent_at = time.monotonic()
+                    else:
+                        self._send_batch(runner, batch, threads)
+
+    def _send_batch(self, runner: RunnerState, batch: ScheduledBatch, threads: int = -1) -> None:
+        if threads < 0:
+            threads = self._threads_per_runner()
+        runner.sent_at = time.monotonic()
+        self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
+
+    def _overwrites_pending_save(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch writes KV into arena blocks a disk save still reads."""
+        if self.disk is None:
+            return False
+        assert self.cache is not None
+        return any(
+            self.disk.holds_back(
+                self.cache.pool_of(req.model), req.slots[req.kv_len : req.kv_len + n]
+            )
+            for req, n in zip(batch.reqs, batch.chunks, strict=True)
+        )
 
     def _threads_per_runner(self) -> int:
         """The cores divided among runners that have work now (0: leave as set).
@@ -433,6 +516,9 @@ class Scheduler:
         if req in model.waiting:
             model.waiting.remove(req)
             self._forget(req)
+        elif self.disk is not None and self.disk.is_loading(req):
+            req.aborted = reason  # its slots are being filled: free after the load
+            return
         elif req.runner is not None:
             runner = self.runners[req.runner]
             if runner.inflight is not None and req in runner.inflight.reqs:
@@ -665,6 +751,8 @@ class Scheduler:
             return P.ControlReply(msg.req_id, True, stats=self.stats(check=msg.op == "check"))
         if msg.op == "flush_cache":
             freed = self.cache.flush()
+            if self.disk is not None:
+                self.disk.clear()
             log.info("cache flushed: %d tokens freed", freed)
             return P.ControlReply(msg.req_id, True, f"flushed {freed} cached tokens")
         if msg.op == "invalidate":
@@ -725,6 +813,7 @@ class Scheduler:
             aborted_before_arrival=self.aborted_before_arrival,
             contained_failures=self.contained_failures,
             shared_prefix_rows=self.builder.shared_prefix_rows if self.builder else 0,
+            disk=self.disk.stats() if self.disk is not None else None,
         )
 
     def _invariants(self) -> str:
@@ -744,12 +833,14 @@ class Scheduler:
         running = [req for m in self.models.values() for req in m.running()]
         tracked = set(map(id, self.requests.values()))
         assert all(id(r) in tracked for r in running), "a runner runs an untracked request"
+        loading = [ld.req for ld in self.disk.loading.values()] if self.disk else []
         for req in self.requests.values():
-            if req.runner is None:
+            if req.runner is None and req not in loading:
                 assert req.handle is None and not len(req.slots), f"rid={req.rid} waits holding KV"
         self.cache.check_invariants(
-            held=self.kv.held_slots(running),
-            locks=[r.handle for r in running if r.handle is not None],
+            held=self.kv.held_slots(running + loading),
+            locks=[r.handle for r in running if r.handle is not None]
+            + (self.disk.locks if self.disk else []),
         )
 
 

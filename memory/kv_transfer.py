@@ -1,0 +1,244 @@
+"""The disk tier's I/O thread: copies KV between the shared arena and chunk files.
+
+The scheduler's loop never waits on a disk: it submits jobs and polls
+``fileno()`` (a pipe that gets a byte per finished job) with its other
+sockets. One thread, first in first out, so the order of jobs is the order of
+their effects on the arena: a save submitted before a load reads its slots
+before the load can overwrite them. Copies go straight between the arena's
+shared memory and the file (one gather into a buffer, one write; one read,
+one scatter); torch and file I/O release the GIL, so the loop keeps running.
+
+The arena is seen as bytes (``[blocks, layers, 2, slots_per_block, row]``
+with ``row = kv_heads x head_dim x itemsize``), so any KV dtype copies the
+same way and no tensor dtype crosses into numpy. On a CUDA arena the same jobs
+would stage through pinned host memory; the job interface does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from radixmux.memory.kv_disk_store import FATAL_ERRNOS, read_chunk, remove_paths, write_chunk
+from radixmux.memory.layout import BlockGeometry
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk file: its key and where it lives."""
+
+    key: bytes
+    path: str
+
+
+@dataclass
+class SaveJob:
+    """Write whole chunks; ``slots[i * chunk_tokens:]`` hold chunk ``i``'s KV."""
+
+    view: torch.Tensor
+    slots: np.ndarray
+    chunks: list[ChunkRef]
+    ns: bytes
+    chunk_tokens: int
+    tag: object = None  # the submitter's (returned with the result)
+    job_id: int = 0
+
+
+@dataclass
+class LoadJob:
+    """Read chunks into ``slots``; the first chunk's first ``skip`` tokens are
+    already in memory and are not copied."""
+
+    view: torch.Tensor
+    slots: np.ndarray
+    chunks: list[ChunkRef]
+    ns: bytes
+    chunk_tokens: int
+    skip: int = 0
+    tag: object = None
+    job_id: int = 0
+
+
+@dataclass
+class DeleteJob:
+    paths: list[str]
+    tag: object = None
+    job_id: int = 0
+
+
+Job = SaveJob | LoadJob | DeleteJob
+
+
+@dataclass
+class JobResult:
+    """What a job did. For a load, ``tokens`` is how many leading tokens of
+    ``slots`` now hold valid KV (up to the first bad chunk)."""
+
+    job: Job
+    seconds: float
+    nbytes: int = 0
+    tokens: int = 0
+    written: list[tuple[bytes, int]] = field(default_factory=list)  # (key, file size)
+    bad: list[tuple[bytes, str]] = field(default_factory=list)  # (key, why)
+    fatal: str | None = None  # the disk cannot take writes: turn the tier off
+
+
+def byte_view(arena_bytes: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
+    """An arena's ``[blocks, slots]`` bytes seen as one pool's
+    ``[blocks, layers, 2, slots_per_block, row bytes]``."""
+    lay = geometry.layout
+    row = lay.num_kv_heads * lay.head_dim * lay.itemsize
+    used = geometry.slots_per_block * lay.bytes_per_token
+    # Wider elements make the gather and scatter several times faster.
+    word = torch.int64 if row % 8 == 0 else torch.uint8
+    view = arena_bytes[:, :used].view(word)
+    return view.view(-1, lay.num_layers, 2, geometry.slots_per_block, row // view.element_size())
+
+
+def gather(view: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor."""
+    spb = view.shape[3]
+    idx = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    return view[idx // spb, :, :, idx % spb]
+
+
+def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
+    """Write ``[n, layers, 2, row]`` bytes into ``slots`` of the arena."""
+    spb = view.shape[3]
+    idx = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    view[idx // spb, :, :, idx % spb] = rows
+
+
+_NUMPY_WORDS = {torch.int64: np.int64, torch.uint8: np.uint8}
+
+
+class KVTransfer:
+    """A FIFO of save / load / delete jobs run on one I/O thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ids = 0
+        self.pending = 0
+        self._read_buf = np.empty(0, dtype=np.uint8)
+        self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
+        self._thread.start()
+
+    def fileno(self) -> int:
+        """Readable when a job finished (poll it with the loop's sockets)."""
+        return self._wake_r
+
+    def submit(self, job: Job) -> int:
+        self._ids += 1
+        job.job_id = self._ids
+        self.pending += 1
+        self._jobs.put(job)
+        return job.job_id
+
+    def results(self) -> list[JobResult]:
+        """Finished jobs since the last call (never blocks)."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.pending -= len(out)
+        return out
+
+    def wait_idle(self, timeout: float) -> list[JobResult]:
+        """Results of every submitted job, waiting up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        out = self.results()
+        while self.pending and time.monotonic() < deadline:
+            try:
+                out.append(self._done.get(timeout=min(0.1, max(0.0, deadline - time.monotonic()))))
+                self.pending -= 1
+            except queue.Empty:
+                continue
+        return out
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # ---- the I/O thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            t0 = time.perf_counter()
+            result = JobResult(job, 0.0)
+            try:
+                if isinstance(job, SaveJob):
+                    self._save(job, result)
+                elif isinstance(job, LoadJob):
+                    self._load(job, result)
+                else:
+                    remove_paths(job.paths)
+            except Exception as exc:  # never lose a job's answer: the loop waits on it
+                result.fatal = result.fatal or f"{type(exc).__name__}: {exc}"
+            result.seconds = time.perf_counter() - t0
+            self._done.put(result)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+
+    @staticmethod
+    def _save(job: SaveJob, result: JobResult) -> None:
+        rows = gather(job.view, job.slots[: len(job.chunks) * job.chunk_tokens])
+        data = rows.numpy().view(np.uint8)
+        c = job.chunk_tokens
+        for i, chunk in enumerate(job.chunks):
+            payload = memoryview(data[i * c : (i + 1) * c]).cast("B")
+            try:
+                size = write_chunk(chunk.path, chunk.key, job.ns, c, payload)
+            except OSError as exc:
+                if exc.errno in FATAL_ERRNOS:
+                    result.fatal = f"{chunk.path}: {exc.strerror}"
+                    return
+                result.bad.append((chunk.key, str(exc)))
+                continue
+            result.written.append((chunk.key, size))
+            result.nbytes += size
+
+    def _load(self, job: LoadJob, result: JobResult) -> None:
+        c = job.chunk_tokens
+        row_shape = tuple(job.view.shape[1:3]) + (job.view.shape[4],)
+        buf = self._buffer(len(job.chunks) * c * int(np.prod(row_shape)) * job.view.element_size())
+        buf = buf.view(_NUMPY_WORDS[job.view.dtype]).reshape(len(job.chunks) * c, *row_shape)
+        good = 0
+        for i, chunk in enumerate(job.chunks):
+            out = memoryview(buf[i * c : (i + 1) * c]).cast("B")
+            why = read_chunk(chunk.path, chunk.key, job.ns, c, out)
+            if why is not None:
+                result.bad.append((chunk.key, why))
+                with contextlib.suppress(OSError):
+                    os.unlink(chunk.path)
+                break
+            with contextlib.suppress(OSError):
+                os.utime(chunk.path)  # recency survives a restart
+            good += 1
+        result.tokens = max(0, good * c - job.skip)
+        if result.tokens:
+            rows = torch.from_numpy(buf[job.skip : job.skip + result.tokens])
+            scatter(job.view, job.slots[: result.tokens], rows)
+        result.nbytes = good * c * int(np.prod(row_shape)) * job.view.element_size()
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A reused read buffer (a fresh one per load would page-fault every byte)."""
+        if self._read_buf.nbytes < nbytes:
+            self._read_buf = np.empty(nbytes, dtype=np.uint8)
+        return self._read_buf[:nbytes]

@@ -1,0 +1,395 @@
+"""The disk tier under the arena: KV spilled to chunk files and loaded back.
+
+The scheduler's side of ``memory/kv_disk_store`` (the files and their index)
+and ``memory/kv_transfer`` (the I/O thread). It decides what goes to disk and
+when a request loads instead of recomputing:
+
+- **write-back** (default): a capacity eviction hands the evicted entry's whole
+  chunks to the I/O thread before the slots are reused. The tree frees the
+  slots at once (so eviction and admission are unchanged); the physical bytes
+  stay intact until a forward pass writes them, so a batch that would write a
+  block a pending save still reads is held back until that save finishes
+  (``holds_back``). A graceful stop first saves what the arena holds.
+- **write-through**: every chunk inserted into the tree is saved at once,
+  its path locked in the tree while the I/O thread reads it.
+- **loading**: at admission, beyond the in-memory match, the hash chain of the
+  prompt's next chunks is looked up in the index. When the chunks found cover
+  at least ``min_load_tokens``, the request gets slots for them, leaves the
+  waiting queue while the I/O thread fills them, then is inserted into the
+  tree and goes back first in the queue, where its next lookup matches the
+  loaded prefix in memory and prefills only the rest. A bad file stops the
+  load at that chunk (it is deleted and recomputed, never used).
+
+A disk that is full or read-only turns the tier off with one log line; the
+server keeps serving from memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixmux.memory.arena import KVArena
+from radixmux.memory.kv_disk_store import (
+    WRITE_POLICIES,
+    DiskKVStore,
+    chunk_keys,
+    namespace,
+    namespace_dir,
+)
+from radixmux.memory.kv_transfer import (
+    ChunkRef,
+    DeleteJob,
+    JobResult,
+    KVTransfer,
+    LoadJob,
+    SaveJob,
+    byte_view,
+)
+from radixmux.memory.radix_cache import CacheHandle, RadixCache
+from radixmux.runtime.protocol import DiskTierStats
+from radixmux.scheduler.request import Req
+
+log = logging.getLogger("radixmux.scheduler")
+
+# How long a graceful stop may spend saving the arena (the launcher waits 10 s).
+FLUSH_SECONDS = 8.0
+
+
+@dataclass(frozen=True)
+class _Namespace:
+    ns: bytes
+    ns_dir: str
+    view: torch.Tensor  # the arena's bytes in this pool's layout
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Chunks a request can load: positions ``[start, end)`` after its memory match."""
+
+    chunks: list[ChunkRef]
+    start: int
+    end: int
+    skip: int  # tokens of the first chunk already in memory
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class _Load:
+    req: Req
+    plan: LoadPlan
+    t0: float
+
+
+class DiskTier:
+    """Spill, load and flush for one radix cache over one arena."""
+
+    def __init__(
+        self,
+        cache: RadixCache,
+        arena: KVArena,
+        store: DiskKVStore,
+        chunk_tokens: int,
+        write_policy: str = "write_back",
+        min_load_tokens: int = 0,
+    ) -> None:
+        if chunk_tokens <= 0 or chunk_tokens % cache.page_size:
+            raise ValueError(
+                f"--kv-disk-chunk-tokens {chunk_tokens} must be a positive multiple of "
+                f"--page-size {cache.page_size}"
+            )
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--kv-disk-write-policy {write_policy!r}: one of {WRITE_POLICIES}")
+        self.cache = cache
+        self.arena = arena
+        self.store = store
+        self.chunk = chunk_tokens
+        self.write_policy = write_policy
+        self.min_load_tokens = max(min_load_tokens, chunk_tokens)
+        self.transfer = KVTransfer()
+        self.disabled: str | None = None
+        self._spaces: dict[str, _Namespace] = {}
+        self._reading: dict[int, np.ndarray] = {}  # save job -> arena blocks it reads
+        self._through_locks: dict[int, CacheHandle] = {}
+        self._queued: set[bytes] = set()  # keys in save jobs not finished yet
+        self._loading_keys: collections.Counter[bytes] = collections.Counter()
+        self.loading: dict[int, _Load] = {}
+        self.bytes_written = self.bytes_read = self.chunks_written = self.chunks_dropped = 0
+        self.loads = 0
+        self.load_seconds = 0.0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
+        self.tokens_loaded: collections.Counter[str] = collections.Counter()
+        if write_policy == "write_back":
+            cache.on_evict = self._spill
+        log.info(
+            "disk tier: %s, %d chunks (%.1f MB of %.1f MB) found, %s, %d-token chunks",
+            store.directory,
+            len(store),
+            store.size_bytes / 1e6,
+            store.capacity_bytes / 1e6,
+            write_policy,
+            chunk_tokens,
+        )
+
+    # ---- namespaces ----------------------------------------------------------------
+    def _space(self, pool: str) -> _Namespace:
+        space = self._spaces.get(pool)
+        if space is None:
+            geometry = self.cache.allocator.geometry(pool)
+            ns = namespace(pool, geometry.layout, self.chunk)
+            space = _Namespace(ns, namespace_dir(ns), byte_view(self.arena.bytes, geometry))
+            self.store.ensure_namespace(space.ns_dir)
+            self._spaces[pool] = space
+        return space
+
+    def _refs(self, space: _Namespace, keys: list[bytes]) -> list[ChunkRef]:
+        return [ChunkRef(k, self.store.path(space.ns_dir, k)) for k in keys]
+
+    # ---- saving ----------------------------------------------------------------------
+    def _save(
+        self, pool: str, tokens: bytes, slots: np.ndarray, first: int, tag: object
+    ) -> int | None:
+        """Submit the chunks of ``tokens`` from chunk ``first`` on that the store
+        lacks; returns the job id (None when there was nothing to save)."""
+        if self.disabled:
+            return None
+        c = self.chunk
+        keys = chunk_keys(self._space(pool).ns, tokens, c)
+        todo = [
+            i
+            for i in range(first, len(keys))
+            if keys[i] not in self.store and keys[i] not in self._queued
+        ]
+        if not todo:
+            return None
+        space = self._space(pool)
+        chunk_slots = np.concatenate([slots[i * c : (i + 1) * c] for i in todo])
+        chosen = [keys[i] for i in todo]
+        self._queued.update(chosen)
+        job = SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c, tag=tag)
+        return self.transfer.submit(job)
+
+    def _spill(self, pool: str, tokens: bytes, slots: np.ndarray, start: int) -> None:
+        """The tree is about to free ``slots[start:]``: save the chunks ending there."""
+        job = self._save(pool, tokens, slots, start // self.chunk, "spill")
+        if job is not None:
+            c = self.chunk
+            read = slots[start // c * c : len(slots) // c * c]
+            self._reading[job] = np.unique(self.cache.allocator.block_of(pool, read))
+
+    def inserted(self, model: str, tokens: np.ndarray) -> None:
+        """Write-through: save the whole chunks of a just-inserted prefix, its
+        path locked in the tree until the I/O thread has read it."""
+        if self.write_policy != "write_through" or self.disabled:
+            return
+        n = len(tokens) // self.chunk * self.chunk
+        if not n:
+            return
+        m = self.cache.match(model, tokens[:n], record=False)
+        if m.length < n:  # invalidated meanwhile: nothing of it is cached any more
+            return
+        self.cache.lock(m.handle)
+        job = self._save(self.cache.pool_of(model), tokens[:n].tobytes(), m.slots, 0, "through")
+        if job is None:
+            self.cache.unlock(m.handle)
+        else:
+            self._through_locks[job] = m.handle
+
+    def holds_back(self, pool: str, written: np.ndarray) -> bool:
+        """Whether writing ``written`` slots of ``pool`` now would overwrite KV a
+        pending save still has to read (the batch must wait for it)."""
+        if not self._reading or not len(written):
+            return False
+        blocks = np.unique(self.cache.allocator.block_of(pool, written))
+        return any(
+            np.isin(blocks, busy, assume_unique=True).any() for busy in self._reading.values()
+        )
+
+    @property
+    def locks(self) -> list[CacheHandle]:
+        """Tree locks the tier holds (write-through saves and loads in flight)."""
+        return [
+            *self._through_locks.values(),
+            *(ld.req.handle for ld in self.loading.values() if ld.req.handle),
+        ]
+
+    # ---- loading ---------------------------------------------------------------------
+    def plan_load(self, req: Req) -> LoadPlan | str | None:
+        """What of ``req``'s prompt past its memory match (``req.kv_len``) is on
+        disk: a plan, ``"wait"`` when another request is loading those chunks
+        right now, or None (load nothing)."""
+        if self.disabled:
+            return None
+        c = self.chunk
+        limit = (req.num_tokens - 1) // c  # whole chunks, leaving a token to compute
+        first = req.kv_len // c
+        if first >= limit:
+            return None
+        pool = self.cache.pool_of(req.model)
+        space = self._space(pool)
+        keys = chunk_keys(space.ns, req.tokens[: limit * c].tobytes(), c)
+        run: list[bytes] = []
+        for key in keys[first:]:
+            if self._loading_keys[key]:
+                if not run:
+                    return "wait"
+                break
+            if key not in self.store:
+                break
+            run.append(key)
+        end = (first + len(run)) * c
+        if end - req.kv_len < self.min_load_tokens:
+            return None
+        return LoadPlan(self._refs(space, run), req.kv_len, end, req.kv_len - first * c)
+
+    def start_load(self, req: Req, plan: LoadPlan) -> None:
+        """Fill ``req.slots[plan.start:plan.end]`` (already reserved) from disk."""
+        space = self._space(self.cache.pool_of(req.model))
+        job = LoadJob(
+            space.view,
+            req.slots[plan.start : plan.end],
+            plan.chunks,
+            space.ns,
+            self.chunk,
+            skip=plan.skip,
+            tag=req,
+        )
+        self._loading_keys.update(ch.key for ch in plan.chunks)
+        for ch in plan.chunks:
+            self.store.touch(ch.key)
+        self.loading[self.transfer.submit(job)] = _Load(req, plan, time.monotonic())
+        log.info(
+            "rid=%s loading %d tokens (%d-%d) from disk",
+            req.rid,
+            plan.tokens,
+            plan.start,
+            plan.end,
+        )
+
+    def is_loading(self, req: Req) -> bool:
+        return any(ld.req is req for ld in self.loading.values())
+
+    # ---- completions -----------------------------------------------------------------
+    def fileno(self) -> int:
+        return self.transfer.fileno()
+
+    def poll(self) -> list[Req]:
+        """Handle finished jobs; returns requests whose load ended (their
+        ``kv_len`` now covers what was loaded)."""
+        loaded = []
+        for result in self.transfer.results():
+            req = self._finished(result)
+            if req is not None:
+                loaded.append(req)
+        return loaded
+
+    def _finished(self, result: JobResult) -> Req | None:
+        job = result.job
+        if result.fatal:
+            self._disable(result.fatal)
+        for key, why in result.bad:
+            self.chunks_dropped += 1
+            path = self.store.discard(key)
+            log.warning("disk tier: dropped chunk %s (%s)", path, why)
+        if isinstance(job, SaveJob):
+            self._reading.pop(job.job_id, None)
+            handle = self._through_locks.pop(job.job_id, None)
+            if handle is not None:
+                self.cache.unlock(handle)
+            self._queued.difference_update(ch.key for ch in job.chunks)
+            space_dir = job.chunks[0].path.rsplit("/", 2)[-2]
+            victims = []
+            for key, size in result.written:
+                victims += self.store.added(key, space_dir, size)
+            if victims:
+                self.transfer.submit(DeleteJob(victims))
+            self.bytes_written += result.nbytes
+            self.chunks_written += len(result.written)
+            return None
+        if isinstance(job, LoadJob):
+            load = self.loading.pop(job.job_id)
+            for ch in job.chunks:
+                self._loading_keys[ch.key] -= 1
+                if not self._loading_keys[ch.key]:
+                    del self._loading_keys[ch.key]
+            req = load.req
+            req.kv_len += result.tokens
+            self._count_load(req, result, time.monotonic() - load.t0)
+            return req
+        return None
+
+    def _count_load(self, req: Req, result: JobResult, seconds: float) -> None:
+        self.loads += 1
+        self.bytes_read += result.nbytes
+        self.tokens_loaded[req.model] += result.tokens
+        self.load_seconds += seconds
+        self._latencies.append(seconds)
+        log.info(
+            "rid=%s loaded %d tokens from disk in %.1f ms%s",
+            req.rid,
+            result.tokens,
+            seconds * 1e3,
+            f" (stopped at a bad chunk: {result.bad[0][1]})" if result.bad else "",
+        )
+
+    def _disable(self, why: str) -> None:
+        if self.disabled is None:
+            self.disabled = why
+            self.cache.on_evict = None
+            log.error("disk tier off (serving from memory only): %s", why)
+
+    # ---- whole-store operations --------------------------------------------------------
+    def clear(self) -> None:
+        """Forget and delete every chunk (``flush_cache``)."""
+        paths = self.store.drop_namespace(None)
+        self._spaces.clear()
+        self.transfer.submit(DeleteJob(paths))
+
+    def close(self, flush: bool) -> None:
+        """Stop the I/O thread; with ``flush`` (a graceful stop under write-back)
+        first save every chunk the tree holds that the store lacks."""
+        if flush and not self.disabled and self.write_policy == "write_back":
+            t0 = time.monotonic()
+            for pool, tokens, slots in self.cache.cached_paths():
+                self._save(pool, tokens, slots, 0, "flush")
+            for result in self.transfer.wait_idle(FLUSH_SECONDS):
+                self._finished(result)
+            log.info(
+                "disk tier: saved the arena in %.1f s (%d chunks, %.1f MB in the store)",
+                time.monotonic() - t0,
+                len(self.store),
+                self.store.size_bytes / 1e6,
+            )
+        else:
+            for result in self.transfer.wait_idle(FLUSH_SECONDS):
+                self._finished(result)
+        self.transfer.close()
+        self.store.close()
+
+    def stats(self) -> DiskTierStats:
+        lat = sorted(self._latencies)
+        return DiskTierStats(
+            enabled=self.disabled is None,
+            write_policy=self.write_policy,
+            disabled_reason=self.disabled,
+            store_bytes=self.store.size_bytes,
+            store_chunks=len(self.store),
+            capacity_bytes=self.store.capacity_bytes,
+            bytes_written=self.bytes_written,
+            bytes_read=self.bytes_read,
+            chunks_written=self.chunks_written,
+            chunks_dropped=self.chunks_dropped,
+            loads=self.loads,
+            load_seconds=self.load_seconds,
+            load_p50_s=lat[len(lat) // 2] if lat else 0.0,
+            load_p99_s=lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
+            tokens_loaded=dict(self.tokens_loaded),
+        )
