@@ -1,0 +1,224 @@
+"""The disk tier end to end: real server processes, real files, real HTTP.
+
+A tiny random-weight model with SmolLM2's tokenizer and an arena far smaller
+than the prompts' working set, so KV is evicted, saved, loaded back and
+carried across restarts. The scheduler runs with ``check_invariants``: a
+leaked or doubly owned slot (a load's, a save's lock) fails the test. Greedy
+outputs must be the same whether a prefix was computed, hit in memory or
+loaded from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tiny_models import make_tiny_model_dir
+
+from radixmux.runtime.engine import Engine
+from radixmux.runtime.launcher import LaunchError
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [
+    f"Story {i}: " + " ".join(f"word{j}" for j in range(i * 7, i * 7 + 300)) for i in range(10)
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("disk_model") / "a", seed=11)
+
+
+@contextlib.contextmanager
+def serve(model: Path, disk: Path | None, **flags: object) -> Iterator[str]:
+    if disk is not None:
+        flags = {"kv_disk_bytes": 1 << 30, "kv_disk_dir": str(disk), **flags}
+    engine = Engine(
+        model=[f"{model},name=a"],
+        kv_cache_bytes=4 << 20,  # ~3 prompts of the 10
+        kv_block_bytes=64 << 10,
+        runner_threads=1,
+        check_invariants=True,
+        dtype="float32",
+        **flags,
+    )
+    try:
+        yield f"http://127.0.0.1:{engine.args.port}"
+    finally:
+        engine.shutdown()
+
+
+def ask(url: str, prompt: str) -> str:
+    body = {"model": "a", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def scheduler(url: str) -> dict:
+    sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+    assert sched["invariants"] == "ok", sched["invariants"]
+    return sched
+
+
+def two_rounds(url: str) -> list[str]:
+    return [ask(url, p) for _ in range(2) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def recomputed(model: Path) -> list[str]:
+    """Every answer with no disk tier: the second round recomputes what was evicted."""
+    with serve(model, None) as url:
+        return two_rounds(url)
+
+
+def test_loaded_equals_recomputed_and_survives_restart(model, recomputed, tmp_path) -> None:
+    with serve(model, tmp_path) as url:
+        assert two_rounds(url) == recomputed
+        first = scheduler(url)
+        assert ask(url, PROMPTS[-1]) == recomputed[-1]  # a memory hit, same answer
+    disk = first["disk"]
+    assert disk["enabled"] and disk["chunks_written"] > 0 and disk["chunks_dropped"] == 0
+    assert disk["tokens_loaded"]["a"] > 5 * 300  # the second round came back from disk
+    with serve(model, tmp_path) as url:
+        assert ask(url, PROMPTS[0]) == recomputed[0]
+        restarted = scheduler(url)
+        assert two_rounds(url) == recomputed
+        after = scheduler(url)
+    assert restarted["disk"]["store_chunks"] >= disk["store_chunks"]
+    # The first request after the restart computed only its tail.
+    assert restarted["prompt_tokens_computed"] < 100
+    assert restarted["disk"]["tokens_loaded"]["a"] > 250
+    assert after["prompt_tokens_computed"] < first["prompt_tokens_computed"] / 4
+
+
+def test_write_through_saves_on_insert_and_flush_clears_the_store(model, recomputed, tmp_path):
+    with serve(model, tmp_path, kv_disk_write_policy="write_through") as url:
+        assert ask(url, PROMPTS[0]) == recomputed[0]
+        saved = scheduler(url)["disk"]
+        assert saved["store_chunks"] == saved["chunks_written"]
+        assert saved["chunks_written"] >= 4  # ~300 tokens in 64-token chunks, no eviction yet
+        assert scheduler(url)["evicted_tokens"]["capacity"] == 0
+        assert two_rounds(url) == recomputed
+        r = httpx.post(f"{url}/flush_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        assert scheduler(url)["disk"]["store_chunks"] == 0
+    assert not list((tmp_path / "v1").rglob("*.kv"))
+
+
+def test_corrupt_truncated_and_foreign_files_are_dropped_never_used(model, recomputed, tmp_path):
+    with serve(model, tmp_path) as url:
+        assert two_rounds(url) == recomputed
+    files = sorted((tmp_path / "v1").rglob("*.kv"))
+    assert len(files) > 12
+    for i, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if i % 3 == 0:
+            data[-7] ^= 0xFF  # a flipped bit in the payload
+        elif i % 3 == 1:
+            data = data[: len(data) // 2]  # truncated
+        else:
+            data = bytearray(files[(i + 1) % len(files)].read_bytes())  # another chunk's file
+        path.write_bytes(bytes(data))
+    with serve(model, tmp_path) as url:
+        assert two_rounds(url) == recomputed
+        disk = scheduler(url)["disk"]
+    assert disk["chunks_dropped"] > 0
+    assert disk["enabled"]
+
+
+def test_a_second_server_on_the_same_directory_is_refused(model, tmp_path) -> None:
+    with serve(model, tmp_path) as url:
+        with (
+            pytest.raises(LaunchError, match="in use by another radixmux server"),
+            serve(model, tmp_path),
+        ):
+            pass
+        assert ask(url, "still serving")  # the first one is untouched
+
+
+def test_a_directory_that_cannot_be_created_leaves_the_tier_off(model, recomputed, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with serve(model, blocker / "kv") as url:
+        assert [ask(url, p) for p in PROMPTS[:3]] == recomputed[:3]
+        assert scheduler(url)["disk"] is None
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: a few chunks fit, then every write fails with ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(model, recomputed, tiny_filesystem):
+    with serve(model, tiny_filesystem) as url:
+        assert two_rounds(url) == recomputed
+        disk = scheduler(url)["disk"]
+    assert not disk["enabled"]
+    assert "No space left" in disk["disabled_reason"]
+    assert os.path.isdir(tiny_filesystem / "v1")
+
+
+REAL = ["smollm2,dtype=float32", "gemma3-270m,name=gemma,dtype=float32"]
+REAL_PROMPTS = [
+    f"Chapter {i}. " + "The river ran past the mill and the old town, " * 24 + f"and on day {i}"
+    for i in range(5)
+]
+
+
+def real_rounds(url: str) -> list[str]:
+    out = []
+    for _ in range(2):
+        for model in ("smollm2", "gemma"):
+            for p in REAL_PROMPTS:
+                body = {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0}
+                r = httpx.post(
+                    f"{url}/v1/completions", json={**body, "ignore_eos": True}, timeout=300
+                )
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+@contextlib.contextmanager
+def serve_real(disk: Path | None) -> Iterator[str]:
+    flags: dict[str, object] = {"kv_disk_bytes": 1 << 30, "kv_disk_dir": str(disk)} if disk else {}
+    engine = Engine(model=REAL, kv_cache_bytes=24 << 20, check_invariants=True, **flags)
+    try:
+        yield f"http://127.0.0.1:{engine.args.port}"
+    finally:
+        engine.shutdown()
+
+
+def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path) -> None:
+    """SmolLM2 and Gemma 3 in float32 in one arena too small for the prompts:
+    the second round is recomputed without the tier, loaded from disk with it,
+    and after a restart everything comes from disk; every answer is the same."""
+    with serve_real(None) as url:
+        recomputed = real_rounds(url)
+    with serve_real(tmp_path) as url:
+        assert real_rounds(url) == recomputed
+        loaded = scheduler(url)["disk"]["tokens_loaded"]
+    assert loaded["smollm2"] > 500 and loaded["gemma"] > 500
+    with serve_real(tmp_path) as url:
+        assert real_rounds(url) == recomputed
+        sched = scheduler(url)
+    assert sched["disk"]["tokens_loaded"]["smollm2"] > 1000
+    assert sched["disk"]["chunks_dropped"] == 0
