@@ -281,11 +281,13 @@ class DiskTier:
     def fileno(self) -> int:
         return self.transfer.fileno()
 
-    def poll(self) -> list[Req]:
-        """Handle finished jobs; returns requests whose load ended (their
-        ``kv_len`` now covers what was loaded)."""
+    def poll(self, wait: float = 0.0) -> list[Req]:
+        """Handle finished jobs (after waiting up to ``wait`` seconds for every
+        pending one); returns requests whose load ended (their ``kv_len`` now
+        covers what was loaded)."""
         loaded = []
-        for result in self.transfer.results():
+        results = self.transfer.wait_idle(wait) if wait else self.transfer.results()
+        for result in results:
             req = self._finished(result)
             if req is not None:
                 loaded.append(req)
@@ -360,8 +362,7 @@ class DiskTier:
             t0 = time.monotonic()
             for pool, tokens, slots in self.cache.cached_paths():
                 self._save(pool, tokens, slots, 0, "flush")
-            for result in self.transfer.wait_idle(FLUSH_SECONDS):
-                self._finished(result)
+            self.poll(wait=FLUSH_SECONDS)
             log.info(
                 "disk tier: saved the arena in %.1f s (%d chunks, %.1f MB in the store)",
                 time.monotonic() - t0,
@@ -369,8 +370,7 @@ class DiskTier:
                 self.store.size_bytes / 1e6,
             )
         else:
-            for result in self.transfer.wait_idle(FLUSH_SECONDS):
-                self._finished(result)
+            self.poll(wait=FLUSH_SECONDS)
         self.transfer.close()
         self.store.close()
 

@@ -222,3 +222,88 @@ def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path
         sched = scheduler(url)
     assert sched["disk"]["tokens_loaded"]["smollm2"] > 1000
     assert sched["disk"]["chunks_dropped"] == 0
+
+
+# ---- the tier's rules, in-process over a real arena and real files ----------------------
+def tier_setup(tmp_path: Path, chunk: int = 4):
+    import numpy as np
+
+    from radixmux.memory.allocator import KVAllocator
+    from radixmux.memory.arena import KVArena
+    from radixmux.memory.kv_disk_store import DiskKVStore
+    from radixmux.memory.layout import KVLayout
+    from radixmux.memory.radix_cache import ModelSpec, RadixCache
+    from radixmux.scheduler.disk_tier import DiskTier
+
+    layout = KVLayout(2, 1, 8, "float32")  # 128 bytes per token: 32 slots per 4 KiB block
+    arena = KVArena.create(4, 4096, directory=str(tmp_path))
+    cache = RadixCache(KVAllocator(4, 4096))
+    cache.register_model(ModelSpec("m", "g", "w", layout))
+    tier = DiskTier(cache, arena, DiskKVStore(str(tmp_path / "kv"), 1 << 20), chunk)
+    geometry = cache.allocator.geometry("w")
+    view = arena.view(geometry)
+    view.copy_(__import__("torch").randn(view.shape))
+
+    def kv_of(slots: np.ndarray):
+        spb = geometry.slots_per_block
+        return view[slots // spb, :, :, slots % spb].clone()
+
+    return cache, tier, arena, kv_of
+
+
+def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_each_other(
+    tmp_path,
+) -> None:
+    import numpy as np
+
+    from radixmux.model_runners.protocol import SamplingParams
+    from radixmux.scheduler.request import Req
+
+    cache, tier, arena, kv_of = tier_setup(tmp_path)
+    try:
+        tokens = np.arange(16, dtype=np.int32)
+        slots = cache.allocator.alloc("w", 16)
+        saved = kv_of(slots)
+        cache.insert("m", tokens, slots)
+        assert cache.evict(num_tokens=16) == 16  # spills 4 chunks, frees the slots now
+        assert tier.holds_back("w", slots[:1])  # its block is still being read
+        assert tier.poll(wait=10) == []
+        assert not tier.holds_back("w", slots[:1])
+        assert len(tier.store) == 4 and cache.cached_tokens("m") == 0
+
+        def req(rid: str) -> Req:
+            ids = np.concatenate([tokens, np.array([99], dtype=np.int32)])
+            r = Req(rid, "m", ids, SamplingParams(max_new_tokens=4), [], True, 0.0)
+            m = cache.match("m", ids[:-1], record=False)
+            cache.lock(m.handle)
+            r.handle, r.slots, r.kv_len = m.handle, m.slots, m.length
+            return r
+
+        a, b = req("a"), req("b")
+        plan = tier.plan_load(a)
+        assert plan is not None and not isinstance(plan, str)
+        assert (plan.start, plan.end) == (0, 16)
+        a.slots = cache.allocator.alloc("w", 16)
+        tier.start_load(a, plan)
+        assert tier.plan_load(b) == "wait"  # those chunks are on their way already
+        assert tier.poll(wait=10) == [a] and a.kv_len == 16
+        assert (kv_of(a.slots) == saved).all()  # the bytes that were evicted, exactly
+        assert tier.stats().tokens_loaded == {"m": 16}
+    finally:
+        tier.close(flush=False)
+        arena.destroy()
+
+
+def test_a_graceful_close_saves_what_only_the_arena_holds(tmp_path) -> None:
+    import numpy as np
+
+    cache, tier, arena, _ = tier_setup(tmp_path)
+    try:
+        tokens = np.arange(10, dtype=np.int32)
+        cache.insert("m", tokens, cache.allocator.alloc("w", 10))
+        assert len(tier.store) == 0
+        tier.close(flush=True)
+        files = list((tmp_path / "kv").rglob("*.kv"))
+        assert len(files) == 2  # the two whole 4-token chunks; the 2-token tail is not one
+    finally:
+        arena.destroy()
