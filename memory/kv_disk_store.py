@@ -84,7 +84,13 @@ def write_chunk(path: str, key: bytes, ns: bytes, n_tokens: int, payload: memory
     )
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below)
+        except FileNotFoundError:
+            # Its namespace directory was deleted (a flush) after the save was queued.
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            f = open(tmp, "wb")  # noqa: SIM115
+        with f:
             f.write(header)
             f.write(ns)
             f.write(payload)

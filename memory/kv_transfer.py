@@ -102,18 +102,46 @@ def byte_view(arena_bytes: torch.Tensor, geometry: BlockGeometry) -> torch.Tenso
     return view.view(-1, lay.num_layers, 2, geometry.slots_per_block, row // view.element_size())
 
 
+def _runs(slots: np.ndarray, spb: int) -> list[tuple[int, int, int, int]] | None:
+    """``(block, offset, start, end)`` of each run of consecutive slots in one
+    block; None when runs are too short to beat one indexed copy."""
+    blocks = slots // spb
+    cut = np.flatnonzero((np.diff(slots) != 1) | (np.diff(blocks) != 0)) + 1
+    if len(cut) + 1 > max(1, len(slots) // 8):
+        return None
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), len(slots)]
+    return [(int(blocks[s]), int(slots[s] % spb), s, e) for s, e in zip(starts, ends, strict=True)]
+
+
 def gather(view: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
-    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor."""
+    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor.
+
+    Allocated slots mostly come in runs inside a block: a strided copy per run
+    is 2-3x faster than an indexed gather of every row."""
     spb = view.shape[3]
-    idx = torch.from_numpy(np.asarray(slots, dtype=np.int64))
-    return view[idx // spb, :, :, idx % spb]
+    slots = np.asarray(slots, dtype=np.int64)
+    runs = _runs(slots, spb)
+    if runs is None:
+        idx = torch.from_numpy(slots)
+        return view[idx // spb, :, :, idx % spb]
+    out = torch.empty((len(slots), view.shape[1], view.shape[2], view.shape[4]), dtype=view.dtype)
+    for block, offset, start, end in runs:
+        out[start:end].permute(1, 2, 0, 3).copy_(view[block, :, :, offset : offset + end - start])
+    return out
 
 
 def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
     """Write ``[n, layers, 2, row]`` bytes into ``slots`` of the arena."""
     spb = view.shape[3]
-    idx = torch.from_numpy(np.asarray(slots, dtype=np.int64))
-    view[idx // spb, :, :, idx % spb] = rows
+    slots = np.asarray(slots, dtype=np.int64)
+    runs = _runs(slots, spb)
+    if runs is None:
+        idx = torch.from_numpy(slots)
+        view[idx // spb, :, :, idx % spb] = rows
+        return
+    for block, offset, start, end in runs:
+        view[block, :, :, offset : offset + end - start].copy_(rows[start:end].permute(1, 2, 0, 3))
 
 
 _NUMPY_WORDS = {torch.int64: np.int64, torch.uint8: np.uint8}

@@ -264,6 +264,12 @@ _DISK: list[tuple[str, type[Metric], str, str]] = [
         "Corrupt, truncated or mismatched chunk files deleted instead of used",
         "chunks_dropped",
     ),
+    (
+        "radixmux_disk_write_errors",
+        CounterMetricFamily,
+        "Chunks a save could not write",
+        "write_errors",
+    ),
     ("radixmux_disk_loads", CounterMetricFamily, "Requests that loaded KV from disk", "loads"),
     (
         "radixmux_disk_load_seconds",

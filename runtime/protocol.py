@@ -242,6 +242,7 @@ class DiskTierStats(msgspec.Struct, frozen=True):
     bytes_read: int
     chunks_written: int
     chunks_dropped: int  # corrupt, truncated or mismatched files found and deleted
+    write_errors: int  # chunks a save could not write (the tier stays on)
     loads: int
     load_seconds: float
     load_p50_s: float  # over the last 1,024 loads

@@ -123,6 +123,7 @@ class DiskTier:
         self._loading_keys: collections.Counter[bytes] = collections.Counter()
         self.loading: dict[int, _Load] = {}
         self.bytes_written = self.bytes_read = self.chunks_written = self.chunks_dropped = 0
+        self.write_errors = 0
         self.loads = 0
         self.load_seconds = 0.0
         self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
@@ -297,10 +298,14 @@ class DiskTier:
         job = result.job
         if result.fatal:
             self._disable(result.fatal)
-        for key, why in result.bad:
-            self.chunks_dropped += 1
-            path = self.store.discard(key)
-            log.warning("disk tier: dropped chunk %s (%s)", path, why)
+        if isinstance(job, SaveJob):
+            for key, why in result.bad:
+                self.write_errors += 1
+                log.warning("disk tier: could not save chunk %s: %s", key.hex()[:16], why)
+        else:
+            for key, why in result.bad:
+                self.chunks_dropped += 1
+                log.warning("disk tier: dropped chunk %s (%s)", self.store.discard(key), why)
         if isinstance(job, SaveJob):
             self._reading.pop(job.job_id, None)
             handle = self._through_locks.pop(job.job_id, None)
@@ -387,6 +392,7 @@ class DiskTier:
             bytes_read=self.bytes_read,
             chunks_written=self.chunks_written,
             chunks_dropped=self.chunks_dropped,
+            write_errors=self.write_errors,
             loads=self.loads,
             load_seconds=self.load_seconds,
             load_p50_s=lat[len(lat) // 2] if lat else 0.0,

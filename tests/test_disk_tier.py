@@ -307,3 +307,40 @@ def test_a_graceful_close_saves_what_only_the_arena_holds(tmp_path) -> None:
         assert len(files) == 2  # the two whole 4-token chunks; the 2-token tail is not one
     finally:
         arena.destroy()
+
+
+@pytest.mark.parametrize("kind", ["runs", "scattered", "one slot"])
+def test_gather_and_scatter_copy_exactly_the_rows_of_their_slots(tmp_path, kind) -> None:
+    import numpy as np
+    import torch
+
+    from radixmux.memory.arena import KVArena
+    from radixmux.memory.kv_transfer import byte_view, gather, scatter
+    from radixmux.memory.layout import BlockGeometry, KVLayout
+
+    geometry = BlockGeometry(KVLayout(3, 2, 8, "bfloat16"), 8192, 1)  # 84 slots per block
+    arena = KVArena.create(6, 8192, directory=str(tmp_path))
+    try:
+        view = byte_view(arena.bytes, geometry)
+        spb = geometry.slots_per_block
+        view.copy_(torch.randint(-(2**62), 2**62, view.shape, dtype=view.dtype))
+        rng = np.random.default_rng(3)
+        if kind == "runs":  # page runs crossing block edges, as the allocator hands them out
+            slots = np.concatenate([np.arange(spb - 5, spb + 40), np.arange(4 * spb, 4 * spb + 30)])
+        elif kind == "scattered":
+            slots = rng.permutation(6 * spb)[:100]
+        else:
+            slots = np.array([2 * spb + 7])
+        expect = torch.stack([view[s // spb, :, :, s % spb] for s in slots.tolist()])
+        assert torch.equal(gather(view, slots), expect)
+        dest = np.setdiff1d(np.arange(6 * spb), slots)[: len(slots)]
+        if kind == "runs":
+            dest = np.arange(2 * spb + 3, 2 * spb + 3 + len(slots))
+        before = view.clone()
+        scatter(view, dest, expect)
+        assert torch.equal(gather(view, dest), expect)
+        untouched = np.setdiff1d(np.arange(6 * spb), dest)
+        flat = lambda v: v.permute(0, 3, 1, 2, 4).reshape(6 * spb, -1)  # noqa: E731
+        assert torch.equal(flat(view)[untouched], flat(before)[untouched])
+    finally:
+        arena.destroy()
