@@ -163,21 +163,31 @@ class DiskKVStore:
             if not ns_entry.is_dir():
                 continue
             for entry in os.scandir(ns_entry.path):
-                name = entry.name
-                key_hex = name[: -len(SUFFIX)]
-                if not name.endswith(SUFFIX) or len(key_hex) != 64:
+                key = _key_of(entry.name)
+                if key is None:  # a write a crash interrupted, or not ours
                     with contextlib.suppress(OSError):
-                        os.unlink(entry.path)  # a write a crash interrupted
+                        os.unlink(entry.path)
                     dropped += 1
                     continue
                 st = entry.stat()
-                found.append(
-                    (st.st_mtime, bytes.fromhex(key_hex), _Meta(ns_entry.name, st.st_size))
-                )
+                found.append((st.st_mtime, key, _Meta(ns_entry.name, st.st_size)))
         for _, key, meta in sorted(found, key=lambda f: f[0]):
             self._index[key] = meta
             self.size_bytes += meta.size
-        return dropped
+        # A restart with a smaller --kv-disk-bytes: the oldest go now.
+        victims = self._trim()
+        remove_paths(victims)
+        return dropped + len(victims)
+
+    def _trim(self) -> list[str]:
+        """Forget least recently used chunks until the store fits its capacity
+        (one chunk larger than all of it stays); returns their paths."""
+        victims = []
+        while self.size_bytes > self.capacity_bytes and len(self._index) > 1:
+            victim, meta = self._index.popitem(last=False)
+            self.size_bytes -= meta.size
+            victims.append(self.path(meta.ns_dir, victim))
+        return victims
 
     def path(self, ns_dir: str, key: bytes) -> str:
         return os.path.join(self.root, ns_dir, key.hex() + SUFFIX)
@@ -204,12 +214,7 @@ class DiskKVStore:
             self.size_bytes -= old.size
         self._index[key] = _Meta(ns_dir, size)
         self.size_bytes += size
-        victims = []
-        while self.size_bytes > self.capacity_bytes and len(self._index) > 1:
-            victim, meta = self._index.popitem(last=False)
-            self.size_bytes -= meta.size
-            victims.append(self.path(meta.ns_dir, victim))
-        return victims
+        return self._trim()
 
     def discard(self, key: bytes) -> str | None:
         """Forget a chunk (corrupt, or its namespace dropped); returns its path."""
@@ -243,6 +248,17 @@ def remove_paths(paths: list[str]) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _key_of(name: str) -> bytes | None:
+    """The key a chunk file's name holds (None: not a chunk file name)."""
+    stem = name[: -len(SUFFIX)]
+    if not name.endswith(SUFFIX) or len(stem) != 64:
+        return None
+    try:
+        return bytes.fromhex(stem)
+    except ValueError:
+        return None
 
 
 def _lock_directory(directory: str) -> int:
