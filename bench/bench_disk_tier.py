@@ -182,10 +182,12 @@ def kv_bytes_per_token(source: str, dtype: str) -> int:
 
 
 def block_bytes_for(arena: int, per_token: int) -> int:
-    """Blocks small enough that each model's share is many of them (a multiple
-    of 3 KiB: every embedded model's K row divides it), at least 16 tokens."""
+    """Blocks small enough that each model's share is many of them, at least 16
+    tokens: a multiple of 12 KiB (3 KiB, which every embedded model's K row
+    divides, and the arena's 4 KiB block alignment)."""
+    unit = 12288
     block = max(16 * per_token, arena // 48)
-    return max(3072, block // 3072 * 3072)
+    return max(unit, block // unit * unit)
 
 
 # ---- servers --------------------------------------------------------------------------

@@ -114,18 +114,23 @@ def _runs(slots: np.ndarray, spb: int) -> list[tuple[int, int, int, int]] | None
     return [(int(blocks[s]), int(slots[s] % spb), s, e) for s, e in zip(starts, ends, strict=True)]
 
 
-def gather(view: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
-    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor.
+def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor
+    (into ``out`` when given).
 
     Allocated slots mostly come in runs inside a block: a strided copy per run
     is 2-3x faster than an indexed gather of every row."""
     spb = view.shape[3]
     slots = np.asarray(slots, dtype=np.int64)
+    if out is None:
+        out = torch.empty(
+            (len(slots), view.shape[1], view.shape[2], view.shape[4]), dtype=view.dtype
+        )
     runs = _runs(slots, spb)
     if runs is None:
         idx = torch.from_numpy(slots)
-        return view[idx // spb, :, :, idx % spb]
-    out = torch.empty((len(slots), view.shape[1], view.shape[2], view.shape[4]), dtype=view.dtype)
+        out.copy_(view[idx // spb, :, :, idx % spb])
+        return out
     for block, offset, start, end in runs:
         out[start:end].permute(1, 2, 0, 3).copy_(view[block, :, :, offset : offset + end - start])
     return out
@@ -144,9 +149,6 @@ def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
         view[block, :, :, offset : offset + end - start].copy_(rows[start:end].permute(1, 2, 0, 3))
 
 
-_NUMPY_WORDS = {torch.int64: np.int64, torch.uint8: np.uint8}
-
-
 class KVTransfer:
     """A FIFO of save / load / delete jobs run on one I/O thread."""
 
@@ -157,7 +159,7 @@ class KVTransfer:
         os.set_blocking(self._wake_r, False)
         self._ids = 0
         self.pending = 0
-        self._read_buf = np.empty(0, dtype=np.uint8)
+        self._staging: torch.Tensor | None = None
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
         self._thread.start()
 
@@ -224,13 +226,14 @@ class KVTransfer:
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
 
-    @staticmethod
-    def _save(job: SaveJob, result: JobResult) -> None:
-        rows = gather(job.view, job.slots[: len(job.chunks) * job.chunk_tokens])
-        data = rows.numpy().view(np.uint8)
+    def _save(self, job: SaveJob, result: JobResult) -> None:
         c = job.chunk_tokens
         for i, chunk in enumerate(job.chunks):
-            payload = memoryview(data[i * c : (i + 1) * c]).cast("B")
+            # One chunk at a time through a small reused buffer: it stays in
+            # cache between the gather, the checksum and the write.
+            rows = self._rows(job.view, c)
+            gather(job.view, job.slots[i * c : (i + 1) * c], out=rows)
+            payload = memoryview(rows.numpy()).cast("B")
             try:
                 size = write_chunk(chunk.path, chunk.key, job.ns, c, payload)
             except OSError as exc:
@@ -244,13 +247,10 @@ class KVTransfer:
 
     def _load(self, job: LoadJob, result: JobResult) -> None:
         c = job.chunk_tokens
-        row_shape = tuple(job.view.shape[1:3]) + (job.view.shape[4],)
-        buf = self._buffer(len(job.chunks) * c * int(np.prod(row_shape)) * job.view.element_size())
-        buf = buf.view(_NUMPY_WORDS[job.view.dtype]).reshape(len(job.chunks) * c, *row_shape)
-        good = 0
+        done = 0  # slots filled so far
         for i, chunk in enumerate(job.chunks):
-            out = memoryview(buf[i * c : (i + 1) * c]).cast("B")
-            why = read_chunk(chunk.path, chunk.key, job.ns, c, out)
+            rows = self._rows(job.view, c)
+            why = read_chunk(chunk.path, chunk.key, job.ns, c, memoryview(rows.numpy()).cast("B"))
             if why is not None:
                 result.bad.append((chunk.key, why))
                 with contextlib.suppress(OSError):
@@ -258,15 +258,20 @@ class KVTransfer:
                 break
             with contextlib.suppress(OSError):
                 os.utime(chunk.path)  # recency survives a restart
-            good += 1
-        result.tokens = max(0, good * c - job.skip)
-        if result.tokens:
-            rows = torch.from_numpy(buf[job.skip : job.skip + result.tokens])
-            scatter(job.view, job.slots[: result.tokens], rows)
-        result.nbytes = good * c * int(np.prod(row_shape)) * job.view.element_size()
+            first = job.skip if i == 0 else 0
+            scatter(job.view, job.slots[done : done + c - first], rows[first:])
+            done += c - first
+            result.nbytes += rows.numel() * rows.element_size()
+        result.tokens = done
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        """A reused read buffer (a fresh one per load would page-fault every byte)."""
-        if self._read_buf.nbytes < nbytes:
-            self._read_buf = np.empty(nbytes, dtype=np.uint8)
-        return self._read_buf[:nbytes]
+    def _rows(self, view: torch.Tensor, n: int) -> torch.Tensor:
+        """The reused ``[n, layers, 2, row]`` staging buffer (a fresh one per
+        chunk would page-fault every byte)."""
+        shape = (n, view.shape[1], view.shape[2], view.shape[4])
+        if (
+            self._staging is None
+            or self._staging.shape != shape
+            or self._staging.dtype != view.dtype
+        ):
+            self._staging = torch.empty(shape, dtype=view.dtype)
+        return self._staging

@@ -23,7 +23,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from radixmux.memory.kv_disk_store import (
     SUFFIX,
     DiskKVStore,
     StoreLocked,
+    checksum,
     chunk_keys,
     namespace,
     namespace_dir,
@@ -53,7 +53,7 @@ CHUNK = 4  # tokens per chunk
 PAGE = 4
 BLOCK = 4096
 NUM_BLOCKS = 3
-HEADER = 64  # the packed size of the file header
+HEADER = struct.calcsize("<8sIIQQI32s")  # the packed size of the file header
 # Two layouts: rows of 32 bytes (the I/O thread copies int64 words) and of 6
 # bytes (it copies single bytes).
 LAYOUTS = (
@@ -221,13 +221,13 @@ class DiskStoreMachine(RuleBasedStateMachine):
         ns = self.spaces[chunk.ns].ns
         assert len(data) == chunk.size == HEADER + len(ns) + len(chunk.payload)
         magic, version, tokens, size, crc, ns_len, file_key = struct.unpack(
-            "<8sIIQII32s", data[:HEADER]
+            "<8sIIQQI32s", data[:HEADER]
         )
         assert (magic, version, tokens, file_key) == (MAGIC, FORMAT_VERSION, CHUNK, key)
         assert (size, ns_len) == (len(chunk.payload), len(ns))
         assert data[HEADER : HEADER + ns_len] == ns
         assert data[HEADER + ns_len :] == chunk.payload
-        assert crc == zlib.crc32(chunk.payload)
+        assert crc == checksum(chunk.payload)
 
     def _slots(self, data: st.DataObject, n: int) -> np.ndarray:
         picked = data.draw(
@@ -681,10 +681,10 @@ def test_read_chunk_checks_sizes(tmp_path) -> None:
             f.write(bad)
         assert read_chunk(path, key, NS, CHUNK, memoryview(out)) is not None, len(bad)
     # A header claiming a payload of a size other than the one written.
-    fields = list(struct.unpack("<8sIIQII32s", raw[:HEADER]))
+    fields = list(struct.unpack("<8sIIQQI32s", raw[:HEADER]))
     fields[3] += 4
     with open(path, "wb") as f:
-        f.write(struct.pack("<8sIIQII32s", *fields) + raw[HEADER:] + b"\0" * 4)
+        f.write(struct.pack("<8sIIQQI32s", *fields) + raw[HEADER:] + b"\0" * 4)
     assert read_chunk(path, key, NS, CHUNK, memoryview(out)) is not None
     os.unlink(path)
     assert read_chunk(path, key, NS, CHUNK, memoryview(out)) == "file missing"
