@@ -344,3 +344,20 @@ def test_gather_and_scatter_copy_exactly_the_rows_of_their_slots(tmp_path, kind)
         assert torch.equal(flat(view)[untouched], flat(before)[untouched])
     finally:
         arena.destroy()
+
+
+def test_disk_flags_are_checked_and_default_off() -> None:
+    from radixmux.runtime.server_args import DEFAULT_KV_DISK_DIR, ServerArgs, parse_args
+
+    assert not ServerArgs().disk_tier and ServerArgs().kv_disk_dir is None
+    on = parse_args(["--kv-disk-bytes", "1000000"])
+    assert on.disk_tier and on.kv_disk_dir == DEFAULT_KV_DISK_DIR
+    for bad, why in [
+        ({"kv_disk_dir": "/tmp/x"}, "needs --kv-disk-bytes"),
+        ({"kv_disk_bytes": 1 << 20, "disable_radix_cache": True}, "needs the radix cache"),
+        ({"kv_disk_bytes": 1 << 20, "page_size": 16, "kv_disk_chunk_tokens": 40}, "multiple"),
+        ({"kv_disk_bytes": 1 << 20, "kv_disk_write_policy": "lazy"}, "write-policy"),
+        ({"kv_disk_bytes": -1}, ">= 0"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            ServerArgs(**bad)
