@@ -47,7 +47,6 @@ class SaveJob:
     chunks: list[ChunkRef]
     ns: bytes
     chunk_tokens: int
-    tag: object = None  # the submitter's (returned with the result)
     job_id: int = 0
 
 
@@ -62,14 +61,12 @@ class LoadJob:
     ns: bytes
     chunk_tokens: int
     skip: int = 0
-    tag: object = None
     job_id: int = 0
 
 
 @dataclass
 class DeleteJob:
     paths: list[str]
-    tag: object = None
     job_id: int = 0
 
 

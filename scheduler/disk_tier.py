@@ -155,9 +155,7 @@ class DiskTier:
         return [ChunkRef(k, self.store.path(space.ns_dir, k)) for k in keys]
 
     # ---- saving ----------------------------------------------------------------------
-    def _save(
-        self, pool: str, tokens: bytes, slots: np.ndarray, first: int, tag: object
-    ) -> int | None:
+    def _save(self, pool: str, tokens: bytes, slots: np.ndarray, first: int = 0) -> int | None:
         """Submit the chunks of ``tokens`` from chunk ``first`` on that the store
         lacks; returns the job id (None when there was nothing to save)."""
         if self.disabled:
@@ -175,12 +173,12 @@ class DiskTier:
         chunk_slots = np.concatenate([slots[i * c : (i + 1) * c] for i in todo])
         chosen = [keys[i] for i in todo]
         self._queued.update(chosen)
-        job = SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c, tag=tag)
+        job = SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c)
         return self.transfer.submit(job)
 
     def _spill(self, pool: str, tokens: bytes, slots: np.ndarray, start: int) -> None:
         """The tree is about to free ``slots[start:]``: save the chunks ending there."""
-        job = self._save(pool, tokens, slots, start // self.chunk, "spill")
+        job = self._save(pool, tokens, slots, start // self.chunk)
         if job is not None:
             c = self.chunk
             read = slots[start // c * c : len(slots) // c * c]
@@ -198,7 +196,7 @@ class DiskTier:
         if m.length < n:  # invalidated meanwhile: nothing of it is cached any more
             return
         self.cache.lock(m.handle)
-        job = self._save(self.cache.pool_of(model), tokens[:n].tobytes(), m.slots, 0, "through")
+        job = self._save(self.cache.pool_of(model), tokens[:n].tobytes(), m.slots)
         if job is None:
             self.cache.unlock(m.handle)
         else:
@@ -261,7 +259,6 @@ class DiskTier:
             space.ns,
             self.chunk,
             skip=plan.skip,
-            tag=req,
         )
         self._loading_keys.update(ch.key for ch in plan.chunks)
         for ch in plan.chunks:
@@ -312,10 +309,10 @@ class DiskTier:
             if handle is not None:
                 self.cache.unlock(handle)
             self._queued.difference_update(ch.key for ch in job.chunks)
-            space_dir = job.chunks[0].path.rsplit("/", 2)[-2]
+            ns_dir = namespace_dir(job.ns)
             victims = []
             for key, size in result.written:
-                victims += self.store.added(key, space_dir, size)
+                victims += self.store.added(key, ns_dir, size)
             if victims:
                 self.transfer.submit(DeleteJob(victims))
             self.bytes_written += result.nbytes
@@ -366,7 +363,7 @@ class DiskTier:
         if flush and not self.disabled and self.write_policy == "write_back":
             t0 = time.monotonic()
             for pool, tokens, slots in self.cache.cached_paths():
-                self._save(pool, tokens, slots, 0, "flush")
+                self._save(pool, tokens, slots)
             self.poll(wait=FLUSH_SECONDS)
             log.info(
                 "disk tier: saved the arena in %.1f s (%d chunks, %.1f MB in the store)",

@@ -280,7 +280,7 @@ class Scheduler:
             model = self.models[req.model]
             if req.aborted is not None or req.rid not in self.requests:
                 self._forget(req)
-            elif not model.up and model.state == "down":
+            elif model.state == "down":
                 self._fail_requests([req.rid], 503, f"model {model.name!r} is down")
             else:
                 model.waiting.insert(0, req)

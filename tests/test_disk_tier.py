@@ -179,13 +179,13 @@ def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(model, recomputed, t
 REAL = ["smollm2,dtype=float32", "gemma3-270m,name=gemma,dtype=float32"]
 REAL_PROMPTS = [
     f"Chapter {i}. " + "The river ran past the mill and the old town, " * 24 + f"and on day {i}"
-    for i in range(5)
+    for i in range(4)
 ]
 
 
-def real_rounds(url: str) -> list[str]:
+def real_rounds(url: str, rounds: int = 2) -> list[str]:
     out = []
-    for _ in range(2):
+    for _ in range(rounds):
         for model in ("smollm2", "gemma"):
             for p in REAL_PROMPTS:
                 body = {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0}
@@ -217,10 +217,10 @@ def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path
         assert real_rounds(url) == recomputed
         loaded = scheduler(url)["disk"]["tokens_loaded"]
     assert loaded["smollm2"] > 500 and loaded["gemma"] > 500
-    with serve_real(tmp_path) as url:
-        assert real_rounds(url) == recomputed
+    with serve_real(tmp_path) as url:  # every prompt's prefix is on disk now
+        assert real_rounds(url, rounds=1) == recomputed[: len(recomputed) // 2]
         sched = scheduler(url)
-    assert sched["disk"]["tokens_loaded"]["smollm2"] > 1000
+    assert sched["disk"]["tokens_loaded"]["smollm2"] > 3 * 200
     assert sched["disk"]["chunks_dropped"] == 0
 
 
