@@ -72,12 +72,14 @@ if __package__ in (None, ""):  # run as a script: make `bench.` importable
 
 from bench.bench_serving import (  # noqa: E402
     RESULTS_DIR,
+    SSE_DONE,
     BenchConfig,
     BenchResult,
     RequestRecord,
     scrape_samples,
     scrape_servers,
     send_request,
+    sse_message,
     summarise,
     write_json,
 )
@@ -308,12 +310,11 @@ def stream_completion(
         if resp.status_code != 200:
             raise BenchFailure(f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')}")
         for line in resp.iter_lines():
-            if not line.startswith("data:"):
+            msg = sse_message(line)
+            if msg is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if msg is SSE_DONE:
                 break
-            msg = json.loads(data)
             if "error" in msg:
                 raise BenchFailure(f"stream error: {msg['error']}")
             choices = msg.get("choices") or []

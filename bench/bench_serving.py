@@ -266,12 +266,11 @@ async def send_request(
                 rec.e2e = time.perf_counter() - start
                 return rec
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+                msg = sse_message(line)
+                if msg is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                if msg is SSE_DONE:
                     break
-                msg = json.loads(data)
                 if "error" in msg:
                     rec.error = str(msg["error"])[:300]
                     break
@@ -296,6 +295,18 @@ async def send_request(
     if not rec.error and not chunks:
         rec.error = "empty response"
     return rec
+
+
+SSE_DONE: dict[str, Any] = {}  # the ``data: [DONE]`` sentinel (compared by identity)
+
+
+def sse_message(line: str) -> dict[str, Any] | None:
+    """The JSON message of one Server-Sent Events line; ``SSE_DONE`` at
+    ``[DONE]``; None for a line that carries no data."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return SSE_DONE if data == "[DONE]" else json.loads(data)
 
 
 def _chunk_text(msg: dict[str, Any]) -> str:
