@@ -791,19 +791,22 @@ def _f(x: Any, spec: str = ".1f") -> str:
     return format(x, spec)
 
 
+def _table(title: str, head: str, rows: list[str], footer: str) -> str:
+    return "\n".join([f"\n== {title}", head, "-" * len(head), *rows, footer])
+
+
 def format_chat(rep: dict[str, Any]) -> str:
     head = (
         f"{'configuration':<24} {'out tok/s':>9} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'computed':>9} {'loaded':>8} {'loads':>6} {'err':>4}"
     )
-    lines = [
-        f"\n== chat: {rep['sessions']} conversations x {rep['params']['turns']} turns over "
+    title = (
+        f"chat: {rep['sessions']} conversations x {rep['params']['turns']} turns over "
         f"models {', '.join(rep['working_set_tokens'])}, working set "
         f"{rep['working_set_bytes'] / 2**20:.0f} MiB, arena {rep['kv_cache_bytes'] / 2**20:.1f} "
-        f"MiB, {rep['concurrency']} in flight",
-        head,
-        "-" * len(head),
-    ]
+        f"MiB, {rep['concurrency']} in flight"
+    )
+    lines = []
     for run in rep["runs"]:
         r = run["result"]
         if r is None:
@@ -816,12 +819,12 @@ def format_chat(rep: dict[str, Any]) -> str:
             f"{_f(r['ttft_ms']['p99'], '.0f'):>9} {c['prompt_tokens_computed']:>9.0f} "
             f"{c['tokens_loaded']:>8.0f} {c['loads']:>6.0f} {r['errors']:>4}"
         )
-    lines.append(
+    footer = (
         f"throughput ratio (tier / none): {_f(rep['throughput_ratio'], '.2f')}x; identical "
         f"greedy replies {rep['identical_replies']['all']} (first turns "
         f"{rep['identical_replies']['first_turns']})"
     )
-    return "\n".join(lines)
+    return _table(title, head, lines, footer)
 
 
 def format_restart(rep: dict[str, Any]) -> str:
@@ -829,24 +832,23 @@ def format_restart(rep: dict[str, Any]) -> str:
         f"{'rep':>3} {'cold ms':>9} {'disk-warm ms':>13} {'memory-warm ms':>15} "
         f"{'loaded':>7} {'load ms':>8} {'flush+stop s':>12}"
     )
-    lines = [
-        f"\n== restart: {rep['system_tokens']}-token system prompt + "
-        f"{rep['question_tokens']}-token question (TTFT, streamed)",
-        head,
-        "-" * len(head),
-    ]
+    title = (
+        f"restart: {rep['system_tokens']}-token system prompt + "
+        f"{rep['question_tokens']}-token question (TTFT, streamed)"
+    )
+    lines = []
     for r in rep["reps"]:
         lines.append(
             f"{r['rep'] + 1:>3} {r['cold_ttft_ms']:>9.1f} {r['disk_warm_ttft_ms']:>13.1f} "
             f"{r['memory_warm_ttft_ms']:>15.1f} {r['disk_tokens_loaded']:>7.0f} "
             f"{r['disk_load_ms']:>8.1f} {r['flush_stop_s']:>12.1f}"
         )
-    lines.append(
+    footer = (
         f"median: cold {_f(rep['median_cold_ttft_ms'])} ms, disk-warm "
         f"{_f(rep['median_disk_warm_ttft_ms'])} ms, memory-warm "
         f"{_f(rep['median_memory_warm_ttft_ms'])} ms: disk-warm {_f(rep['speedup'])}x faster"
     )
-    return "\n".join(lines)
+    return _table(title, head, lines, footer)
 
 
 def format_raw(rep: dict[str, Any]) -> str:
@@ -854,12 +856,11 @@ def format_raw(rep: dict[str, Any]) -> str:
         f"{'length':>6} {'prefill ms':>11} {'load ms':>8} {'ratio':>7} {'prefill tok/s':>14} "
         f"{'load tok/s':>11} {'warm TTFT ms':>13} {'same out':>8}"
     )
-    lines = [
-        f"\n== raw: prefill (TTFT, nothing cached) vs disk load (scheduler load time), "
-        f"median of {rep['reps']}",
-        head,
-        "-" * len(head),
-    ]
+    title = (
+        "raw: prefill (TTFT, nothing cached) vs disk load (scheduler load time), "
+        f"median of {rep['reps']}"
+    )
+    lines = []
     for r in rep["rows"]:
         lines.append(
             f"{r['tokens']:>6} {_f(r['prefill_ms']):>11} {_f(r['load_ms'], '.2f'):>8} "
@@ -868,12 +869,12 @@ def format_raw(rep: dict[str, Any]) -> str:
             f"{r['outputs_match']}/{r['reps']:<6}"
         )
     at = rep["at_1000"]
-    lines.append(
+    footer = (
         f"at {at['tokens']} tokens: prefill {_f(at['prefill_ms'])} ms / load "
         f"{_f(at['load_ms'], '.2f')} ms = {_f(at['ratio'])}x"
         + (f" ({at['how']})" if at.get("how") else "")
     )
-    return "\n".join(lines)
+    return _table(title, head, lines, footer)
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
