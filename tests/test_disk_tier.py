@@ -99,7 +99,8 @@ def test_loaded_equals_recomputed_and_survives_restart(model, recomputed, tmp_pa
 
 
 def test_write_through_saves_on_insert_and_flush_clears_the_store(model, recomputed, tmp_path):
-    with serve(model, tmp_path, kv_disk_write_policy="write_through") as url:
+    # Pages of 16 tokens under 64-token chunks: loads and inserts stay page-aligned.
+    with serve(model, tmp_path, kv_disk_write_policy="write_through", page_size=16) as url:
         assert ask(url, PROMPTS[0]) == recomputed[0]
         saved = scheduler(url)["disk"]
         assert saved["store_chunks"] == saved["chunks_written"]
