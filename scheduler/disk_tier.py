@@ -161,7 +161,8 @@ class DiskTier:
         if self.disabled:
             return None
         c = self.chunk
-        keys = chunk_keys(self._space(pool).ns, tokens, c)
+        space = self._space(pool)
+        keys = chunk_keys(space.ns, tokens, c)
         todo = [
             i
             for i in range(first, len(keys))
@@ -169,7 +170,6 @@ class DiskTier:
         ]
         if not todo:
             return None
-        space = self._space(pool)
         chunk_slots = np.concatenate([slots[i * c : (i + 1) * c] for i in todo])
         chosen = [keys[i] for i in todo]
         self._queued.update(chosen)
