@@ -51,6 +51,19 @@ LOCK_NAME = "radixmux.lock"
 FATAL_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM}
 
 
+def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None:
+    """Raise ValueError for a chunk size or write policy the tier cannot use."""
+    if chunk_tokens <= 0 or chunk_tokens % page_size:
+        raise ValueError(
+            f"--kv-disk-chunk-tokens {chunk_tokens} must be a positive multiple "
+            f"of --page-size {page_size}"
+        )
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(
+            f"--kv-disk-write-policy {write_policy!r}: choose one of {list(WRITE_POLICIES)}"
+        )
+
+
 class StoreLocked(RuntimeError):
     """Another live server uses this directory."""
 
@@ -94,7 +107,8 @@ def write_chunk(path: str, key: bytes, ns: bytes, n_tokens: int, payload: memory
         try:
             f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below)
         except FileNotFoundError:
-            # Its namespace directory was deleted (a flush) after the save was queued.
+            # The namespace's first chunk, or its directory was deleted (a flush)
+            # after the save was queued.
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             f = open(tmp, "wb")  # noqa: SIM115
         with f:
@@ -199,9 +213,6 @@ class DiskKVStore:
     def path(self, ns_dir: str, key: bytes) -> str:
         return os.path.join(self.root, ns_dir, key.hex() + SUFFIX)
 
-    def ensure_namespace(self, ns_dir: str) -> None:
-        os.makedirs(os.path.join(self.root, ns_dir), mode=0o700, exist_ok=True)
-
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 
@@ -231,13 +242,10 @@ class DiskKVStore:
         self.size_bytes -= meta.size
         return self.path(meta.ns_dir, key)
 
-    def drop_namespace(self, ns_dir: str | None = None) -> list[str]:
-        """Forget every chunk of one namespace (all when None); returns the
-        directories to delete."""
-        for key in [k for k, m in self._index.items() if ns_dir is None or m.ns_dir == ns_dir]:
-            self.discard(key)
-        if ns_dir is not None:
-            return [os.path.join(self.root, ns_dir)]
+    def clear(self) -> list[str]:
+        """Forget every chunk; returns the namespace directories to delete."""
+        self._index.clear()
+        self.size_bytes = 0
         return [e.path for e in os.scandir(self.root) if e.is_dir()]
 
     def close(self) -> None:

@@ -79,7 +79,6 @@ class JobResult:
     ``slots`` now hold valid KV (up to the first bad chunk)."""
 
     job: Job
-    seconds: float
     nbytes: int = 0
     tokens: int = 0
     written: list[tuple[bytes, int]] = field(default_factory=list)  # (key, file size)
@@ -119,15 +118,14 @@ def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = Non
     is 2-3x faster than an indexed gather of every row."""
     spb = view.shape[3]
     slots = np.asarray(slots, dtype=np.int64)
-    if out is None:
-        out = torch.empty(
-            (len(slots), view.shape[1], view.shape[2], view.shape[4]), dtype=view.dtype
-        )
     runs = _runs(slots, spb)
     if runs is None:
         idx = torch.from_numpy(slots)
-        out.copy_(view[idx // spb, :, :, idx % spb])
-        return out
+        rows = view[idx // spb, :, :, idx % spb]
+        return rows if out is None else out.copy_(rows)
+    if out is None:
+        shape = (len(slots), view.shape[1], view.shape[2], view.shape[4])
+        out = torch.empty(shape, dtype=view.dtype)
     for block, offset, start, end in runs:
         out[start:end].permute(1, 2, 0, 3).copy_(view[block, :, :, offset : offset + end - start])
     return out
@@ -207,8 +205,7 @@ class KVTransfer:
     # ---- the I/O thread ----------------------------------------------------------
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            t0 = time.perf_counter()
-            result = JobResult(job, 0.0)
+            result = JobResult(job)
             try:
                 if isinstance(job, SaveJob):
                     self._save(job, result)
@@ -218,17 +215,16 @@ class KVTransfer:
                     remove_paths(job.paths)
             except Exception as exc:  # never lose a job's answer: the loop waits on it
                 result.fatal = result.fatal or f"{type(exc).__name__}: {exc}"
-            result.seconds = time.perf_counter() - t0
             self._done.put(result)
             with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
 
     def _save(self, job: SaveJob, result: JobResult) -> None:
         c = job.chunk_tokens
+        # One chunk at a time through a small reused buffer: it stays in
+        # cache between the gather, the checksum and the write.
+        rows = self._rows(job.view, c)
         for i, chunk in enumerate(job.chunks):
-            # One chunk at a time through a small reused buffer: it stays in
-            # cache between the gather, the checksum and the write.
-            rows = self._rows(job.view, c)
             gather(job.view, job.slots[i * c : (i + 1) * c], out=rows)
             payload = memoryview(rows.numpy()).cast("B")
             try:
@@ -245,8 +241,8 @@ class KVTransfer:
     def _load(self, job: LoadJob, result: JobResult) -> None:
         c = job.chunk_tokens
         done = 0  # slots filled so far
+        rows = self._rows(job.view, c)
         for i, chunk in enumerate(job.chunks):
-            rows = self._rows(job.view, c)
             why = read_chunk(chunk.path, chunk.key, job.ns, c, memoryview(rows.numpy()).cast("B"))
             if why is not None:
                 result.bad.append((chunk.key, why))

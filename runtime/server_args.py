@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from radixmux.memory.eviction import EVICTION_POLICIES
-from radixmux.memory.kv_disk_store import WRITE_POLICIES
+from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
 from radixmux.model_runners.protocol import ATTENTION_BACKENDS
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
@@ -156,14 +156,9 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             raise ValueError(f"served model names must be unique: {names}")
 
     def _check_disk_tier(self) -> None:
-        _one_of("kv_disk_write_policy", self.kv_disk_write_policy, WRITE_POLICIES)
+        check_settings(self.kv_disk_chunk_tokens, self.page_size, self.kv_disk_write_policy)
         if self.kv_disk_bytes < 0 or self.kv_disk_min_load_tokens < 0:
             raise ValueError("--kv-disk-bytes and --kv-disk-min-load-tokens must be >= 0")
-        if self.kv_disk_chunk_tokens <= 0 or self.kv_disk_chunk_tokens % self.page_size:
-            raise ValueError(
-                f"--kv-disk-chunk-tokens {self.kv_disk_chunk_tokens} must be a positive multiple "
-                f"of --page-size {self.page_size}"
-            )
         if not self.kv_disk_bytes:
             if self.kv_disk_dir is not None:
                 raise ValueError("--kv-disk-dir needs --kv-disk-bytes (the store's size)")

@@ -36,8 +36,8 @@ import torch
 
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import (
-    WRITE_POLICIES,
     DiskKVStore,
+    check_settings,
     chunk_keys,
     namespace,
     namespace_dir,
@@ -85,7 +85,7 @@ class LoadPlan:
 @dataclass
 class _Load:
     req: Req
-    plan: LoadPlan
+    chunks: list[ChunkRef]
     t0: float
 
 
@@ -101,13 +101,7 @@ class DiskTier:
         write_policy: str = "write_back",
         min_load_tokens: int = 0,
     ) -> None:
-        if chunk_tokens <= 0 or chunk_tokens % cache.page_size:
-            raise ValueError(
-                f"--kv-disk-chunk-tokens {chunk_tokens} must be a positive multiple of "
-                f"--page-size {cache.page_size}"
-            )
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"--kv-disk-write-policy {write_policy!r}: one of {WRITE_POLICIES}")
+        check_settings(chunk_tokens, cache.page_size, write_policy)
         self.cache = cache
         self.arena = arena
         self.store = store
@@ -147,7 +141,6 @@ class DiskTier:
             geometry = self.cache.allocator.geometry(pool)
             ns = namespace(pool, geometry.layout, self.chunk)
             space = _Namespace(ns, namespace_dir(ns), byte_view(self.arena.bytes, geometry))
-            self.store.ensure_namespace(space.ns_dir)
             self._spaces[pool] = space
         return space
 
@@ -263,7 +256,7 @@ class DiskTier:
         self._loading_keys.update(ch.key for ch in plan.chunks)
         for ch in plan.chunks:
             self.store.touch(ch.key)
-        self.loading[self.transfer.submit(job)] = _Load(req, plan, time.monotonic())
+        self.loading[self.transfer.submit(job)] = _Load(req, plan.chunks, time.monotonic())
         log.info(
             "rid=%s loading %d tokens (%d-%d) from disk",
             req.rid,
@@ -299,11 +292,6 @@ class DiskTier:
             for key, why in result.bad:
                 self.write_errors += 1
                 log.warning("disk tier: could not save chunk %s: %s", key.hex()[:16], why)
-        else:
-            for key, why in result.bad:
-                self.chunks_dropped += 1
-                log.warning("disk tier: dropped chunk %s (%s)", self.store.discard(key), why)
-        if isinstance(job, SaveJob):
             self._reading.pop(job.job_id, None)
             handle = self._through_locks.pop(job.job_id, None)
             if handle is not None:
@@ -319,8 +307,11 @@ class DiskTier:
             self.chunks_written += len(result.written)
             return None
         if isinstance(job, LoadJob):
+            for key, why in result.bad:
+                self.chunks_dropped += 1
+                log.warning("disk tier: dropped chunk %s (%s)", self.store.discard(key), why)
             load = self.loading.pop(job.job_id)
-            for ch in job.chunks:
+            for ch in load.chunks:
                 self._loading_keys[ch.key] -= 1
                 if not self._loading_keys[ch.key]:
                     del self._loading_keys[ch.key]
@@ -353,9 +344,7 @@ class DiskTier:
     # ---- whole-store operations --------------------------------------------------------
     def clear(self) -> None:
         """Forget and delete every chunk (``flush_cache``)."""
-        paths = self.store.drop_namespace(None)
-        self._spaces.clear()
-        self.transfer.submit(DeleteJob(paths))
+        self.transfer.submit(DeleteJob(self.store.clear()))
 
     def close(self, flush: bool) -> None:
         """Stop the I/O thread; with ``flush`` (a graceful stop under write-back)

@@ -115,16 +115,22 @@ class KVManager:
         aligned = req.kv_len - req.kv_len % self.page
         if aligned <= req.handle.length:
             return
-        tokens = req.tokens[:aligned]
-        self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
-        if self.disk is not None:
-            self.disk.inserted(req.model, tokens)
+        tokens = self._insert(req, aligned)
         m = self.cache.match(req.model, tokens, record=False)
         assert m.length == aligned, "a just-inserted prefix must match"
         self.cache.lock(m.handle)
         self.cache.unlock(req.handle)
         req.slots = np.concatenate([m.slots, req.slots[aligned:]])
         req.handle = m.handle
+
+    def _insert(self, req: Req, aligned: int) -> np.ndarray:
+        """Cache the request's first ``aligned`` tokens (whole pages) and tell the
+        disk tier (write-through saves them); returns those tokens."""
+        tokens = req.tokens[:aligned]
+        self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
+        if self.disk is not None:
+            self.disk.inserted(req.model, tokens)
+        return tokens
 
     def release(self, req: Req, keep: bool) -> None:
         """Give back the request's KV: insert computed pages into the cache when
@@ -133,10 +139,8 @@ class KVManager:
         if keep and self.cacheable(req):
             assert req.handle is not None
             aligned = req.kv_len - req.kv_len % self.page
-            self.cache.insert(req.model, req.tokens[:aligned], req.slots[:aligned], req.handle)
+            self._insert(req, aligned)
             self.cache.allocator.free(pool, req.slots[aligned:])
-            if self.disk is not None:
-                self.disk.inserted(req.model, req.tokens[:aligned])
         else:
             self.cache.allocator.free(pool, req.owned_slots)
         if req.handle is not None:

@@ -118,8 +118,6 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.base_capacity = self.capacity = int(cap_chunks * max(sizes))
         self.store = DiskKVStore(self.dir, self.capacity)
         assert len(self.store) == 0 and self.store.dropped_at_start == 0
-        for s in self.spaces:
-            self.store.ensure_namespace(s.ns_dir)
         self.transfer = KVTransfer()
         self.ref: OrderedDict[bytes, Chunk] = OrderedDict()  # LRU order, oldest first
         self.gone: dict[bytes, int] = {}  # evicted or dropped keys: no file, no index
@@ -634,7 +632,6 @@ def _payload(n_tokens: int, seed: int = 0) -> memoryview:
 def test_scan_removes_leftover_temporaries(tmp_path) -> None:
     store = DiskKVStore(str(tmp_path), 1 << 20)
     ns_dir = namespace_dir(NS)
-    store.ensure_namespace(ns_dir)
     key_a, key_b = chunk_keys(NS, pack(list(range(2 * CHUNK))), CHUNK)
     size = write_chunk(store.path(ns_dir, key_a), key_a, NS, CHUNK, _payload(CHUNK))
     leftover = f"{store.path(ns_dir, key_b)}.12345.tmp"  # a write a crash interrupted
@@ -694,7 +691,6 @@ def test_scan_trims_to_capacity(tmp_path) -> None:
     """A restart with a smaller ``--kv-disk-bytes`` must not keep more than that."""
     store = DiskKVStore(str(tmp_path), 1 << 20)
     ns_dir = namespace_dir(NS)
-    store.ensure_namespace(ns_dir)
     keys = chunk_keys(NS, pack(list(range(5 * CHUNK))), CHUNK)
     size = 0
     for i, key in enumerate(keys):
@@ -711,8 +707,8 @@ def test_scan_trims_to_capacity(tmp_path) -> None:
 def test_scan_drops_a_stray_file_with_a_non_hex_name(tmp_path) -> None:
     store = DiskKVStore(str(tmp_path), 1 << 20)
     ns_dir = namespace_dir(NS)
-    store.ensure_namespace(ns_dir)
     stray = os.path.join(store.root, ns_dir, "z" * 64 + SUFFIX)
+    os.makedirs(os.path.dirname(stray))
     open(stray, "wb").close()
     store.close()
     store = DiskKVStore(str(tmp_path), 1 << 20)
