@@ -136,7 +136,6 @@ def sampling_params(
 ) -> SamplingParams:
     """Checked runner sampling parameters from SGLang's ``sampling_params``."""
     pre = "sampling_params."
-    check_n(s.n, f"{pre}n")
     top_k = -1 if s.top_k is None else s.top_k
     if top_k < -1:
         raise APIError(400, f"'{pre}top_k' must be >= 0, or -1 to disable", f"{pre}top_k")
@@ -174,6 +173,7 @@ def generate_request(
     if not 0 <= top_n <= 20:
         raise APIError(400, "'top_logprobs_num' must be in [0, 20]", "top_logprobs_num")
     s = body.sampling_params or NativeSampling()
+    n = check_n(s.n, "sampling_params.n")
     params = sampling_params(s, model.info, bool(body.return_logprob), top_n)
     prompts = [
         P.GenerateRequest(
@@ -189,7 +189,7 @@ def generate_request(
         )
         for text, ids in _prompts(body, model.info.vocab_size)
     ]
-    return fan_out(prompts, check_n(s.n, "sampling_params.n"), "sampling_params.n")
+    return fan_out(prompts, n, "sampling_params.n")
 
 
 def is_batch(body: NativeGenerate) -> bool:
