@@ -32,7 +32,7 @@ from radixmux.memory.eviction import get_policy
 from radixmux.memory.layout import KVLayout
 
 Tokens = Sequence[int] | np.ndarray | bytes
-EVICTION_REASONS = ("capacity", "invalidation", "flush")
+EVICTION_REASONS = ("capacity", "invalidation", "flush", "unload")
 
 
 @dataclass(frozen=True)
@@ -237,6 +237,21 @@ class RadixCache:
         self._model_cache[spec.name] = cid
         self._counters[spec.name] = ModelCounters()
         self._reweigh(cid)
+
+    def unregister_model(self, name: str) -> int:
+        """Remove a model unloaded at run time. Its cache's entries go too
+        unless another model (an alias or version with the same weights) still
+        uses that cache; entries still locked are freed at their last unlock.
+        Returns tokens freed now."""
+        self.model(name)
+        cid = self._model_cache.pop(name)
+        del self._models[name]
+        del self._counters[name]
+        self._evicted_for.pop(name, None)
+        cache = self._caches[cid]
+        cache.models.discard(name)
+        self._reweigh(cid)
+        return self._drop_all([cid], "unload") if cache.orphaned else 0
 
     def _reweigh(self, cid: int) -> None:
         cache = self._caches[cid]

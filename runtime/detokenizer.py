@@ -38,7 +38,7 @@ import zmq
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
-from radixmux.runtime.tokenizer_worker import load_tokenizer
+from radixmux.runtime.tokenizer_worker import apply_table, load_tokenizer
 
 log = logging.getLogger("radixmux.detokenizer")
 
@@ -121,10 +121,30 @@ class Detokenizer:
     """Every live request's :class:`IncrementalText`, keyed by rid."""
 
     def __init__(self, tokenizers: dict[str, Any]) -> None:
-        self.tokenizers = tokenizers  # served model name -> tokenizer
+        self.tokenizers = tokenizers  # model instance -> tokenizer
+        self.folders: dict[str, str] = {}  # model instance -> its folder
         self.live: dict[str, IncrementalText] = {}
         self.stopped: OrderedDict[str, float] = OrderedDict()  # rid -> when it stopped
         self.namers: dict[str, Callable[[int], str]] = {}  # model -> token id -> text
+
+    def add_models(self, table: list[P.ServedModel]) -> None:
+        """Load the tokenizers of instances it lacks (one per folder). It never
+        drops one here: an instance's last outputs may still be on their way;
+        ``remove_model`` follows them."""
+        by_folder = {f: self.tokenizers[n] for n, f in self.folders.items()}
+        for m in table:
+            if m.instance not in self.tokenizers:
+                if m.folder not in by_folder:
+                    by_folder[m.folder] = load_tokenizer(m.folder)
+                self.tokenizers[m.instance] = by_folder[m.folder]
+                self.folders[m.instance] = m.folder
+
+    def remove_model(self, name: str) -> None:
+        """An instance was unloaded (after its last outputs, on the same socket)."""
+        self.tokenizers.pop(name, None)
+        self.folders.pop(name, None)
+        self.namers.pop(name, None)
+        log.info("model %s removed", name)
 
     def process(self, batch: P.TokenBatch) -> list[P.TextOutput]:
         """The text outputs for one batch (outputs of stopped requests dropped)."""
@@ -227,23 +247,25 @@ def _text_output(
 def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     """Load tokenizers, bind the inbox, report ready, then detokenize until shutdown."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: clean exit 0
-    by_folder: dict[str, Any] = {}
-    tokenizers: dict[str, Any] = {}
-    for m in pctx.served:
-        if m.folder not in by_folder:
-            by_folder[m.folder] = load_tokenizer(m.folder)
-        tokenizers[m.name] = by_folder[m.folder]
+    detok = Detokenizer({})
+    detok.add_models(pctx.served)
     eps = pctx.endpoints
     inbox = socket(zctx, zmq.PULL, eps.detokenizer, bind=True)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
+    to_launcher = socket(zctx, zmq.PUSH, eps.launcher, bind=False)
     decoder = P.decoder(P.DetokenizerInbox)
-    detok = Detokenizer(tokenizers)
     report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
-    log.info("ready: %s", ", ".join(tokenizers))
+    log.info("ready: %s", ", ".join(detok.tokenizers))
     for msg in inbox_messages(inbox, decoder, log):
-        outputs = detok.process(msg)
-        if outputs:
-            to_front.send(P.encode(P.TextBatch(outputs)))
+        if isinstance(msg, P.ModelTable):
+            load = functools.partial(detok.add_models, msg.models)
+            to_launcher.send(P.encode(apply_table(load, msg, pctx.name)))
+        elif isinstance(msg, P.ModelRemoved):
+            detok.remove_model(msg.name)
+        else:
+            outputs = detok.process(msg)
+            if outputs:
+                to_front.send(P.encode(P.TextBatch(outputs)))
     log.info("stopping with %d requests live", len(detok.live))
     return 0
 

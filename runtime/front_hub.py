@@ -146,6 +146,7 @@ class RequestHub:
         self.tokenizer = socket(actx, zmq.PUSH, endpoints.tokenizer, bind=True)
         self.inbox = socket(actx, zmq.PULL, endpoints.front, bind=True)
         self.scheduler = socket(actx, zmq.PUSH, endpoints.scheduler, bind=False)
+        self.launcher = socket(actx, zmq.PUSH, endpoints.launcher, bind=False)
         self.live: dict[str, Generation] = {}
         # Replies awaited by req_id: the scheduler's ControlReply, a tokenizer
         # worker's TokenizerReply.
@@ -244,6 +245,11 @@ class RequestHub:
             raise APIError(reply.status, reply.error or "tokenization failed", reply.param)
         return reply
 
+    async def launcher_call(self, cmd: P.ModelCommand, timeout: float) -> P.ModelCommandReply:
+        """A model load or unload done by the launcher (``models_api``)."""
+        self._check_ready()
+        return await self._ask(self.launcher, cmd.req_id, cmd, timeout, "the launcher")
+
     async def _ask(
         self, sock: zmq.asyncio.Socket, req_id: str, msg: msgspec.Struct, timeout: float, who: str
     ) -> Any:
@@ -263,5 +269,5 @@ class RequestHub:
             gen.queue.put_nowait(P.RequestError(rid, status, message))
 
     def close(self) -> None:
-        for sock in (self.tokenizer, self.inbox, self.scheduler):
+        for sock in (self.tokenizer, self.inbox, self.scheduler, self.launcher):
             sock.close(linger=200)

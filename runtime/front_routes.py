@@ -24,10 +24,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmux import __name__ as _pkg
+from radixmux.runtime import models_api, tokenize_api
 from radixmux.runtime import native_api as N
 from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
-from radixmux.runtime import tokenize_api
 from radixmux.runtime.api_common import (
     APIError,
     check_json_content_type,
@@ -167,7 +167,9 @@ def build_app(front: Front) -> ASGIApp:
     async def _probe(model: P.ServedModel) -> str | None:
         """One greedy token from ``model``; the reason it failed, or None."""
         params = P.SamplingParams(max_new_tokens=1)
-        req = P.GenerateRequest(new_rid(), model.name, params, input_ids=[0], arrival=time.time())
+        req = P.GenerateRequest(
+            new_rid(), model.instance, params, input_ids=[0], arrival=time.time()
+        )
         try:
             async with front.hub.generate(req, "health_generate") as gen:
                 await asyncio.wait_for(_drain(gen), HEALTH_GENERATE_TIMEOUT_S)
@@ -237,7 +239,7 @@ def build_app(front: Front) -> ASGIApp:
 
     async def invalidate(request: Request) -> Response:
         model = resolve_model(front.served, request.path_params["name"])
-        reply = await front.hub.control("invalidate", model.name)
+        reply = await front.hub.control("invalidate", model.instance)
         if not reply.ok:
             raise APIError(400, f"model '{model.name}' not invalidated: {reply.message}")
         return json_response({"ok": True, "model": model.name, "message": reply.message})
@@ -319,6 +321,7 @@ def build_app(front: Front) -> ASGIApp:
             invalidate,
         ),
         (Endpoint("/metrics", "GET", "Prometheus metrics", text=True), metrics),
+        *models_api.endpoints(front, body),
     ]
     doc = openapi_document([ep for ep, _ in endpoints], _pkg, _version())
     page = docs_page(doc)
@@ -353,15 +356,15 @@ async def _drain(gen: Any) -> None:
 def _model_states(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
     """Each served model's state: serving, restarting or down."""
     reported = {m.name: m.state for m in stats.models}
-    return {name: reported.get(name, "down") for name in served}
+    return {name: reported.get(m.instance, "down") for name, m in served.items()}
 
 
 def _down_models(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
     """Served models that are not up, with the reason the scheduler gives."""
     reported = {m.name: m for m in stats.models}
     down: dict[str, str] = {}
-    for name in served:
-        m = reported.get(name)
+    for name, model in served.items():
+        m = reported.get(model.instance)
         if m is None:
             down[name] = "not reported by the scheduler"
         elif not m.up:

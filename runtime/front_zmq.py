@@ -108,7 +108,7 @@ class ClientServer:
             raise APIError(400, "'stop' strings must be non-empty", "stop")
         return P.GenerateRequest(
             rid=new_rid(),
-            model=model.name,
+            model=model.instance,
             params=msg.params,
             prompt=msg.prompt,
             input_ids=msg.input_ids,

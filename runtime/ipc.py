@@ -12,6 +12,7 @@ endpoint          bound by    connected by
 ``runners``       scheduler   runners (ROUTER/DEALER, identity = runner id)
 ``detokenizer``   detokenizer scheduler (PUSH)
 ``front``         front       tokenizer workers, scheduler, detokenizer (PUSH)
+``models``        launcher    tokenizer workers (SUB: the table of loaded models)
 ``client``        front       the Python ZMQ client (ROUTER/DEALER)
 ================  ==========  ===============================================
 """
@@ -36,6 +37,7 @@ class Endpoints(msgspec.Struct, frozen=True):
     runners: str
     detokenizer: str
     front: str
+    models: str
     client: str
 
     @classmethod
@@ -51,6 +53,7 @@ class Endpoints(msgspec.Struct, frozen=True):
             runners=ipc("runners"),
             detokenizer=ipc("detokenizer"),
             front=ipc("front"),
+            models=ipc("models"),
             client=client or ipc("client"),
         )
 

@@ -42,8 +42,9 @@ import zmq
 from radixmux.memory.arena import KVArena
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.runtime.model_lifecycle import ModelLifecycle
 from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
+from radixmux.runtime.server_args import ModelArg, ServerArgs
 
 if TYPE_CHECKING:
     from radixmux.model_runners.runner_process import RunnerConfig
@@ -133,6 +134,8 @@ class Launcher:
         self._to_scheduler: zmq.Socket | None = None
         self._to_detokenizer: zmq.Socket | None = None
         self._to_front: zmq.Socket | None = None
+        self._models_pub: zmq.Socket | None = None
+        self.lifecycle: ModelLifecycle | None = None
         self._runner_configs: dict[str, RunnerConfig] = {}
         self._restarts: dict[str, list[float]] = {}  # runner id -> restart times
         self._due: dict[str, float] = {}  # runner id -> when to start it again
@@ -174,6 +177,7 @@ class Launcher:
         self._to_scheduler = socket(self._zctx, zmq.PUSH, eps.scheduler, bind=False)
         self._to_detokenizer = socket(self._zctx, zmq.PUSH, eps.detokenizer, bind=False)
         self._to_front = socket(self._zctx, zmq.PUSH, eps.front, bind=False)
+        self._models_pub = socket(self._zctx, zmq.PUB, eps.models, bind=True)
         spec = self._arena.spec
         log.info(
             "runtime dir %s, arena %s (%d MiB)",
@@ -196,6 +200,7 @@ class Launcher:
                 module, ProcessContext(name, args, eps, served=self.served, arena=spec), name
             )
         self._wait_ready(names, READY_TIMEOUT_S)
+        self.lifecycle = ModelLifecycle(self, self.served)
         self._to_front.send(P.encode(P.ServerReady()))
         self._started = True
         log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
@@ -208,33 +213,37 @@ class Launcher:
         log.info("started %s (pid %d)", name, self.children[-1].proc.pid)
 
     def _spawn_runners(self) -> None:
+        total = sum(m.replicas for m in self.args.models)
+        for m in self.args.models:
+            for i in range(m.replicas):
+                rid = f"{m.name}#{i}"
+                self.add_runner_config(rid, m, total)
+                self.start_runner(rid)
+
+    def add_runner_config(self, rid: str, m: ModelArg, num_runners: int) -> None:
+        """How runner ``rid`` of model ``m`` (source resolved) is started, and
+        restarted; ``num_runners`` share the cores until the scheduler says otherwise."""
         from radixmux.model_runners.runner_process import RunnerConfig
 
         args = self.args
-        total = sum(m.replicas for m in args.models)
-        for m in args.models:
-            for i in range(m.replicas):
-                rid = f"{m.name}#{i}"
-                config = RunnerConfig(
-                    model=m.source,
-                    arena=self._arena.spec,
-                    endpoint=self.endpoints.runners,
-                    runner_id=rid,
-                    name=m.name,
-                    dtype=m.dtype or args.dtype,  # concrete: resolve_models ran
-                    device=args.device,
-                    page_size=args.page_size,
-                    threads=args.runner_threads,
-                    num_runners=total,
-                    attention_backend=args.attention_backend,
-                    fuse_ops=not args.disable_fused_ops,
-                    max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
-                    max_batch_sequences=args.max_running_requests,
-                )
-                self._runner_configs[rid] = config
-                self._start_runner(rid)
+        self._runner_configs[rid] = RunnerConfig(
+            model=m.source,
+            arena=self._arena.spec,
+            endpoint=self.endpoints.runners,
+            runner_id=rid,
+            name=m.name,
+            dtype=m.dtype or args.dtype,  # concrete: resolved before
+            device=args.device,
+            page_size=args.page_size,
+            threads=args.runner_threads,
+            num_runners=num_runners,
+            attention_backend=args.attention_backend,
+            fuse_ops=not args.disable_fused_ops,
+            max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
+            max_batch_sequences=args.max_running_requests,
+        )
 
-    def _start_runner(self, rid: str) -> None:
+    def start_runner(self, rid: str) -> None:
         from radixmux.model_runners.runner_process import spawn_runner
 
         config = self._runner_configs[rid]
@@ -243,11 +252,46 @@ class Launcher:
         self.children.append(Child(f"runner {rid}", proc, runner_id=rid))
         log.info("started runner %s (pid %d) for %s", rid, proc.pid, config.model)
 
+    @property
+    def num_runners(self) -> int:
+        return len(self._runner_configs)
+
+    def runner_ids_of(self, instance: str) -> list[str]:
+        """The runner ids a model instance has (configured, whether up or not)."""
+        return [rid for rid in self._runner_configs if rid.rpartition("#")[0] == instance]
+
+    def forget_runner(self, rid: str) -> None:
+        """A runner that is gone for good: no config, no restart."""
+        self._runner_configs.pop(rid, None)
+        self._due.pop(rid, None)
+        self._restarts.pop(rid, None)
+
+    def forget_instance(self, instance: str) -> None:
+        for rid in self.runner_ids_of(instance):
+            self.forget_runner(rid)
+        self.served = [m for m in self.served if m.instance != instance]
+
+    def send_scheduler(self, msg: msgspec.Struct) -> None:
+        self._to_scheduler.send(P.encode(msg))
+
+    def send_front(self, msg: msgspec.Struct) -> None:
+        self._to_front.send(P.encode(msg))
+
+    def publish_table(self, table: P.ModelTable) -> None:
+        """The model table to every tokenizer worker (PUB) and the detokenizer."""
+        data = P.encode(table)
+        self._models_pub.send(data)
+        self._to_detokenizer.send(data)
+        self.served = list(table.models)
+
     def _runner_exited(self, child: Child, code: int) -> None:
         """Report a runner's death to the scheduler and plan its restart."""
         rid = child.runner_id
         assert rid is not None
         self.children.remove(child)
+        if self.lifecycle is not None and self.lifecycle.runner_exited(child, code):
+            log.info("%s exited with code %d (its model is unloaded)", child.name, code)
+            return
         now = time.monotonic()
         recent = [t for t in self._restarts.get(rid, []) if now - t < RESTART_WINDOW_S]
         restarting = len(recent) < MAX_RESTARTS and not self._stop_requested.is_set()
@@ -278,7 +322,7 @@ class Launcher:
         for rid, due in list(self._due.items()):
             if due <= now:
                 del self._due[rid]
-                self._start_runner(rid)
+                self.start_runner(rid)
 
     def _wait_ready(self, names: list[str], timeout: float) -> None:
         """Wait for ``ProcessReady`` from each of ``names``; fail fast on any failure."""
@@ -316,6 +360,10 @@ class Launcher:
             except msgspec.DecodeError as exc:
                 log.warning("dropped a malformed launcher message: %s", exc)
                 continue
+            if self.lifecycle is not None and self._lifecycle_message(msg):
+                continue
+            if isinstance(msg, P.ModelCommand):  # not started yet: the front is not ready
+                continue
             if isinstance(msg, P.ProcessFailed):
                 if self._started or self._stopped:
                     log.error("%s (pid %d) failed: %s", msg.name, msg.pid, msg.error)
@@ -323,6 +371,21 @@ class Launcher:
                 raise LaunchError(f"{msg.name} failed to start: {msg.error}")
             log.info("%s ready (pid %d)", msg.name, msg.pid)
             self._ready[msg.name] = msg
+
+    def _lifecycle_message(self, msg: msgspec.Struct) -> bool:
+        lc = self.lifecycle
+        assert lc is not None
+        if isinstance(msg, P.ModelCommand):
+            lc.command(msg)
+        elif isinstance(msg, P.ModelAdded):
+            lc.added(msg)
+        elif isinstance(msg, P.ModelRemoved):
+            lc.removed(msg)
+        elif isinstance(msg, P.ModelTableApplied):
+            lc.applied(msg)
+        else:
+            return False
+        return True
 
     # ---- serve -------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -341,6 +404,8 @@ class Launcher:
             except LaunchError as exc:  # a late failure report: logged, the exit decides
                 log.error("%s", exc)
             self._supervise_runners()
+            if self.lifecycle is not None:
+                self.lifecycle.poll()
             for child in list(self.children):
                 code = child.proc.poll()
                 if code is None:
@@ -416,7 +481,8 @@ class Launcher:
         _wait_all(alive, KILL_WAIT_S)
 
     def _cleanup(self) -> None:
-        for sock in (self._inbox, self._to_scheduler, self._to_detokenizer, self._to_front):
+        socks = (self._inbox, self._to_scheduler, self._to_detokenizer, self._to_front)
+        for sock in (*socks, self._models_pub):
             if sock is not None:
                 sock.close(linger=0)
         if self._zctx is not None:
@@ -439,6 +505,7 @@ class Launcher:
                     "runners",
                     "detokenizer",
                     "front",
+                    "models",
                 ):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(getattr(eps, field)[len("ipc://") :])

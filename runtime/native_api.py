@@ -178,7 +178,7 @@ def generate_request(
     prompts = [
         P.GenerateRequest(
             rid=rid,
-            model=model.name,
+            model=model.instance,
             params=params,
             prompt=text,
             input_ids=ids,

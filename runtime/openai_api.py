@@ -266,6 +266,7 @@ class ModelCard(msgspec.Struct):
     tokenizer_group: str
     kv_share_key: str
     object: str = "model"
+    version: int = 1  # radixmux: counts reloads of this name (POST /models/{name}/reload)
 
 
 class ModelList(msgspec.Struct):
@@ -345,7 +346,7 @@ def _generate(
     """The GenerateRequest for one prompt (``prompt``, ``input_ids`` or ``messages``)."""
     return P.GenerateRequest(
         rid=rid,
-        model=model.name,
+        model=model.instance,
         params=params,
         stop=stop_list(req.stop),
         stream=bool(req.stream),
@@ -496,4 +497,5 @@ def model_card(m: P.ServedModel, created: int) -> ModelCard:
         dtype=info.dtype,
         tokenizer_group=info.tokenizer_fingerprint,
         kv_share_key=info.kv_share_key,
+        version=m.version,
     )

@@ -63,24 +63,36 @@ def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.Proce
 
 
 def inbox_messages(
-    sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, log: logging.Logger
+    sock: zmq.Socket,
+    decoder: msgspec.msgpack.Decoder,
+    log: logging.Logger,
+    also: tuple[zmq.Socket, msgspec.msgpack.Decoder] | None = None,
 ) -> Iterator[msgspec.Struct]:
-    """Decoded messages from a process's inbox until ``ShutdownProcess``.
+    """Decoded messages from a process's inbox (and from ``also``, a second
+    socket with its own decoder) until ``ShutdownProcess``.
 
     A malformed message is logged and dropped: bad bytes must never kill a
     process that serves other requests.
     """
+    sources = [(sock, decoder)] if also is None else [(sock, decoder), also]
+    poller = zmq.Poller()
+    for s, _ in sources:
+        poller.register(s, zmq.POLLIN)
     while True:
-        raw = sock.recv()
-        try:
-            msg = decoder.decode(raw)
-        except msgspec.DecodeError as exc:
-            log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
-            continue
-        if isinstance(msg, P.ShutdownProcess):
-            log.info("shutdown requested")
-            return
-        yield msg
+        ready = dict(poller.poll()) if also is not None else {sock: zmq.POLLIN}
+        for s, dec in sources:
+            if s not in ready:
+                continue
+            raw = s.recv()
+            try:
+                msg = dec.decode(raw)
+            except msgspec.DecodeError as exc:
+                log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
+                continue
+            if isinstance(msg, P.ShutdownProcess):
+                log.info("shutdown requested")
+                return
+            yield msg
 
 
 def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:

@@ -22,19 +22,37 @@ import msgspec
 
 from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams, pack_ids, unpack_ids
+from radixmux.runtime.server_args import ModelArg
 
 __all__ = ["SamplingParams", "pack_ids", "unpack_ids"]
 
 
 # ---- models ---------------------------------------------------------------------
 class ServedModel(msgspec.Struct, frozen=True):
-    """A model as every process sees it once its runners are up."""
+    """A model as every process sees it once its runners are up.
+
+    ``version`` counts reloads of one served name; each version is its own
+    *instance* inside the runtime (runners, tree entries, tokenizer), so a
+    request bound to one version at the front never runs on another.
+    """
 
     name: str  # the served name clients use
     folder: str  # local HF folder (tokenizer, config, chat template)
     info: ModelInfo
     replicas: int = 1
     priority: float = 1.0
+    version: int = 1
+
+    @property
+    def instance(self) -> str:
+        """The name this version has inside the runtime (scheduler, tree, tokenizers)."""
+        return instance_name(self.name, self.version)
+
+
+def instance_name(name: str, version: int) -> str:
+    """A served name's internal name at ``version``: the name itself for the
+    first version, so a server whose models never change keeps its names."""
+    return name if version == 1 else f"{name}@v{version}"
 
 
 # ---- requests -------------------------------------------------------------------
@@ -313,12 +331,100 @@ class ShutdownProcess(msgspec.Struct, tag="shutdown_process", frozen=True):
     """Ask a process to exit cleanly."""
 
 
+# ---- models at run time ------------------------------------------------------------
+class ModelCommand(msgspec.Struct, tag="model_command", frozen=True):
+    """Front to launcher: ``load`` an instance (``model.name`` is the instance
+    name; ``served`` and ``version`` what the front lists it as) or ``unload``
+    one (only ``model.name`` is read). The front has drained an instance
+    before it asks for its unload."""
+
+    req_id: str
+    op: str
+    model: ModelArg
+    served: str = ""
+    version: int = 1
+
+
+class ModelCommandReply(msgspec.Struct, tag="model_reply", frozen=True):
+    """Launcher to front: a ``ModelCommand`` done (``status`` 200, ``model``
+    set for a load) or failed (``status`` >= 400, ``message`` says why)."""
+
+    req_id: str
+    status: int
+    message: str = ""
+    model: ServedModel | None = None
+    freed_tokens: int = 0
+
+
+class ModelTable(msgspec.Struct, tag="model_table", frozen=True):
+    """Launcher to tokenizer workers and detokenizer: every instance now
+    loaded. A tokenizer worker loads and drops tokenizers to match; the
+    detokenizer only adds (it drops an instance on the scheduler's
+    ``ModelRemoved``, which reaches it after that instance's last outputs)."""
+
+    version: int
+    models: list[ServedModel]
+
+
+class ModelTableApplied(msgspec.Struct, tag="table_applied", frozen=True):
+    """A process holds the tokenizers of ``ModelTable`` ``version`` (or says why not)."""
+
+    name: str
+    version: int
+    error: str | None = None
+
+
+class AddModel(msgspec.Struct, tag="add_model", frozen=True):
+    """Launcher to scheduler: runners for ``model`` (instance name) are
+    starting; register it once they are all ready."""
+
+    model: ModelArg
+    served: str
+    version: int = 1
+
+
+class ModelAdded(msgspec.Struct, tag="model_added", frozen=True):
+    """Scheduler to launcher: an ``AddModel`` is serving (``served``) or failed (``error``)."""
+
+    name: str
+    served: ServedModel | None = None
+    error: str | None = None
+
+
+class RemoveModel(msgspec.Struct, tag="remove_model", frozen=True):
+    """Launcher to scheduler: stop an instance's runners and drop its cache
+    entries (also cancels an ``AddModel`` still waiting for its runners)."""
+
+    name: str
+
+
+class ModelRemoved(msgspec.Struct, tag="model_removed", frozen=True):
+    """Scheduler to launcher and detokenizer: an instance is gone; its
+    blocks are back in the arena."""
+
+    name: str
+    freed_tokens: int = 0
+
+
 # Unions, one per receiving socket.
 TokenizerInbox = GenerateRequest | TokenizeRequest | DetokenizeRequest | ShutdownProcess
-SchedulerInbox = TokenizedRequest | AbortRequest | ControlRequest | RunnerDied | ShutdownProcess
-DetokenizerInbox = TokenBatch | ShutdownProcess
-FrontInbox = TextBatch | RequestError | ControlReply | TokenizerReply | ServerReady
-LauncherInbox = ProcessReady | ProcessFailed
+TokenizerBroadcast = ModelTable
+SchedulerInbox = (
+    TokenizedRequest
+    | AbortRequest
+    | ControlRequest
+    | RunnerDied
+    | ShutdownProcess
+    | AddModel
+    | RemoveModel
+)
+DetokenizerInbox = TokenBatch | ModelTable | ModelRemoved | ShutdownProcess
+FrontInbox = (
+    TextBatch | RequestError | ControlReply | TokenizerReply | ServerReady | ModelCommandReply
+)
+LauncherInbox = (
+    ProcessReady | ProcessFailed | ModelCommand | ModelAdded | ModelRemoved | ModelTableApplied
+)
 
 _encoder = msgspec.msgpack.Encoder()
 

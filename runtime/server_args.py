@@ -46,7 +46,8 @@ class ModelArg(msgspec.Struct, frozen=True):
                     f"--model {text!r}: bad option {opt!r}; use name=, dtype=, priority=, replicas="
                 )
             fields[key] = value
-        name = fields.get("name") or _default_name(source)
+        name = fields.get("name") or default_model_name(source)
+        check_model_name(name)
         dtype = fields.get("dtype")
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"--model {text!r}: dtype must be one of {DTYPES}")
@@ -62,9 +63,20 @@ class ModelArg(msgspec.Struct, frozen=True):
         return cls(source, name, dtype, priority, replicas)
 
 
-def _default_name(source: str) -> str:
+def default_model_name(source: str) -> str:
+    """The served name of a source given none: its last path part, less ``.gguf``."""
     stem = source.rstrip("/").rsplit("/", 1)[-1]
     return stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
+
+
+def check_model_name(name: str) -> None:
+    """Refuse a served name the runtime cannot carry: ``@`` marks a version
+    (``name@v2``) and ``#`` a replica (``name#0``) inside it."""
+    if not name or len(name) > 256:
+        raise ValueError("a model name must have 1 to 256 characters")
+    bad = sorted({c for c in name if c in "@#" or not c.isprintable() or c.isspace()})
+    if bad:
+        raise ValueError(f"model name {name!r} must not contain {''.join(bad)!r}")
 
 
 class ServerArgs(msgspec.Struct, kw_only=True):

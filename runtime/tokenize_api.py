@@ -58,7 +58,7 @@ def tokenize_request(
         raise APIError(400, "'prompt' must not be empty", "prompt")
     return P.TokenizeRequest(
         req_id=req_id,
-        model=model.name,
+        model=model.instance,
         prompt=body.prompt,
         messages=messages,
         add_special_tokens=body.add_special_tokens,
@@ -79,4 +79,4 @@ def detokenize_request(
     """The worker's request for a ``/detokenize`` body (no tokens: the empty text)."""
     if body.tokens:
         check_input_ids(body.tokens, model.info.vocab_size, "tokens")
-    return P.DetokenizeRequest(req_id, model.name, body.tokens)
+    return P.DetokenizeRequest(req_id, model.instance, body.tokens)

@@ -13,9 +13,11 @@ Run as ``python -m radixmux.runtime.tokenizer_worker '<ProcessContext JSON>'``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,21 +157,45 @@ class ModelTokenizer:
 def load_models(
     served: list[P.ServedModel], chat_template_file: str | None
 ) -> dict[str, ModelTokenizer]:
-    """Every served model's tokenizer (loaded once per folder) and chat template.
+    """Every served instance's tokenizer (loaded once per folder) and chat template.
 
     ``--chat-template`` overrides every model's own template (as in SGLang) and
     gives one to models that have none.
     """
-    override = Path(chat_template_file).read_text() if chat_template_file else None
-    by_folder: dict[str, Any] = {}
     models: dict[str, ModelTokenizer] = {}
-    for m in served:
+    sync_models(models, served, chat_template_file)
+    return models
+
+
+def sync_models(
+    models: dict[str, ModelTokenizer], table: list[P.ServedModel], chat_template_file: str | None
+) -> None:
+    """Make ``models`` hold exactly the instances of ``table`` (models loaded
+    or unloaded at run time), loading only the tokenizers it lacks."""
+    wanted = {m.instance: m for m in table}
+    for name in [n for n in models if n not in wanted]:
+        del models[name]
+    override = Path(chat_template_file).read_text() if chat_template_file else None
+    by_folder = {mt.model.folder: mt.tokenizer for mt in models.values()}
+    for name, m in wanted.items():
+        if name in models:
+            continue
         if m.folder not in by_folder:
             by_folder[m.folder] = load_tokenizer(m.folder)
         tok = by_folder[m.folder]
         template = override or getattr(tok, "chat_template", None) or None
-        models[m.name] = ModelTokenizer(m, tok, template)
-    return models
+        models[name] = ModelTokenizer(m, tok, template)
+
+
+def apply_table(load: Callable[[], None], table: P.ModelTable, name: str) -> P.ModelTableApplied:
+    """Run ``load`` (a ``sync_models`` for ``table``) and say how it went."""
+    try:
+        load()
+    except Exception as exc:  # a model that cannot load fails its load, not this process
+        log.exception("model table %d not applied", table.version)
+        return P.ModelTableApplied(name, table.version, f"{type(exc).__name__}: {exc}")
+    log.info("model table %d: %s", table.version, ", ".join(m.instance for m in table.models))
+    return P.ModelTableApplied(name, table.version)
 
 
 def model_tokenizer(models: dict[str, ModelTokenizer], name: str) -> ModelTokenizer:
@@ -222,13 +248,21 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     inbox = socket(zctx, zmq.PULL, eps.tokenizer, bind=False)
     to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
+    to_launcher = socket(zctx, zmq.PUSH, eps.launcher, bind=False)
+    table = socket(zctx, zmq.SUB, eps.models, bind=False)
+    table.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = P.decoder(P.TokenizerInbox)
     report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
     log.info(
         "ready: %s",
         ", ".join(f"{n} (chat={m.chat_template is not None})" for n, m in models.items()),
     )
-    for msg in inbox_messages(inbox, decoder, log):
+    also = (table, P.decoder(P.ModelTable))
+    for msg in inbox_messages(inbox, decoder, log, also=also):
+        if isinstance(msg, P.ModelTable):
+            load = functools.partial(sync_models, models, msg.models, pctx.args.chat_template)
+            to_launcher.send(P.encode(apply_table(load, msg, pctx.name)))
+            continue
         if isinstance(msg, P.TokenizeRequest | P.DetokenizeRequest):
             to_front.send(P.encode(tokenizer_service(models, msg)))
             continue

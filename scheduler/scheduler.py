@@ -64,9 +64,10 @@ class StartupError(RuntimeError):
 class ModelState:
     """One served model: its runners (replicas), waiting queue and health."""
 
-    arg: ModelArg
+    arg: ModelArg  # arg.name is the instance name (see ServedModel.instance)
     info: ModelInfo
     runners: list[RunnerState]
+    served: P.ServedModel
     waiting: list[Req] = field(default_factory=list)
     down_reason: str | None = None
 
@@ -94,6 +95,15 @@ class ModelState:
 def runner_ids(arg: ModelArg) -> list[str]:
     """The runner ids the launcher gives a model's replicas."""
     return [f"{arg.name}#{i}" for i in range(arg.replicas)]
+
+
+@dataclass
+class PendingModel:
+    """An instance added at run time whose runners are still loading."""
+
+    add: P.AddModel
+    infos: dict[str, ModelInfo] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -128,6 +138,9 @@ class Scheduler:
         self.disk: DiskTier | None = None
         # Batches built but not sent: they would overwrite KV a disk save still reads.
         self.held: dict[str, ScheduledBatch] = {}
+        self.pending: dict[str, PendingModel] = {}  # instances added at run time, loading
+        self.removing: set[str] = set()  # instances waiting for their last batch or disk load
+        self.to_launcher = socket(zctx, zmq.PUSH, ep.launcher, bind=False)
 
     # ---- start-up ------------------------------------------------------------------
     def wait_for_runners(self) -> list[P.ServedModel]:
@@ -173,33 +186,14 @@ class Scheduler:
         assert arena is not None
         allocator = KVAllocator(arena.num_blocks, arena.block_bytes, args.page_size)
         self.cache = RadixCache(allocator, eviction_policy=args.eviction_policy)
-        specs = []
-        served = []
-        for arg in args.models:
-            ids = runner_ids(arg)
-            info = infos[ids[0]]
-            keys = {infos[i].kv_share_key for i in ids}
-            if len(keys) != 1:
-                raise StartupError(f"replicas of {arg.name} loaded different weights: {keys}")
-            states = [RunnerState(i, arg.name, state="up", pid=pids[i]) for i in ids]
-            self.models[arg.name] = ModelState(arg, info, states)
-            self.runners.update({s.runner_id: s for s in states})
-            specs.append(
-                ModelSpec(
-                    name=arg.name,
-                    group=info.tokenizer_fingerprint,
-                    kv_key=f"{info.kv_share_key}:{info.layout.dtype}",
-                    layout=info.layout,
-                    priority=arg.priority,
-                    cost_per_token=float(info.layout.num_layers),
-                )
-            )
-            served.append(P.ServedModel(arg.name, arg.source, info, arg.replicas, arg.priority))
+        specs = [self._model_spec(arg, infos[runner_ids(arg)[0]]) for arg in args.models]
         if args.kv_partition == "static":
             share = arena.total_bytes // len({s.kv_key for s in specs})
             specs = [_fixed_share(s, share, arena.block_bytes) for s in specs]
-        for spec in specs:
-            self.cache.register_model(spec)
+        served = [
+            self._add_model(arg, spec, infos, pids, arg.name)
+            for arg, spec in zip(args.models, specs, strict=True)
+        ]
         self.disk = self._open_disk_tier()
         self.kv = KVManager(self.cache, use_cache=not args.disable_radix_cache, disk=self.disk)
         limits = BatchLimits(
@@ -210,6 +204,41 @@ class Scheduler:
             conservativeness=args.schedule_conservativeness,
         )
         self.builder = BatchBuilder(self.kv, limits, seed=args.seed)
+        return served
+
+    @staticmethod
+    def _model_spec(arg: ModelArg, info: ModelInfo) -> ModelSpec:
+        return ModelSpec(
+            name=arg.name,
+            group=info.tokenizer_fingerprint,
+            kv_key=f"{info.kv_share_key}:{info.layout.dtype}",
+            layout=info.layout,
+            priority=arg.priority,
+            cost_per_token=float(info.layout.num_layers),
+        )
+
+    def _add_model(
+        self,
+        arg: ModelArg,
+        spec: ModelSpec,
+        infos: dict[str, ModelInfo],
+        pids: dict[str, int],
+        served_name: str,
+        version: int = 1,
+    ) -> P.ServedModel:
+        """Register one instance whose runners are all ready (raises
+        StartupError if they disagree, ValueError if its KV cannot live in the arena)."""
+        assert self.cache is not None
+        ids = runner_ids(arg)
+        keys = {infos[i].kv_share_key for i in ids}
+        if len(keys) != 1:
+            raise StartupError(f"replicas of {arg.name} loaded different weights: {keys}")
+        self.cache.register_model(spec)
+        info = infos[ids[0]]
+        served = P.ServedModel(served_name, arg.source, info, arg.replicas, arg.priority, version)
+        states = [RunnerState(i, arg.name, state="up", pid=pids[i]) for i in ids]
+        self.models[arg.name] = ModelState(arg, info, states, served)
+        self.runners.update({s.runner_id: s for s in states})
         return served
 
     def _open_disk_tier(self) -> DiskTier | None:
@@ -263,6 +292,8 @@ class Scheduler:
                     with self._contained(f"reply of runner {ident.decode()}", rids):
                         self.on_runner_message(ident.decode(), raw)
             self.check_timeouts()
+            if self.removing:
+                self._finish_removals()
             if not self.stopping:
                 self.dispatch()
         if self.disk is not None:
@@ -372,6 +403,8 @@ class Scheduler:
         assert self.builder is not None
         threads = self._threads_per_runner()
         for model in self.models.values():
+            if model.name in self.removing:
+                continue
             for runner in model.runners:
                 if not runner.up or runner.inflight is not None:
                     continue
@@ -452,6 +485,10 @@ class Scheduler:
             self.to_front.send(P.encode(self.control(msg)))
         elif isinstance(msg, P.RunnerDied):
             self.runner_died(msg)
+        elif isinstance(msg, P.AddModel):
+            self.add_model(msg)
+        elif isinstance(msg, P.RemoveModel):
+            self.remove_model(msg.name)
         elif isinstance(msg, P.ShutdownProcess):
             self.stopping = True
 
@@ -468,7 +505,7 @@ class Scheduler:
             self._reject(msg.rid, 400, "a request with this id is already running", "rid")
             return
         model = self.models.get(msg.model)
-        if model is None:
+        if model is None or msg.model in self.removing:
             self._reject(msg.rid, 404, f"model {msg.model!r} is not served", "model")
             return
         if not model.up:
@@ -619,6 +656,8 @@ class Scheduler:
     def on_runner_message(self, runner_id: str, raw: bytes) -> None:
         runner = self.runners.get(runner_id)
         msg = self.runner_decoder.decode(raw)
+        if runner is None and self._pending_runner(runner_id, msg):
+            return
         if runner is not None and isinstance(msg, RP.Ready) and not runner.up:
             self.runner_ready(runner, msg)
             return
@@ -743,6 +782,101 @@ class Scheduler:
             stop=req.stop if first else None,
             skip_special_tokens=req.skip_special_tokens,
         )
+
+    # ---- models at run time --------------------------------------------------------------
+    def add_model(self, msg: P.AddModel) -> None:
+        """Runners for a new instance are starting: it is registered when all are ready."""
+        name = msg.model.name
+        if name in self.models or name in self.pending:
+            self._tell_launcher(P.ModelAdded(name, error=f"model {name!r} is already loaded"))
+            return
+        self.pending[name] = PendingModel(msg)
+        log.info("model %s: waiting for %d runner(s)", name, msg.model.replicas)
+
+    def _pending_runner(self, runner_id: str, msg: object) -> bool:
+        """Handle a message from a runner of a loading instance; False if it is not one."""
+        pending = self.pending.get(runner_id.rpartition("#")[0])
+        if pending is None or runner_id not in runner_ids(pending.add.model):
+            return False
+        name = pending.add.model.name
+        if isinstance(msg, RP.Failed):
+            del self.pending[name]
+            error = f"runner {runner_id} failed to load {pending.add.model.source}: {msg.error}"
+            log.error("model %s: %s", name, error)
+            self._tell_launcher(P.ModelAdded(name, error=error))
+        elif isinstance(msg, RP.Ready):
+            pending.infos[runner_id] = msg.info
+            pending.pids[runner_id] = msg.pid
+            log.info("runner %s ready (pid %d, %.1fs load)", runner_id, msg.pid, msg.load_seconds)
+            if len(pending.infos) == pending.add.model.replicas:
+                self._register_pending(pending)
+        return True
+
+    def _register_pending(self, pending: PendingModel) -> None:
+        add = pending.add
+        name = add.model.name
+        del self.pending[name]
+        info = pending.infos[runner_ids(add.model)[0]]
+        try:
+            spec = self._model_spec(add.model, info)
+            served = self._add_model(
+                add.model, spec, pending.infos, pending.pids, add.served, add.version
+            )
+        except (StartupError, ValueError) as exc:
+            log.error("model %s not added: %s", name, exc)
+            self._tell_launcher(P.ModelAdded(name, error=str(exc)))
+            return
+        log.info("model %s serving as %s (version %d)", name, add.served, add.version)
+        self._tell_launcher(P.ModelAdded(name, served=served))
+
+    def remove_model(self, name: str) -> None:
+        """Take an instance out: fail what it still has (the front drained it
+        first, so normally nothing), then, once no batch or disk load still
+        writes its KV, stop its runners and drop its cache entries."""
+        if self.pending.pop(name, None) is not None:
+            log.info("model %s: load cancelled", name)
+            self._tell_launcher(P.ModelRemoved(name))
+            return
+        model = self.models.get(name)
+        if model is None or name in self.removing:
+            if model is None:
+                self._tell_launcher(P.ModelRemoved(name))
+            return
+        self.removing.add(name)
+        why = f"model {model.served.name!r} was unloaded"
+        inflight = {
+            id(req) for r in model.runners if r.inflight is not None for req in r.inflight.reqs
+        }
+        for req in [r for r in self.requests.values() if r.model == name]:
+            if id(req) in inflight:  # its slots are being written: freed after the batch
+                req.aborted = "unloaded"
+                self._reject(req.rid, 503, why)
+            else:
+                self._fail_requests([req.rid], 503, why)
+        self._finish_removals()
+
+    def _finish_removals(self) -> None:
+        loading = {ld.req.model for ld in self.disk.loading.values()} if self.disk else set()
+        for name in list(self.removing):
+            model = self.models[name]
+            if name in loading or any(r.up and r.inflight is not None for r in model.runners):
+                continue
+            assert self.cache is not None
+            self.removing.discard(name)
+            for runner in model.runners:
+                if runner.up:
+                    self._send_runner(runner.runner_id, RP.Shutdown())
+                del self.runners[runner.runner_id]
+                self.held.pop(runner.runner_id, None)
+            del self.models[name]
+            freed = self.cache.unregister_model(name)
+            log.info("model %s removed: %d cached tokens freed", name, freed)
+            removed = P.ModelRemoved(name, freed)
+            self.to_detok.send(P.encode(removed))  # after the instance's last outputs
+            self._tell_launcher(removed)
+
+    def _tell_launcher(self, msg: P.ModelAdded | P.ModelRemoved) -> None:
+        self.to_launcher.send(P.encode(msg))
 
     # ---- control ------------------------------------------------------------------------
     def control(self, msg: P.ControlRequest) -> P.ControlReply:

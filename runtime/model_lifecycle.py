@@ -1,0 +1,273 @@
+"""Models at run time: the launcher's side of load and unload.
+
+The front decides *what* changes (which served name, which version, when an
+instance is drained) and sends one ``ModelCommand`` at a time; this module
+does the process work, step by step, without ever blocking the launcher's
+supervision loop:
+
+load
+    1. resolve the source (fetching an embedded model, with progress in the
+       log) in a thread;
+    2. start the instance's runners and tell the scheduler (``AddModel``); it
+       registers the instance in the tree and arena once every runner is ready
+       (``ModelAdded``);
+    3. publish the new model table; every tokenizer worker and the
+       detokenizer load its tokenizer and say so (``ModelTableApplied``);
+    4. answer the front, which lists the model from then on.
+unload
+    1. the scheduler stops the instance's runners and drops its cache entries
+       (``RemoveModel`` -> ``ModelRemoved``); its blocks are free at once;
+    2. publish the table without it, wait for the runner processes to exit,
+       answer the front.
+
+A load that fails at any step (unknown source, a runner that dies or cannot
+load, a tokenizer that cannot load) is undone: its runners are killed, the
+scheduler forgets it, the arena is untouched, and the front gets the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from radixmux.runtime import protocol as P
+from radixmux.runtime.server_args import ModelArg
+
+if TYPE_CHECKING:
+    from radixmux.runtime.launcher import Child, Launcher
+
+log = logging.getLogger("radixmux.launcher")
+
+TABLE_RESEND_S = 1.0  # a subscriber that joined late gets the table again
+TABLE_TIMEOUT_S = 120.0  # tokenizers load in seconds; give up on a stuck one
+RUNNER_EXIT_S = 10.0  # after the scheduler's Shutdown, then SIGKILL
+
+
+@dataclass
+class _Load:
+    cmd: P.ModelCommand
+    arg: ModelArg | None = None  # resolved: local folder, concrete dtype
+    runner_ids: list[str] = field(default_factory=list)
+    served: P.ServedModel | None = None
+    table_version: int = 0
+    sent_table_at: float = 0.0
+
+
+@dataclass
+class _Unload:
+    cmd: P.ModelCommand | None  # None: the clean-up of a failed load (nobody to answer)
+    freed_tokens: int = 0
+    removed: bool = False
+    removed_at: float = 0.0
+
+
+class ModelLifecycle:
+    """Loads and unloads instances for the launcher (see the module docstring)."""
+
+    def __init__(self, launcher: Launcher, served: list[P.ServedModel]) -> None:
+        self.launcher = launcher
+        self.table: dict[str, P.ServedModel] = {m.instance: m for m in served}
+        self.version = 0
+        self.loads: dict[str, _Load] = {}
+        self.unloads: dict[str, _Unload] = {}
+        self.retiring: dict[str, str] = {}  # runner id -> instance being removed
+        self._resolved: queue.Queue[tuple[str, ModelArg | str]] = queue.Queue()
+        self._applied: dict[str, int] = {}  # process name -> table version it holds
+
+    # ---- commands from the front --------------------------------------------------
+    def command(self, cmd: P.ModelCommand) -> None:
+        name = cmd.model.name
+        if cmd.op == "load":
+            if name in self.table or name in self.loads or name in self.unloads:
+                busy = "being unloaded" if name in self.unloads else "already loaded"
+                self._reply(cmd, 409, f"model instance {name!r} is {busy}")
+                return
+            if self.launcher.args.kv_partition == "static":
+                self._reply(cmd, 400, "models cannot change with --kv-partition static")
+                return
+            self.loads[name] = _Load(cmd)
+            log.info("model %s: loading %s", name, cmd.model.source)
+            threading.Thread(target=self._resolve, args=(cmd.model,), daemon=True).start()
+        elif cmd.op == "unload":
+            if name not in self.table or name in self.unloads:
+                self._reply(cmd, 404, f"model instance {name!r} is not loaded")
+                return
+            log.info("model %s: unloading", name)
+            self._start_unload(name, _Unload(cmd))
+        else:
+            self._reply(cmd, 400, f"unknown model command {cmd.op!r}")
+
+    def _resolve(self, arg: ModelArg) -> None:
+        """Thread: fetch/resolve the source; the loop picks the result up."""
+        from radixmux.model_runners.cpu_features import resolve_dtype
+        from radixmux.runtime.launcher import LaunchError, resolve_source
+
+        try:
+            dtype, why = resolve_dtype(arg.dtype or self.launcher.args.dtype)
+            source = resolve_source(arg.source)
+        except LaunchError as exc:
+            self._resolved.put((arg.name, str(exc)))
+            return
+        except Exception as exc:  # never lose the answer to the front
+            self._resolved.put((arg.name, f"{type(exc).__name__}: {exc}"))
+            return
+        log.info("model %s: dtype %s (%s)", arg.name, dtype, why)
+        self._resolved.put((arg.name, msgspec.structs.replace(arg, source=source, dtype=dtype)))
+
+    # ---- the loop ------------------------------------------------------------------
+    def poll(self) -> None:
+        """Advance every load and unload (called from the launcher's loop)."""
+        while True:
+            try:
+                name, result = self._resolved.get_nowait()
+            except queue.Empty:
+                break
+            load = self.loads.get(name)
+            if load is None:
+                continue
+            if isinstance(result, str):
+                self._fail(name, 400, result)
+            else:
+                self._start_runners(load, result)
+        now = time.monotonic()
+        for name, load in list(self.loads.items()):
+            if load.served is None:
+                continue
+            if now - load.sent_table_at > TABLE_TIMEOUT_S:
+                self._fail(name, 500, "tokenizers not loaded in time (see the server log)")
+            elif now - load.sent_table_at > TABLE_RESEND_S and not self._table_applied(load):
+                self._publish(resend=True)
+        for name, unload in list(self.unloads.items()):
+            if not unload.removed:
+                continue
+            alive = self._runners_of(name)
+            if alive and now - unload.removed_at > RUNNER_EXIT_S:
+                log.warning(
+                    "model %s: runners still up %.0f s after shutdown; killing", name, RUNNER_EXIT_S
+                )
+                for child in alive:
+                    child.proc.kill()
+            if not alive:
+                self._unloaded(name, unload)
+
+    def _start_runners(self, load: _Load, arg: ModelArg) -> None:
+        load.arg = arg
+        launcher = self.launcher
+        load.runner_ids = [f"{arg.name}#{i}" for i in range(arg.replicas)]
+        total = launcher.num_runners + arg.replicas
+        for rid in load.runner_ids:
+            launcher.add_runner_config(rid, arg, total)
+            launcher.start_runner(rid)
+        cmd = load.cmd
+        launcher.send_scheduler(P.AddModel(arg, cmd.served or arg.name, cmd.version))
+
+    # ---- replies from the scheduler and the tokenizer processes ---------------------
+    def added(self, msg: P.ModelAdded) -> None:
+        load = self.loads.get(msg.name)
+        if load is None:
+            return
+        if msg.served is None:
+            self._fail(msg.name, 400, msg.error or "the model could not be loaded")
+            return
+        load.served = msg.served
+        self.table[msg.name] = msg.served
+        load.table_version = self._publish()
+        load.sent_table_at = time.monotonic()
+
+    def applied(self, msg: P.ModelTableApplied) -> None:
+        self._applied[msg.name] = max(self._applied.get(msg.name, 0), msg.version)
+        for name, load in list(self.loads.items()):
+            if load.served is None:
+                continue
+            if msg.error is not None and msg.version >= load.table_version:
+                self._fail(name, 500, f"{msg.name} could not load the tokenizer: {msg.error}")
+            elif self._table_applied(load):
+                del self.loads[name]
+                log.info("model %s: serving as %s", name, load.served.name)
+                self._reply(load.cmd, 200, "loaded", model=load.served)
+
+    def removed(self, msg: P.ModelRemoved) -> None:
+        unload = self.unloads.get(msg.name)
+        if unload is None:
+            return
+        unload.removed = True
+        unload.removed_at = time.monotonic()
+        unload.freed_tokens = msg.freed_tokens
+        if self.table.pop(msg.name, None) is not None:
+            self._publish()
+
+    def runner_exited(self, child: Child, code: int) -> bool:
+        """Whether this exit is the lifecycle's (expected, or a failed load)."""
+        rid = child.runner_id
+        if rid in self.retiring:
+            del self.retiring[rid]
+            self.launcher.forget_runner(rid)
+            return True
+        for name, load in self.loads.items():
+            if rid in load.runner_ids:
+                self.launcher.forget_runner(rid)
+                self._fail(name, 500, f"runner {rid} exited with code {code} while loading")
+                return True
+        return False
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _table_applied(self, load: _Load) -> bool:
+        return all(self._applied.get(n, 0) >= load.table_version for n in self._subscribers())
+
+    def _subscribers(self) -> list[str]:
+        workers = self.launcher.args.tokenizer_workers
+        return ["detokenizer", *(f"tokenizer-{i}" for i in range(workers))]
+
+    def _publish(self, resend: bool = False) -> int:
+        """Send the current table to the tokenizer processes; returns its version."""
+        if not resend:
+            self.version += 1
+        table = P.ModelTable(self.version, list(self.table.values()))
+        self.launcher.publish_table(table)
+        return self.version
+
+    def _fail(self, name: str, status: int, message: str) -> None:
+        """Undo a load: its runners, its scheduler registration, its table entry."""
+        load = self.loads.pop(name)
+        log.error("model %s: load failed: %s", name, message)
+        self._reply(load.cmd, status, message)
+        self._start_unload(name, _Unload(None))
+        for child in self._runners_of(name):
+            child.proc.kill()
+
+    def _start_unload(self, name: str, unload: _Unload) -> None:
+        self.unloads[name] = unload
+        for rid in self.launcher.runner_ids_of(name):
+            self.retiring[rid] = name
+        self.launcher.send_scheduler(P.RemoveModel(name))
+
+    def _unloaded(self, name: str, unload: _Unload) -> None:
+        del self.unloads[name]
+        for rid in [r for r, n in self.retiring.items() if n == name]:
+            del self.retiring[rid]
+        self.launcher.forget_instance(name)
+        log.info("model %s: unloaded (%d cached tokens freed)", name, unload.freed_tokens)
+        if unload.cmd is not None:
+            self._reply(unload.cmd, 200, "unloaded", freed_tokens=unload.freed_tokens)
+
+    def _runners_of(self, name: str) -> list[Child]:
+        ids = set(self.launcher.runner_ids_of(name))
+        return [c for c in self.launcher.children if c.runner_id in ids and c.proc.poll() is None]
+
+    def _reply(
+        self,
+        cmd: P.ModelCommand,
+        status: int,
+        message: str,
+        model: P.ServedModel | None = None,
+        freed_tokens: int = 0,
+    ) -> None:
+        self.launcher.send_front(
+            P.ModelCommandReply(cmd.req_id, status, message, model, freed_tokens)
+        )
