@@ -177,6 +177,7 @@ class Peers(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.tok, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
+        launcher_dec = P.decoder(P.LauncherInbox)
         tok_dec = P.decoder(P.TokenizerInbox)
         sched_dec = P.decoder(P.SchedulerInbox)
         active: dict[str, tuple[float, Iterator[Step]]] = {}
@@ -185,9 +186,15 @@ class Peers(threading.Thread):
             if self.say_ready.is_set() and not told_ready:
                 self.front.send(P.encode(P.ServerReady()))
                 told_ready = True
+                poller.register(self.launcher, zmq.POLLIN)  # ready() has read the front's report
             now = time.monotonic()
             wait = min([due - now for due, _ in active.values()] + [0.05])
             for sock, _ in poller.poll(max(0, int(wait * 1000))):
+                if sock is self.launcher:
+                    cmd = launcher_dec.decode(self.launcher.recv())
+                    if isinstance(cmd, P.ModelCommand):
+                        self.front.send(P.encode(model_command_reply(cmd)))
+                    continue
                 if sock is self.tok:
                     req = tok_dec.decode(self.tok.recv())
                     if isinstance(req, P.TokenizeRequest | P.DetokenizeRequest):
@@ -220,6 +227,14 @@ class Peers(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         self.ctx.destroy(linger=0)
+
+
+def model_command_reply(cmd: P.ModelCommand) -> P.ModelCommandReply:
+    """The launcher's answer to a model change: it always succeeds here."""
+    if cmd.op != "load":
+        return P.ModelCommandReply(cmd.req_id, 200, "unloaded")
+    model = msgspec.structs.replace(served_model(cmd.served), version=cmd.version)
+    return P.ModelCommandReply(cmd.req_id, 200, "loaded", model)
 
 
 def tokenizer_reply(req: P.TokenizeRequest | P.DetokenizeRequest) -> P.TokenizerReply:
