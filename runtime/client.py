@@ -27,7 +27,14 @@ import zmq
 import zmq.asyncio
 
 from radixmux.model_runners.protocol import SamplingParams
-from radixmux.runtime.client_protocol import ClientAbort, ClientGenerate, ClientReply
+from radixmux.runtime.client_protocol import (
+    ClientAbort,
+    ClientGenerate,
+    ClientModelChange,
+    ClientModelChanged,
+    ClientReply,
+)
+from radixmux.runtime.models_api import ModelChange
 from radixmux.runtime.protocol import ChatMessage, RequestError, TextBatch, TextOutput, encode
 
 _PARAM_NAMES = {f.name for f in msgspec.structs.fields(SamplingParams)}
@@ -126,6 +133,8 @@ class Client:
                 raise ClientError(504, f"no reply within {self.timeout:g} s")
             reply = self._decoder.decode(self._sock.recv())
             # Replies to an earlier, abandoned stream may still arrive: skip them.
+            if isinstance(reply, ClientModelChanged):
+                continue
             if (reply.rid if isinstance(reply, RequestError) else reply.outputs[0].rid) == rid:
                 return _unwrap(reply)
 
@@ -162,6 +171,23 @@ class Client:
         finally:
             if not finished:
                 self._sock.send(encode(ClientAbort(req.rid)))
+
+    def change_model(self, op: str, name: str | None = None, **fields: Any) -> ModelChange:
+        """``load`` (``source=``, ``name``, ``dtype``, ``priority``, ``replicas``),
+        ``unload`` or ``reload`` (``source``, ``dtype``, ``timeout``) a model;
+        raises ``ClientError`` with the server's status and message."""
+        change = ClientModelChange(uuid.uuid4().hex, op, name, api_key=self.api_key, **fields)
+        self._sock.send(encode(change))
+        deadline = time.monotonic() + max(self.timeout, 1800.0)  # a load may fetch first
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                raise ClientError(504, f"no answer to {op} in time")
+            reply = self._decoder.decode(self._sock.recv())
+            if isinstance(reply, ClientModelChanged) and reply.rid == change.rid:
+                return reply.change
+            if isinstance(reply, RequestError) and reply.rid == change.rid:
+                raise ClientError(reply.status, reply.message)
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from radixmux.model_runners.protocol import SamplingParams
+from radixmux.runtime.models_api import ModelChange
 from radixmux.runtime.protocol import ChatMessage, RequestError, TextBatch
 
 
@@ -36,5 +37,27 @@ class ClientAbort(msgspec.Struct, tag="client_abort", frozen=True):
     rid: str
 
 
-ClientInbox = ClientGenerate | ClientAbort
-ClientReply = TextBatch | RequestError
+class ClientModelChange(msgspec.Struct, tag="client_model_change", frozen=True):
+    """Load, unload or reload a model, as ``POST /models``, ``DELETE
+    /models/{name}`` and ``POST /models/{name}/reload`` do over HTTP."""
+
+    rid: str
+    op: str  # "load" | "unload" | "reload"
+    name: str | None = None  # required for unload and reload
+    source: str | None = None  # required for load
+    dtype: str | None = None
+    priority: float = 1.0
+    replicas: int = 1
+    timeout: float | None = None  # unload / reload: fail what still runs after this
+    api_key: str | None = None
+
+
+class ClientModelChanged(msgspec.Struct, tag="client_model_changed", frozen=True):
+    """The answer to a ``ClientModelChange`` that succeeded."""
+
+    rid: str
+    change: ModelChange
+
+
+ClientInbox = ClientGenerate | ClientAbort | ClientModelChange
+ClientReply = TextBatch | RequestError | ClientModelChanged

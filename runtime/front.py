@@ -25,6 +25,7 @@ from radixmux.runtime.front_hub import RequestHub
 from radixmux.runtime.front_routes import build_app
 from radixmux.runtime.front_zmq import ClientServer
 from radixmux.runtime.metrics import FrontMetrics
+from radixmux.runtime.models_api import ModelManager
 from radixmux.runtime.process import ProcessContext, report, run_process
 
 log = logging.getLogger("radixmux.front")
@@ -40,7 +41,8 @@ class Front:
         self.started = int(time.time())
         self.metrics = FrontMetrics()
         self.hub = RequestHub(zctx, ctx.endpoints, self.metrics)
-        self.clients = ClientServer(zctx, ctx.endpoints.client, self.hub, self.served, ctx.args)
+        self.model_manager = ModelManager(self)
+        self.clients = ClientServer(zctx, ctx.endpoints.client, self.hub, self.model_manager)
 
 
 class _Server(uvicorn.Server):

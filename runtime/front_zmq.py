@@ -23,9 +23,16 @@ from radixmux.runtime.api_common import (
     require_chat_template,
     resolve_model,
 )
-from radixmux.runtime.client_protocol import ClientAbort, ClientGenerate, ClientInbox
+from radixmux.runtime.client_protocol import (
+    ClientAbort,
+    ClientGenerate,
+    ClientInbox,
+    ClientModelChange,
+    ClientModelChanged,
+)
 from radixmux.runtime.front_hub import Generation, RequestHub, new_rid
 from radixmux.runtime.ipc import socket
+from radixmux.runtime.models_api import LoadModelBody, ModelManager, ReloadModelBody
 from radixmux.runtime.server_args import ServerArgs
 
 log = logging.getLogger("radixmux.front")
@@ -39,13 +46,13 @@ class ClientServer:
         zctx: zmq.Context,
         endpoint: str,
         hub: RequestHub,
-        served: dict[str, P.ServedModel],
-        args: ServerArgs,
+        models: ModelManager,
     ) -> None:
         self.router = socket(zmq.asyncio.Context.shadow(zctx), zmq.ROUTER, endpoint, bind=True)
         self.hub = hub
-        self.served = served
-        self.args = args
+        self.models = models
+        self.served = models.front.served  # the same dict: models come and go
+        self.args: ServerArgs = models.front.args
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self._decoder = msgspec.msgpack.Decoder(ClientInbox)
 
@@ -69,7 +76,8 @@ class ClientServer:
             elif key in self.tasks:
                 await self._send(ident, P.RequestError(msg.rid, 400, f"rid {msg.rid} in use"))
             else:
-                task = asyncio.create_task(self._serve(ident, msg))
+                work = self._change if isinstance(msg, ClientModelChange) else self._serve
+                task = asyncio.create_task(work(ident, msg))
                 self.tasks[key] = task
                 task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
 
@@ -89,10 +97,35 @@ class ClientServer:
         except APIError as exc:
             await self._send(ident, P.RequestError(msg.rid, exc.status, exc.message, exc.param))
 
-    def _request(self, msg: ClientGenerate) -> P.GenerateRequest:
+    async def _change(self, ident: bytes, msg: ClientModelChange) -> None:
+        """A model load, unload or reload, as the HTTP routes do it."""
+        try:
+            self._check_key(msg.api_key)
+            if msg.op == "load":
+                if msg.source is None:
+                    raise APIError(400, "a load needs 'source'", "source")
+                body = LoadModelBody(msg.source, msg.name, msg.dtype, msg.priority, msg.replicas)
+                change = await self.models.load(body)
+            elif msg.op in ("unload", "reload") and msg.name is None:
+                raise APIError(400, f"an {msg.op} needs 'name'", "name")
+            elif msg.op == "unload":
+                change = await self.models.unload(msg.name, msg.timeout)
+            elif msg.op == "reload":
+                reload = ReloadModelBody(msg.source, msg.dtype)
+                change = await self.models.reload(msg.name, reload, msg.timeout)
+            else:
+                raise APIError(400, "op must be load, unload or reload", "op")
+            await self._send(ident, ClientModelChanged(msg.rid, change))
+        except APIError as exc:
+            await self._send(ident, P.RequestError(msg.rid, exc.status, exc.message, exc.param))
+
+    def _check_key(self, given: str | None) -> None:
         key = self.args.api_key
-        if key and not hmac.compare_digest((msg.api_key or "").encode(), key.encode()):
+        if key and not hmac.compare_digest((given or "").encode(), key.encode()):
             raise APIError(401, "missing or wrong api_key")
+
+    def _request(self, msg: ClientGenerate) -> P.GenerateRequest:
+        self._check_key(msg.api_key)
         model = resolve_model(self.served, msg.model)
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
         if sum(given) != 1:

@@ -214,7 +214,7 @@ def endpoints(
     front: Front, body: Callable[[Request, type], Awaitable[object]]
 ) -> list[tuple[Endpoint, Handler]]:
     """The lifecycle routes, for the front's route table and OpenAPI document."""
-    manager = ModelManager(front)
+    manager = front.model_manager
 
     async def load(request: Request) -> Response:
         req = await body(request, LoadModelBody)
