@@ -31,7 +31,7 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/bench_radix.py
