@@ -281,17 +281,24 @@ def check_input_ids(ids: list[Any], vocab_size: int, param: str) -> list[int]:
     return ids
 
 
+def served_names(served: dict[str, ServedModel], limit: int = 16) -> str:
+    """The served names for an error message, cut short when there are many."""
+    names = sorted(served)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}, ... {len(names) - limit} more]" if len(names) > limit else f"[{shown}]"
+
+
 def resolve_model(served: dict[str, ServedModel], name: str | None) -> ServedModel:
     """The served model a request names; optional when only one model is served."""
     if name is None or name == "":
         if len(served) == 1:
             return next(iter(served.values()))
-        raise APIError(400, f"'model' is required; served models: {sorted(served)}", "model")
+        raise APIError(400, f"'model' is required; served models: {served_names(served)}", "model")
     model = served.get(name)
     if model is None:
         raise APIError(
             404,
-            f"model '{name}' is not served; served models: {sorted(served)}",
+            f"model '{name}' is not served; served models: {served_names(served)}",
             "model",
             "model_not_found",
         )

@@ -26,7 +26,7 @@ from starlette.responses import Response
 
 from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
-from radixmux.runtime.api_common import APIError, json_response
+from radixmux.runtime.api_common import APIError, json_response, served_names
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Endpoint
 from radixmux.runtime.server_args import DTYPES, ModelArg, check_model_name, default_model_name
@@ -125,7 +125,7 @@ class ModelManager:
     def _served(self, name: str) -> P.ServedModel:
         model = self.front.served.get(name)
         if model is None:
-            served = sorted(self.front.served)
+            served = served_names(self.front.served)
             raise APIError(404, f"model '{name}' is not served; served models: {served}", "name")
         return model
 
