@@ -5,9 +5,17 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.radixmux-installed
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup browser serve test lint bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Headless Chromium for tests/test_dashboard.py's browser test. Idempotent, and
+# it never fails the setup: without apt-get or root the test skips, saying why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		  apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium not installed: the dashboard's browser test will be skipped"
 
 # torch first, pinned to the CPU build on machines without an NVIDIA driver:
 # an unpinned torch would pull a multi-GB CUDA build.

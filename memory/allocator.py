@@ -172,6 +172,11 @@ class KVAllocator:
     def used_slots_in_block(self, block: int) -> int:
         return int(self._block_used[block]) * self.page_size
 
+    def block_table(self) -> tuple[list[str | None], np.ndarray]:
+        """Every block's owner pool (None: free) and used slots, as copies (a
+        snapshot for the live view: one pass, no per-block calls)."""
+        return list(self._block_owner), self._block_used * self.page_size
+
     def free_slots_for(self, key: str) -> int:
         """Slots an ``alloc`` for this pool could get right now."""
         pool = self._pool(key)

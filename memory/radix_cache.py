@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ from radixmux.memory.eviction import get_policy
 from radixmux.memory.layout import KVLayout
 
 Tokens = Sequence[int] | np.ndarray | bytes
+# "unload": a model removed at run time (its cache's entries go with it).
 EVICTION_REASONS = ("capacity", "invalidation", "flush", "unload")
 
 
@@ -80,6 +81,18 @@ class Node:
         return len(self.key) // 4
 
 
+# Fixed sizes behind ``RadixCache.index_bytes`` (the terms ``python_bytes``
+# sums): a node with its empty key, no children and one entry; an entry with
+# its slot array's header; one int64 slot id.
+_NODE_BYTES = (
+    sys.getsizeof(Node(b"", None)) + sys.getsizeof(b"") + sys.getsizeof({}) + sys.getsizeof({0: 0})
+)
+_ENTRY_BYTES = sys.getsizeof(_Entry(np.zeros(0, np.int64), 0.0)) + sys.getsizeof(
+    np.zeros(0, np.int64)
+)
+_SLOT_BYTES = np.dtype(np.int64).itemsize
+
+
 @dataclass(frozen=True)
 class CacheHandle:
     """A matched path for one cache: what a request locks and later inserts from."""
@@ -125,6 +138,45 @@ class CacheStats:
     total: ModelCounters = field(default_factory=ModelCounters)
     # Capacity evictions made to give each model room (any pool's tokens).
     evicted_for: dict[str, int] = field(default_factory=dict)
+    # Tokens evicted from each model's cache, by reason: a cache several
+    # models share (replicas, aliases) counts for each of them.
+    evicted_by_model: dict[str, dict[str, int]] = field(default_factory=dict)
+    tree_tokens: int = 0  # KV tokens the tree holds, summed over caches
+    index_bytes: int = 0  # Python heap of the tree's index (``index_bytes()``)
+
+
+@dataclass(frozen=True)
+class PrefixHolder:
+    """One cache's KV under a shared prefix (``RadixCache.top_prefixes``)."""
+
+    models: tuple[str, ...]  # the models of the cache (replicas, aliases share one)
+    hits: int  # lookups of these models that matched through the prefix
+    locks: int  # running requests holding it
+    subtree_tokens: int  # KV tokens the cache holds for the prefix and what extends it
+    bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class PrefixSummary:
+    """A cached prefix that lookups share, where cached paths branch or end."""
+
+    group: str  # tokenizer group (namespace under the root)
+    tokens: bytes  # the prefix, packed int32
+    children: int  # cached continuations branching here
+    holders: list[PrefixHolder]
+
+    @property
+    def hits(self) -> int:
+        return sum(h.hits for h in self.holders)
+
+
+@dataclass(frozen=True)
+class TreeTop:
+    """The most shared prefixes; ``complete`` False when the walk's budget ran
+    out first (then later prefixes and subtree sums may be missing)."""
+
+    prefixes: list[PrefixSummary]
+    complete: bool
 
 
 @dataclass
@@ -133,12 +185,19 @@ class _Cache:
     bytes_per_token: int
     models: set[str]
     cached_tokens: int = 0
+    # Every model that ever used this cache: once invalidation or unloading
+    # leaves it orphaned (``models`` empty), its evictions are still theirs.
+    owners: set[str] = field(default_factory=set)
     leaves: set[Node] = field(default_factory=set)  # nodes whose entry has no child entry
     weight: float = 1.0  # priority * cost_per_token / bytes_per_token (weighted policy)
 
     @property
     def orphaned(self) -> bool:
         return not self.models
+
+    def attach(self, model: str) -> None:
+        self.models.add(model)
+        self.owners.add(model)
 
 
 # An eviction heap item: (policy key, push order, node, cache id, entry).
@@ -211,8 +270,13 @@ class RadixCache:
         self._counters: dict[str, ModelCounters] = {}
         self._evicted: Counter[str] = Counter()
         self._evicted_for: Counter[str] = Counter()  # capacity evictions made for each model
+        self._evicted_by_model: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._locks: Counter[tuple[Node, int]] = Counter()
         self._nodes = 0
+        # Kept as the tree changes so ``index_bytes`` is O(1) at every scrape
+        # (``python_bytes`` walks the whole tree): edge bytes, entries.
+        self._edge_bytes = 0
+        self._entries = 0
         # Called with (pool, path tokens, path slots, first evicted position)
         # just before a capacity eviction frees an entry's slots: the disk
         # tier copies the KV out first. The slots stay intact until the next
@@ -233,7 +297,7 @@ class RadixCache:
         if cid is None or self._caches[cid].orphaned:
             cid = self._new_cache(spec.kv_key, geometry.layout.bytes_per_token)
             self._kv_cache[spec.kv_key] = cid
-        self._caches[cid].models.add(spec.name)
+        self._caches[cid].attach(spec.name)
         self._model_cache[spec.name] = cid
         self._counters[spec.name] = ModelCounters()
         self._reweigh(cid)
@@ -364,6 +428,7 @@ class RadixCache:
             entry.slots = entry.slots[ntok:].copy()
             upper.entries[cid] = top
         self._nodes += 1
+        self._entries += len(upper.entries)
         # Lock handles point at nodes, never at the part that moved up, so
         # they stay valid: a handle on `child` still covers both halves.
         return upper
@@ -419,6 +484,84 @@ class RadixCache:
                     groups.setdefault((node, cid), (depth, []))[1].append(i)
                     break
         return [g for g in groups.values() if len(g[1]) > 1]
+
+    def top_prefixes(self, k: int = 16, max_visits: int = 20_000) -> TreeTop:
+        """The ``k`` most shared cached prefixes, most hits first.
+
+        A node's hits (summed over live caches) never exceed its parent's:
+        every recorded match counts on its whole path. So a best-first walk
+        from the roots meets prefixes in falling hit order and stops at the
+        ``k``-th, visiting O(k x branching) nodes instead of the tree. A node
+        is reported only where sharing changes: it branches, a path ends, or
+        its one child has fewer hits or caches (else the longer child says
+        the same). ``max_visits`` bounds the work, subtree sums included.
+        """
+        live = {cid for cid, c in self._caches.items() if not c.orphaned}
+
+        def shared(node: Node) -> tuple[int, int]:
+            entries = [e for cid, e in node.entries.items() if cid in live]
+            return sum(e.hits for e in entries), len(entries)
+
+        seq = itertools.count()
+        heap: list[tuple[int, int, Node, str]] = []
+        visits = 0
+
+        def push_children(node: Node, group: str) -> list[tuple[int, int]]:
+            nonlocal visits
+            found = []
+            for child in node.children.values():
+                visits += 1
+                hits, caches = shared(child)
+                found.append((hits, caches))
+                if hits:
+                    heapq.heappush(heap, (-hits, next(seq), child, group))
+            return found
+
+        for group, root in self._roots.items():
+            push_children(root, group)
+        out: list[PrefixSummary] = []
+        while heap and len(out) < k and visits < max_visits:
+            neg, _, node, group = heapq.heappop(heap)
+            below = push_children(node, group)
+            if len(below) == 1 and below[0] == (-neg, shared(node)[1]):
+                continue  # its one child is the same sharing, longer
+            sums, walked = self._subtree_tokens(node, live, max_visits - visits)
+            visits += walked
+            holders = [
+                PrefixHolder(
+                    tuple(sorted(self._caches[cid].models)),
+                    entry.hits,
+                    entry.lock_ref,
+                    sums[cid],
+                    self._caches[cid].bytes_per_token,
+                )
+                for cid, entry in sorted(node.entries.items())
+                if cid in live
+            ]
+            out.append(PrefixSummary(group, self._tokens_to(node), len(node.children), holders))
+        return TreeTop(out, visits < max_visits)
+
+    @staticmethod
+    def _subtree_tokens(top: Node, live: set[int], budget: int) -> tuple[Counter[int], int]:
+        """KV tokens per live cache at and below ``top``, walking at most
+        ``budget`` nodes; and how many it walked."""
+        sums: Counter[int] = Counter()
+        walked = 0
+        for node in itertools.islice(_walk(top), max(0, budget)):
+            walked += 1
+            for cid, entry in node.entries.items():
+                if cid in live:
+                    sums[cid] += len(entry.slots)
+        return sums, walked
+
+    @staticmethod
+    def _tokens_to(node: Node) -> bytes:
+        """The packed tokens from the root to the end of ``node``."""
+        keys: list[bytes] = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return b"".join(reversed(keys))
 
     # ---- lock ----------------------------------------------------------------
     def lock(self, handle: CacheHandle) -> None:
@@ -490,6 +633,7 @@ class RadixCache:
                 child = Node(q[b:], node)
                 node.children[q[b : b + self._page_bytes]] = child
                 self._nodes += 1
+                self._edge_bytes += len(child.key)
             else:
                 common = common_prefix_tokens(child.key, q[b:])
                 common -= common % self.page_size
@@ -511,6 +655,7 @@ class RadixCache:
 
     def _add_entry(self, node: Node, cid: int, slots: np.ndarray, now: float) -> None:
         entry = node.entries[cid] = _Entry(slots, now)
+        self._entries += 1
         self._offer(node, cid, entry)
         cache = self._caches[cid]
         cache.cached_tokens += len(slots)
@@ -533,6 +678,9 @@ class RadixCache:
         cache.cached_tokens -= len(entry.slots)
         cache.leaves.discard(node)
         self._evicted[reason] += len(entry.slots)
+        self._entries -= 1
+        for name in cache.models or cache.owners:
+            self._evicted_by_model[name][reason] += len(entry.slots)
         parent = node.parent
         assert parent is not None
         if parent.parent is not None:
@@ -546,6 +694,7 @@ class RadixCache:
             assert not node.children
             del parent.children[node.key[: self._page_bytes]]
             self._nodes -= 1
+            self._edge_bytes -= len(node.key)
         return len(entry.slots)
 
     # ---- eviction ------------------------------------------------------------
@@ -721,7 +870,7 @@ class RadixCache:
         cache = self._caches[old]
         cache.models.discard(model)
         new = self._new_cache(spec.kv_key, cache.bytes_per_token)
-        self._caches[new].models.add(model)
+        self._caches[new].attach(model)
         self._model_cache[model] = new
         if self._kv_cache[spec.kv_key] == old and cache.orphaned:
             self._kv_cache[spec.kv_key] = new
@@ -792,6 +941,30 @@ class RadixCache:
             evicted_tokens={r: self._evicted[r] for r in EVICTION_REASONS},
             total=total,
             evicted_for={m: self._evicted_for[m] for m in self._models},
+            evicted_by_model={
+                m: {r: self._evicted_by_model[m][r] for r in EVICTION_REASONS} for m in self._models
+            },
+            tree_tokens=self.tree_tokens,
+            index_bytes=self.index_bytes(),
+        )
+
+    @property
+    def tree_tokens(self) -> int:
+        """KV tokens the tree holds, summed over caches (a shared cache counts once)."""
+        return sum(c.cached_tokens for c in self._caches.values())
+
+    def index_bytes(self) -> int:
+        """About what ``python_bytes`` measures, in O(1) instead of a walk of
+        the tree: from counts kept as the tree changes (nodes, edge bytes,
+        entries, slot ids) and each object's fixed size, measured once. Cheap
+        enough for every ``/metrics`` scrape; dict growth past one item is
+        not counted, so it reads a little low on wide nodes."""
+        nodes = self._nodes + len(self._roots)
+        return (
+            nodes * _NODE_BYTES
+            + self._edge_bytes
+            + self._entries * _ENTRY_BYTES
+            + self.tree_tokens * _SLOT_BYTES
         )
 
     def python_bytes(self) -> int:
@@ -868,13 +1041,15 @@ class RadixCache:
         tree_slots: dict[str, list[np.ndarray]] = {}
         tokens: Counter[int] = Counter()
         leaves: dict[int, set[Node]] = {cid: set() for cid in self._caches}
-        nodes = 0
+        nodes = edge_bytes = entries = 0
         for root in self._roots.values():
             assert not root.entries, "a root holds KV"
             for node in _walk(root):
                 if node is root:
                     continue
                 nodes += 1
+                edge_bytes += len(node.key)
+                entries += len(node.entries)
                 parent = node.parent
                 assert (
                     parent is not None and parent.children.get(node.key[: self._page_bytes]) is node
@@ -897,6 +1072,7 @@ class RadixCache:
                     tree_slots.setdefault(self._caches[cid].pool, []).append(entry.slots)
                     tokens[cid] += len(entry.slots)
         assert nodes == self._nodes, f"node count {self._nodes} != {nodes}"
+        assert (edge_bytes, entries) == (self._edge_bytes, self._entries), "index size drifted"
         offered = {id(item[4]) for heap in self._heaps.values() for item in heap}
         for cid, cache in self._caches.items():
             assert cache.cached_tokens == tokens[cid], "cached token count drifted"

@@ -241,6 +241,7 @@ def _text_output(
         logprobs=out.logprobs,
         error=error,
         status=status,
+        queue_time=out.queue_time,
     )
 
 

@@ -83,8 +83,10 @@ class Generation:
     def _account(self, out: P.TextOutput) -> None:
         now = time.perf_counter()
         n = len(out.token_ids)
+        m = self.hub.metrics
+        if out.queue_time is not None:  # on the first output of an admitted request
+            m.queue_time.labels(self.model).observe(out.queue_time)
         if n:
-            m = self.hub.metrics
             if self.last_at is None:
                 m.ttft.labels(self.model).observe(now - self.start)
                 n -= 1  # the first token has no inter-token gap

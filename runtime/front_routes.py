@@ -2,7 +2,8 @@
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``.
 With ``--api-key`` every route needs ``Authorization: Bearer KEY`` except
-``/health`` and ``/metrics``, which probes and scrapers reach without secrets.
+``/health`` and ``/metrics``, which probes and scrapers reach without secrets,
+and the pages that hold none (``/openapi.json``, ``/docs``, ``/dashboard``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from radixmux.runtime.api_common import (
     read_body,
     resolve_model,
 )
+from radixmux.runtime.dashboard import DASHBOARD_PAGE, Dashboard, DashboardView
 from radixmux.runtime.front_formats import ChatFormat, CompletionFormat, NativeFormat
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.front_stream import serve_generation
@@ -48,7 +50,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixmux.front")
 
 # The API description holds no secret; tools fetch it before they have a key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+# Nor does the dashboard page: it sends the key (from its URL fragment) to
+# /dashboard.json, which needs it like every other route.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/dashboard"})
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 
@@ -251,6 +255,14 @@ def build_app(front: Front) -> ASGIApp:
             stats = None  # radixmux_scheduler_up 0 says so; front metrics still useful
         return Response(front.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
+    dashboard = Dashboard(front.hub, front.metrics)
+
+    async def dashboard_page(request: Request) -> Response:
+        return HTMLResponse(DASHBOARD_PAGE)
+
+    async def dashboard_json(request: Request) -> Response:
+        return json_response(await dashboard.view())
+
     endpoints: list[tuple[Endpoint, Callable[[Request], Awaitable[Response]]]] = [
         (
             Endpoint(
@@ -322,6 +334,19 @@ def build_app(front: Front) -> ASGIApp:
         ),
         (Endpoint("/metrics", "GET", "Prometheus metrics", text=True), metrics),
         *models_api.endpoints(front, body),
+        (
+            Endpoint(
+                "/dashboard",
+                "GET",
+                "live view (HTML, open; give the API key as /dashboard#key=KEY)",
+                html=True,
+            ),
+            dashboard_page,
+        ),
+        (
+            Endpoint("/dashboard.json", "GET", "the live view's figures", response=DashboardView),
+            dashboard_json,
+        ),
     ]
     doc = openapi_document([ep for ep, _ in endpoints], _pkg, _version())
     page = docs_page(doc)

@@ -41,6 +41,13 @@ class FrontMetrics:
             buckets=_ITL,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "radixmux_request_queue_time_seconds",
+            "Arrival at the front to first admission into a runner batch, per model",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.e2e = Histogram(
             "radixmux_e2e_request_latency_seconds",
             "Arrival to last token (or error), per model",
@@ -141,13 +148,22 @@ def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         "1 for the model's state: serving, restarting or down",
         labels=["model", "state"],
     )
+    evicted = CounterMetricFamily(
+        "radixmux_model_evicted_tokens",
+        "Tokens evicted from the model's cache, by reason (capacity, invalidation, flush, "
+        "unload); a cache shared by several models (replicas, aliases) counts for each",
+        labels=["model", "reason"],
+    )
     for m in stats.models:
         for key, fam in fams.items():
             fam.add_metric([m.name], _model_value(m, key))
         for name in ("serving", "restarting", "down"):
             state.add_metric([m.name, name], float(m.state == name))
+        for reason, count in sorted(m.evicted_tokens.items()):
+            evicted.add_metric([m.name, reason], float(count))
     yield from fams.values()
     yield state
+    yield evicted
 
 
 def _model_value(m: ModelStatus, key: str) -> float:
@@ -199,6 +215,18 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
             "radixmux_tree_nodes",
             "Nodes in the unified radix tree",
             stats.tree_nodes,
+        ),
+        (
+            GaugeMetricFamily,
+            "radixmux_tree_tokens",
+            "KV tokens the radix tree holds, summed over caches (a shared cache once)",
+            stats.tree_tokens,
+        ),
+        (
+            GaugeMetricFamily,
+            "radixmux_tree_index_bytes",
+            "Python memory of the radix tree's index: nodes, edges, slot ids (estimate)",
+            stats.tree_index_bytes,
         ),
         (CounterMetricFamily, "radixmux_scheduler_steps", "Batches run", stats.steps),
         (

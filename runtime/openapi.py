@@ -31,6 +31,7 @@ class Endpoint:
     response: type | None = None  # the 200 JSON body's type (None: a free-form object)
     streams: bool = False  # with ``"stream": true`` it answers server-sent events
     text: bool = False  # answers text/plain (Prometheus metrics)
+    html: bool = False  # answers an HTML page
 
 
 def _path(path: str) -> str:
@@ -43,6 +44,8 @@ def _operation(ep: Endpoint, refs: dict[type, dict[str, Any]]) -> dict[str, Any]
     ok: dict[str, Any] = {"application/json": {"schema": body}}
     if ep.text:
         ok = {"text/plain": {"schema": {"type": "string"}}}
+    if ep.html:
+        ok = {"text/html": {"schema": {"type": "string"}}}
     if ep.streams:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
     op: dict[str, Any] = {

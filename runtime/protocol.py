@@ -147,6 +147,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     status: int = 200
     stop: list[str] | None = None
     skip_special_tokens: bool = True
+    # Seconds from arrival at the front to first admission into a batch; on
+    # the request's first output only (None before admission or unknown).
+    queue_time: float | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", frozen=True):
@@ -167,6 +170,7 @@ class TextOutput(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     status: int = 200
+    queue_time: float | None = None  # as in RequestOutput: first output only
 
 
 class TextBatch(msgspec.Struct, tag="text", frozen=True):
@@ -211,7 +215,7 @@ class TokenizerReply(msgspec.Struct, tag="tokenizer_reply", frozen=True):
 class ControlRequest(msgspec.Struct, tag="control", frozen=True):
     """Operations the front asks of the scheduler: ``stats``, ``check`` (stats
     with the invariant check run now), ``flush_cache``, ``invalidate``
-    (``model`` required)."""
+    (``model`` required), ``dashboard`` (stats plus a ``DashboardSnapshot``)."""
 
     req_id: str
     op: str
@@ -245,6 +249,10 @@ class ModelStatus(msgspec.Struct, frozen=True):
     # given: their ratio is what its admissions cost other cached prefixes.
     evicted_for_tokens: int = 0
     kv_allocated_tokens: int = 0
+    # Tokens evicted from this model's cache, by reason (capacity,
+    # invalidation, flush, unload); a cache shared by several models
+    # (replicas, aliases) counts for each of them.
+    evicted_tokens: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class DiskTierStats(msgspec.Struct, frozen=True):
@@ -289,6 +297,62 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     contained_failures: int = 0  # messages/results whose handling raised
     shared_prefix_rows: int = 0  # decode context rows read once for a group, not per member
     disk: DiskTierStats | None = None  # None: no disk tier
+    tree_tokens: int = 0  # KV tokens the tree holds, summed over caches
+    tree_index_bytes: int = 0  # Python memory of the tree's index (estimate, O(1))
+
+
+class ArenaPool(msgspec.Struct, frozen=True):
+    """One KV pool (a set of identical weights) in the arena map."""
+
+    key: str  # KV-share key
+    models: list[str]  # the served models whose KV it holds
+    blocks: int
+    used_slots: int
+    slots_per_block: int
+    bytes_per_token: int
+
+
+class ArenaMap(msgspec.Struct, frozen=True):
+    """The arena, block by block: which pool owns each and how full it is.
+
+    Past ``MAX_ARENA_CELLS`` blocks, consecutive blocks are merged into
+    cells of ``blocks_per_cell`` (owner: the pool with most of them)."""
+
+    num_blocks: int
+    block_bytes: int
+    blocks_per_cell: int
+    pools: list[ArenaPool]
+    owners: list[int]  # per cell: index into ``pools``, -1 when free
+    fill: list[int]  # per cell: percent of the owner's slots in use
+
+
+class PrefixHolderView(msgspec.Struct, frozen=True):
+    """One cache's KV under a shared prefix: its models, use and size."""
+
+    models: list[str]
+    hits: int  # lookups that matched through the prefix
+    locks: int  # running requests holding it
+    subtree_tokens: int  # KV tokens for the prefix and everything cached below it
+    subtree_bytes: int
+
+
+class SharedPrefixView(msgspec.Struct, frozen=True):
+    """A cached prefix many lookups shared (head and tail of its token ids)."""
+
+    length: int  # tokens
+    hits: int
+    children: int  # cached continuations branching here
+    head_ids: list[int]  # the first tokens
+    tail_ids: list[int]  # the last tokens, when the prefix is longer than the head
+    holders: list[PrefixHolderView]
+
+
+class DashboardSnapshot(msgspec.Struct, frozen=True):
+    """What only the scheduler knows for ``/dashboard``: arena map, tree top."""
+
+    arena: ArenaMap
+    prefixes: list[SharedPrefixView]
+    prefixes_complete: bool  # False: the bounded walk stopped early
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):
@@ -296,6 +360,7 @@ class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):
     ok: bool
     message: str = ""
     stats: SchedulerStats | None = None
+    dashboard: DashboardSnapshot | None = None
 
 
 # ---- lifecycle ------------------------------------------------------------------

@@ -8,6 +8,7 @@ them or frees them.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import numpy as np
@@ -58,6 +59,8 @@ class KVManager:
         if not req.admitted_once:
             req.cached_tokens = req.kv_len
             req.admitted_once = True
+            if req.arrival:  # time.time() at the front (0: not stamped, e.g. a test)
+                req.queue_time = max(0.0, time.time() - req.arrival)
 
     def start_disk_load(self, req: Req) -> str | None:
         """After ``lookup``: start loading the prompt's chunks that are on disk.

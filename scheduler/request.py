@@ -42,6 +42,7 @@ class Req:
     announced: bool = False  # first output sent (it carries stop strings)
     aborted: str | None = None  # reason, when aborted while a batch is in flight
     retractions: int = 0
+    queue_time: float | None = None  # arrival to first admission (s); None until then
 
     @property
     def tokens(self) -> np.ndarray:

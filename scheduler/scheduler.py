@@ -41,6 +41,7 @@ from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, report, run_process
 from radixmux.runtime.server_args import ModelArg, ServerArgs
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState, ScheduledBatch
+from radixmux.scheduler.dashboard import dashboard_snapshot
 from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req
@@ -781,6 +782,7 @@ class Scheduler:
             status=status,
             stop=req.stop if first else None,
             skip_special_tokens=req.skip_special_tokens,
+            queue_time=req.queue_time if first else None,
         )
 
     # ---- models at run time --------------------------------------------------------------
@@ -883,6 +885,10 @@ class Scheduler:
         assert self.cache is not None
         if msg.op in ("stats", "check"):
             return P.ControlReply(msg.req_id, True, stats=self.stats(check=msg.op == "check"))
+        if msg.op == "dashboard":
+            return P.ControlReply(
+                msg.req_id, True, stats=self.stats(), dashboard=dashboard_snapshot(self.cache)
+            )
         if msg.op == "flush_cache":
             freed = self.cache.flush()
             if self.disk is not None:
@@ -929,6 +935,7 @@ class Scheduler:
                     restarts=sum(r.restarts for r in m.runners),
                     evicted_for_tokens=cs.evicted_for.get(m.name, 0),
                     kv_allocated_tokens=self.kv.allocated_tokens[m.name] if self.kv else 0,
+                    evicted_tokens=cs.evicted_by_model.get(m.name, {}),
                 )
             )
         return P.SchedulerStats(
@@ -948,6 +955,8 @@ class Scheduler:
             contained_failures=self.contained_failures,
             shared_prefix_rows=self.builder.shared_prefix_rows if self.builder else 0,
             disk=self.disk.stats() if self.disk is not None else None,
+            tree_tokens=cs.tree_tokens,
+            tree_index_bytes=cs.index_bytes,
         )
 
     def _invariants(self) -> str:

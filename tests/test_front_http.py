@@ -637,6 +637,19 @@ def test_flush_and_invalidate(front: RunningFront, http: httpx.Client) -> None:
     assert http.get("/flush_cache").status_code == 400
 
 
+def test_dashboard_json_asks_the_scheduler_and_survives_its_silence(
+    front: RunningFront, http: httpx.Client
+) -> None:
+    view = http.get("/dashboard.json").json()
+    assert front.peers.controls.get(timeout=1).op == "dashboard"
+    assert [m["name"] for m in view["stats"]["models"]] == ["chat", "base"]
+    assert view["error"] is None and view["previews"] == []
+    front.peers.stats = None  # a scheduler that does not answer: the page says so, no 5xx
+    r = http.get("/dashboard.json")
+    assert r.status_code == 200 and r.json()["stats"] is None
+    assert "did not answer" in r.json()["error"]
+
+
 def test_info_endpoints(http: httpx.Client) -> None:
     info = http.get("/get_model_info").json()
     assert info["model_path"] == "/models/chat" and info["is_generation"] is True
