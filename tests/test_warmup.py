@@ -184,4 +184,3 @@ def test_bad_warmup_file_line_fails_the_start(model_dir: Path, tmp_path: Path) -
     path.write_text('{"prompts": ["fine"]}\n{"model": "a", "promts": ["typo"]}\n')
     with pytest.raises(LaunchError, match=r"line 2: .*promts"):
         start(model_dir, warmup=str(path))
-
