@@ -113,9 +113,8 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         f"{meta['model']}: {meta['system_tokens']}-token system prompt, first request",
         fontsize=9,
     )
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the title is long: keep it whole
     plt.close(fig)
     return path
 
