@@ -200,6 +200,8 @@ class Peers(threading.Thread):
                     if isinstance(msg, P.AbortRequest):
                         self.aborts.put(msg)
                         active.pop(msg.rid, None)  # a scheduler stops the request
+                    elif isinstance(msg, P.WarmupRequest):  # every prefix cached at once
+                        self.front.send(P.encode(warmup_reply(msg)))
                     elif isinstance(msg, P.ControlRequest):
                         self.controls.put(msg)
                         if self.stats is not None:  # None: an unresponsive scheduler
@@ -220,6 +222,13 @@ class Peers(threading.Thread):
         self._halt.set()
         self.join(timeout=5)
         self.ctx.destroy(linger=0)
+
+
+def warmup_reply(msg: P.WarmupRequest) -> P.WarmupReply:
+    """A scheduler's answer to a warm-up: each prefix computed, cached, pinned if asked."""
+    sizes = [len(P.unpack_ids(p)) for p in msg.prefixes]
+    items = [P.WarmedPrefix(n, n, n, n if msg.pin else 0) for n in sizes]
+    return P.WarmupReply(msg.req_id, items=items)
 
 
 def tokenizer_reply(req: P.TokenizeRequest | P.DetokenizeRequest) -> P.TokenizerReply:
