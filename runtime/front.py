@@ -21,6 +21,7 @@ import uvloop
 import zmq
 
 from radixmux.runtime import protocol as P
+from radixmux.runtime import warmup_api
 from radixmux.runtime.front_hub import RequestHub
 from radixmux.runtime.front_routes import build_app
 from radixmux.runtime.front_zmq import ClientServer
@@ -70,6 +71,8 @@ def _listen(host: str, port: int) -> pysocket.socket:
 
 async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
     front = Front(ctx, zctx)
+    if ctx.args.warmup is not None:  # run before /health turns 200
+        front.hub.before_ready = warmup_api.at_start(front, zctx)
     sock = _listen(ctx.args.host, ctx.args.port)
     config = uvicorn.Config(
         build_app(front),

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -158,6 +158,10 @@ class RequestHub:
         # False until the launcher says every process is up: until then the
         # front answers "starting" (a tokenizer worker may still be loading).
         self.ready = False
+        # Run on ServerReady before ``ready`` turns True (``--warmup FILE``);
+        # it returns whether the server may report ready.
+        self.before_ready: Callable[[], Awaitable[bool]] | None = None
+        self._starting: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         """The reader task: route every message on the front's PULL socket."""
@@ -174,8 +178,11 @@ class RequestHub:
             elif isinstance(msg, P.RequestError):
                 self._deliver(msg.rid, msg)
             elif isinstance(msg, P.ServerReady):
-                self.ready = True
                 log.info("every process is ready")
+                if self.before_ready is None:
+                    self.ready = True
+                else:  # a task: its replies come through this very loop
+                    self._starting = asyncio.create_task(self._ready_after(self.before_ready))
             else:
                 fut = self.replies.pop(msg.req_id, None)
                 if fut is not None and not fut.done():
@@ -210,6 +217,9 @@ class RequestHub:
             self.live.pop(req.rid, None)
             gen.abandon("client disconnected")
 
+    async def _ready_after(self, hook: Callable[[], Awaitable[bool]]) -> None:
+        self.ready = await hook()
+
     def _check_ready(self) -> None:
         if not self.ready:
             raise APIError(503, "the server is starting; retry when /health answers 200")
@@ -238,14 +248,28 @@ class RequestHub:
         return await self._ask(self.scheduler, req_id, msg, timeout, f"the scheduler ({op!r})")
 
     async def tokenizer_call(
-        self, req: P.TokenizeRequest | P.DetokenizeRequest, timeout: float = 30.0
+        self,
+        req: P.TokenizeRequest | P.DetokenizeRequest,
+        timeout: float = 30.0,
+        starting: bool = False,
     ) -> P.TokenizerReply:
-        """``/tokenize`` or ``/detokenize`` by a tokenizer worker; its errors raise APIError."""
-        self._check_ready()
+        """``/tokenize`` or ``/detokenize`` by a tokenizer worker; its errors raise APIError.
+        ``starting``: a start-up warm-up's call, made before ``ready``."""
+        if not starting:
+            self._check_ready()
         reply = await self._ask(self.tokenizer, req.req_id, req, timeout, "a tokenizer worker")
         if reply.status >= 400:
             raise APIError(reply.status, reply.error or "tokenization failed", reply.param)
         return reply
+
+    async def warmup(
+        self, msg: P.WarmupRequest, timeout: float, starting: bool = False
+    ) -> P.WarmupReply:
+        """A warm-up run by the scheduler; answers when every prefix is cached.
+        ``starting``: a ``--warmup FILE`` line, run before ``ready``."""
+        if not starting:
+            self._check_ready()
+        return await self._ask(self.scheduler, msg.req_id, msg, timeout, "the scheduler (warm-up)")
 
     async def launcher_call(self, cmd: P.ModelCommand, timeout: float) -> P.ModelCommandReply:
         """A model load or unload done by the launcher (``models_api``)."""

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmux import __name__ as _pkg
-from radixmux.runtime import models_api, tokenize_api
+from radixmux.runtime import models_api, tokenize_api, warmup_api
 from radixmux.runtime import native_api as N
 from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
@@ -347,6 +347,7 @@ def build_app(front: Front) -> ASGIApp:
             Endpoint("/dashboard.json", "GET", "the live view's figures", response=DashboardView),
             dashboard_json,
         ),
+        *warmup_api.endpoints(front, body),
     ]
     doc = openapi_document([ep for ep, _ in endpoints], _pkg, _version())
     page = docs_page(doc)

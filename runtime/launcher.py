@@ -53,6 +53,7 @@ log = logging.getLogger("radixmux.launcher")
 
 SCHEDULER_READY_TIMEOUT_S = 900.0  # runners load weights (and may convert) first
 READY_TIMEOUT_S = 120.0
+WARMUP_READY_TIMEOUT_S = 900.0  # --warmup FILE: prefills before the server reports ready
 POLL_MS = 250  # monitoring cadence: no busy loop
 FAILED_GRACE_S = 2.0  # after a child exits, how long to wait for the reason it reports
 GRACEFUL_S = 10.0  # ShutdownProcess / SIGTERM, then this long before escalating
@@ -158,6 +159,13 @@ class Launcher:
         args = resolve_models(self.args)
         if args.chat_template is not None and not os.path.isfile(args.chat_template):
             raise LaunchError(f"--chat-template {args.chat_template}: no such file")
+        if args.warmup is not None:  # a bad line fails now, before anything starts
+            from radixmux.runtime.warmup_api import load_warmup_file
+
+            try:
+                load_warmup_file(args.warmup, [m.name for m in args.models])
+            except ValueError as exc:
+                raise LaunchError(str(exc)) from None
         if args.port == 0:  # pick the port here, so everyone (and the banner) knows it
             args = msgspec.structs.replace(args, port=free_port(args.host))
         self.args = args
@@ -202,6 +210,8 @@ class Launcher:
         self._wait_ready(names, READY_TIMEOUT_S)
         self.lifecycle = ModelLifecycle(self, self.served)
         self._to_front.send(P.encode(P.ServerReady()))
+        if args.warmup is not None:  # the front runs them, then reports "warmup" ready
+            self._wait_ready(["warmup"], WARMUP_READY_TIMEOUT_S)
         self._started = True
         log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
 

@@ -138,6 +138,9 @@ def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         "kv_allocated_tokens": _counter(
             "radixmux_kv_allocated_tokens", "KV slots allocated to this model's requests"
         ),
+        "pinned_tokens": _gauge(
+            "radixmux_pinned_tokens", "Tokens of pinned prefixes (warm-up pin), held from eviction"
+        ),
         "evicted_per_admitted": _gauge(
             "radixmux_evicted_tokens_per_admitted_token",
             "Tokens evicted for this model / KV tokens it was given",
@@ -252,6 +255,13 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
             "radixmux_request_owned_kv_slots",
             "KV slots requests hold outside the radix tree",
             stats.request_owned_slots,
+        ),
+        (GaugeMetricFamily, "radixmux_pinned_bytes", "KV bytes pins hold", stats.pinned_bytes),
+        (
+            GaugeMetricFamily,
+            "radixmux_max_pinned_bytes",
+            "Most KV bytes pins may hold (--max-pinned-fraction of the arena)",
+            stats.max_pinned_bytes,
         ),
         (
             CounterMetricFamily,

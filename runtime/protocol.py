@@ -253,6 +253,7 @@ class ModelStatus(msgspec.Struct, frozen=True):
     # invalidation, flush, unload); a cache shared by several models
     # (replicas, aliases) counts for each of them.
     evicted_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    pinned_tokens: int = 0  # tokens of its pinned prefixes (warm-up ``pin``), each counted once
 
 
 class DiskTierStats(msgspec.Struct, frozen=True):
@@ -299,6 +300,9 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     disk: DiskTierStats | None = None  # None: no disk tier
     tree_tokens: int = 0  # KV tokens the tree holds, summed over caches
     tree_index_bytes: int = 0  # Python memory of the tree's index (estimate, O(1))
+    pins: int = 0  # pinned prefixes (each holds one lock on the tree)
+    pinned_bytes: int = 0  # KV bytes of pinned tokens, all models
+    max_pinned_bytes: int = 0  # --max-pinned-fraction of the arena
 
 
 class ArenaPool(msgspec.Struct, frozen=True):
@@ -361,6 +365,41 @@ class ControlReply(msgspec.Struct, tag="control_reply", frozen=True):
     message: str = ""
     stats: SchedulerStats | None = None
     dashboard: DashboardSnapshot | None = None
+
+
+# ---- warm-up (POST /cache/warmup, --warmup FILE) ------------------------------------
+class WarmupRequest(msgspec.Struct, tag="warmup", frozen=True):
+    """Front to scheduler: prefill each prefix (packed int32 ids) at low
+    priority and cache it; ``pin`` True keeps it from eviction, False releases
+    a pin an earlier warm-up of the same prefix took. Answered by ``WarmupReply``."""
+
+    req_id: str
+    model: str  # instance name
+    prefixes: list[bytes]
+    pin: bool = False
+
+
+class WarmedPrefix(msgspec.Struct, frozen=True):
+    """One prefix after its warm-up: ``cached_tokens`` of its ``prompt_tokens``
+    are in the tree now (whole pages), ``computed_tokens`` were prefilled for
+    it, ``pinned_tokens`` are held by its pin (0 when not pinned)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    pinned_tokens: int
+
+
+class WarmupReply(msgspec.Struct, tag="warmup_reply", frozen=True):
+    """Scheduler to front: every prefix of a ``WarmupRequest`` is done
+    (``status`` 200, one item each, in order) or it failed (``status`` >= 400,
+    ``message`` says why, ``param`` names the field)."""
+
+    req_id: str
+    status: int = 200
+    message: str = ""
+    param: str | None = None
+    items: list[WarmedPrefix] = msgspec.field(default_factory=list)
 
 
 # ---- lifecycle ------------------------------------------------------------------
@@ -482,10 +521,17 @@ SchedulerInbox = (
     | ShutdownProcess
     | AddModel
     | RemoveModel
+    | WarmupRequest
 )
 DetokenizerInbox = TokenBatch | ModelTable | ModelRemoved | ShutdownProcess
 FrontInbox = (
-    TextBatch | RequestError | ControlReply | TokenizerReply | ServerReady | ModelCommandReply
+    TextBatch
+    | RequestError
+    | ControlReply
+    | TokenizerReply
+    | ServerReady
+    | ModelCommandReply
+    | WarmupReply
 )
 LauncherInbox = (
     ProcessReady | ProcessFailed | ModelCommand | ModelAdded | ModelRemoved | ModelTableApplied

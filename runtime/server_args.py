@@ -117,6 +117,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     kv_disk_write_policy: str = "write_back"
     kv_disk_chunk_tokens: int = 64
     kv_disk_min_load_tokens: int = 0
+    warmup: str | None = None
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -161,6 +163,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         if not self.schedule_conservativeness >= 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
         self._check_disk_tier()
+        if not 0 <= self.max_pinned_fraction <= 1:  # also refuses NaN
+            raise ValueError("--max-pinned-fraction must be in [0, 1]")
         if not self.models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
         names = [m.name for m in self.models]
@@ -255,6 +259,17 @@ _FLAGS: list[tuple[str, type, str]] = [
         int,
         "load from disk only when at least this many prompt tokens come back "
         "(shorter ones are recomputed; 0: one chunk)",
+    ),
+    (
+        "warmup",
+        str,
+        "JSON-lines file of POST /cache/warmup bodies, run at start before /health turns 200 "
+        "(a bad line fails the start)",
+    ),
+    (
+        "max-pinned-fraction",
+        float,
+        "most of the arena pinned prefixes may hold (a pin past it is refused)",
     ),
 ]
 _SWITCHES: list[tuple[str, str]] = [

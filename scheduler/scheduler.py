@@ -45,6 +45,7 @@ from radixmux.scheduler.dashboard import dashboard_snapshot
 from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req
+from radixmux.scheduler.warmup import WARMUP_PARAMS, Pins, Warmups
 
 log = logging.getLogger("radixmux.scheduler")
 
@@ -142,6 +143,9 @@ class Scheduler:
         self.pending: dict[str, PendingModel] = {}  # instances added at run time, loading
         self.removing: set[str] = set()  # instances waiting for their last batch or disk load
         self.to_launcher = socket(zctx, zmq.PUSH, ep.launcher, bind=False)
+        assert ctx.arena is not None
+        cap = int(ctx.arena.total_bytes * self.args.max_pinned_fraction)
+        self.warmups = Warmups(Pins(cap))  # warm-ups in flight and pinned prefixes
 
     # ---- start-up ------------------------------------------------------------------
     def wait_for_runners(self) -> list[P.ServedModel]:
@@ -187,6 +191,7 @@ class Scheduler:
         assert arena is not None
         allocator = KVAllocator(arena.num_blocks, arena.block_bytes, args.page_size)
         self.cache = RadixCache(allocator, eviction_policy=args.eviction_policy)
+        self.warmups.pins.cache = self.cache
         specs = [self._model_spec(arg, infos[runner_ids(arg)[0]]) for arg in args.models]
         if args.kv_partition == "static":
             share = arena.total_bytes // len({s.kv_key for s in specs})
@@ -363,6 +368,7 @@ class Scheduler:
                 log.exception("rid=%s could not be released cleanly", rid)
                 self.requests.pop(rid, None)
                 self._reject(rid, status, message)
+        outputs = self._warmup_outputs(outputs)
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
 
@@ -410,7 +416,10 @@ class Scheduler:
                 if not runner.up or runner.inflight is not None:
                     continue
                 rids = [r.rid for r in runner.running]
-                with self._contained(f"scheduling for runner {runner.runner_id}", rids):
+                with (
+                    self._contained(f"scheduling for runner {runner.runner_id}", rids),
+                    self._real_requests_first(model),
+                ):
                     batch = self.builder.schedule_next_batch(
                         runner, model.waiting, admit_cap=self._fair_share_cap(model)
                     )
@@ -490,11 +499,16 @@ class Scheduler:
             self.add_model(msg)
         elif isinstance(msg, P.RemoveModel):
             self.remove_model(msg.name)
+        elif isinstance(msg, P.WarmupRequest):
+            self.warmup(msg)
         elif isinstance(msg, P.ShutdownProcess):
             self.stopping = True
 
     def _reject(self, rid: str, status: int, message: str, param: str | None = None) -> None:
         log.info("rid=%s rejected %d: %s", rid, status, message)
+        if rid in self.warmups:  # the front knows the warm-up, not its prefixes' rids
+            self._reply_warmup(self.warmups.failed(rid, status, message, param))
+            return
         self.to_front.send(P.encode(P.RequestError(rid, status, message, param)))
 
     def enqueue(self, msg: P.TokenizedRequest) -> None:
@@ -678,7 +692,7 @@ class Scheduler:
         runner.threads = msg.threads
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %s", self.describe_step(batch, msg))
-        outputs = self.apply_result(batch, msg)
+        outputs = self._warmup_outputs(self.apply_result(batch, msg))
         if outputs:
             self.to_detok.send(P.encode(P.TokenBatch(outputs)))
         if self.args.check_invariants:
@@ -871,6 +885,7 @@ class Scheduler:
                 del self.runners[runner.runner_id]
                 self.held.pop(runner.runner_id, None)
             del self.models[name]
+            self.warmups.pins.drop(name)
             freed = self.cache.unregister_model(name)
             log.info("model %s removed: %d cached tokens freed", name, freed)
             removed = P.ModelRemoved(name, freed)
@@ -890,14 +905,18 @@ class Scheduler:
                 msg.req_id, True, stats=self.stats(), dashboard=dashboard_snapshot(self.cache)
             )
         if msg.op == "flush_cache":
+            pins = self.warmups.pins.drop()  # a flush empties the cache, pins included
             freed = self.cache.flush()
             if self.disk is not None:
                 self.disk.clear()
-            log.info("cache flushed: %d tokens freed", freed)
-            return P.ControlReply(msg.req_id, True, f"flushed {freed} cached tokens")
+            log.info("cache flushed: %d tokens freed, %d pins dropped", freed, pins)
+            return P.ControlReply(
+                msg.req_id, True, f"flushed {freed} cached tokens ({pins} pins dropped)"
+            )
         if msg.op == "invalidate":
             if msg.model not in self.models:
                 return P.ControlReply(msg.req_id, False, f"model {msg.model!r} is not served")
+            self.warmups.pins.drop(msg.model)  # its pinned KV is stale too
             freed = self.cache.invalidate(msg.model)
             log.info("model %s invalidated: %d cached tokens freed", msg.model, freed)
             return P.ControlReply(
@@ -936,6 +955,7 @@ class Scheduler:
                     evicted_for_tokens=cs.evicted_for.get(m.name, 0),
                     kv_allocated_tokens=self.kv.allocated_tokens[m.name] if self.kv else 0,
                     evicted_tokens=cs.evicted_by_model.get(m.name, {}),
+                    pinned_tokens=self.warmups.pins.tokens(m.name),
                 )
             )
         return P.SchedulerStats(
@@ -957,6 +977,9 @@ class Scheduler:
             disk=self.disk.stats() if self.disk is not None else None,
             tree_tokens=cs.tree_tokens,
             tree_index_bytes=cs.index_bytes,
+            pins=len(self.warmups.pins.by_key),
+            pinned_bytes=self.warmups.pins.bytes(),
+            max_pinned_bytes=self.warmups.pins.cap_bytes,
         )
 
     def _invariants(self) -> str:
@@ -983,8 +1006,52 @@ class Scheduler:
         self.cache.check_invariants(
             held=self.kv.held_slots(running + loading),
             locks=[r.handle for r in running if r.handle is not None]
-            + (self.disk.locks if self.disk else []),
+            + (self.disk.locks if self.disk else [])
+            + self.warmups.pins.handles(),
         )
+
+    # ---- warm-up and pins (scheduler/warmup.py) -------------------------------------------
+    def warmup(self, msg: P.WarmupRequest) -> None:
+        """Queue one one-token request per prefix (refused up front when the
+        model is unknown or the pins would pass the cap); the front gets one
+        ``WarmupReply`` when every prefix is cached."""
+        refusal = self.warmups.refusal(msg, self.models)
+        if refusal is not None:
+            self._reply_warmup(refusal)
+            return
+        for rid, ids in list(self.warmups.start(msg)):
+            self.enqueue(P.TokenizedRequest(rid, msg.model, ids, WARMUP_PARAMS))
+
+    def _warmup_outputs(self, outputs: list[P.RequestOutput]) -> list[P.RequestOutput]:
+        """Take warm-ups' outputs out (their token is discarded; a finished
+        one is pinned if asked and answered to the front); the rest go on."""
+        rest = []
+        for out in outputs:
+            if out.rid not in self.warmups:
+                rest.append(out)
+            elif out.finish_reason is not None:
+                self._reply_warmup(self.warmups.finished(out))
+        return rest
+
+    def _reply_warmup(self, reply: P.WarmupReply | None) -> None:
+        if reply is not None:
+            self.to_front.send(P.encode(reply))
+
+    @contextlib.contextmanager
+    def _real_requests_first(self, model: ModelState) -> Iterator[None]:
+        """Low priority for warm-ups: while a real request of the model waits,
+        its warm-ups are out of the queue the batch builder sees (put back
+        after it, behind whatever it requeued). Once admitted, a warm-up runs
+        like any request."""
+        warm = [r for r in model.waiting if r.rid in self.warmups]
+        if not warm or len(warm) == len(model.waiting):
+            yield
+            return
+        model.waiting[:] = [r for r in model.waiting if r.rid not in self.warmups]
+        try:
+            yield
+        finally:
+            model.waiting.extend(warm)
 
 
 def _fixed_share(spec: ModelSpec, share: int, block_bytes: int) -> ModelSpec:

@@ -207,6 +207,8 @@ class Peers(threading.Thread):
                     if isinstance(msg, P.AbortRequest):
                         self.aborts.put(msg)
                         active.pop(msg.rid, None)  # a scheduler stops the request
+                    elif isinstance(msg, P.WarmupRequest):  # every prefix cached at once
+                        self.front.send(P.encode(warmup_reply(msg)))
                     elif isinstance(msg, P.ControlRequest):
                         self.controls.put(msg)
                         if self.stats is not None:  # None: an unresponsive scheduler
@@ -235,6 +237,13 @@ def model_command_reply(cmd: P.ModelCommand) -> P.ModelCommandReply:
         return P.ModelCommandReply(cmd.req_id, 200, "unloaded")
     model = msgspec.structs.replace(served_model(cmd.served), version=cmd.version)
     return P.ModelCommandReply(cmd.req_id, 200, "loaded", model)
+
+
+def warmup_reply(msg: P.WarmupRequest) -> P.WarmupReply:
+    """A scheduler's answer to a warm-up: each prefix computed, cached, pinned if asked."""
+    sizes = [len(P.unpack_ids(p)) for p in msg.prefixes]
+    items = [P.WarmedPrefix(n, n, n, n if msg.pin else 0) for n in sizes]
+    return P.WarmupReply(msg.req_id, items=items)
 
 
 def tokenizer_reply(req: P.TokenizeRequest | P.DetokenizeRequest) -> P.TokenizerReply:
