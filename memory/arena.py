@@ -14,13 +14,17 @@ import contextlib
 import os
 import tempfile
 import uuid
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from radixmux.memory.layout import BlockGeometry
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made: the processes that only pass an
+# ArenaSpec along (front, tokenizer workers, detokenizer) then start without it.
 
 # Block sizes are kept a multiple of this so every dtype view is aligned.
 BLOCK_ALIGN = 4096
@@ -70,6 +74,8 @@ class KVArena:
             )
         self.spec = spec
         self.owner = owner
+        import torch
+
         flat = torch.from_file(spec.path, shared=True, size=spec.total_bytes, dtype=torch.uint8)
         self.bytes = flat.view(spec.num_blocks, spec.block_bytes)
 
@@ -105,12 +111,14 @@ class KVArena:
         arena). Blocks the model does not own are visible too: the scheduler,
         not the view, decides which slots a model may touch.
         """
+        import torch
+
         geometry.check()
         if geometry.block_bytes != self.spec.block_bytes:
             raise ValueError("geometry block size differs from the arena's")
         lay = geometry.layout
         used = geometry.slots_per_block * lay.bytes_per_token
-        typed = self.bytes[:, :used].view(_TORCH_DTYPES[lay.dtype])
+        typed = self.bytes[:, :used].view(getattr(torch, lay.dtype))
         return typed.view(
             self.spec.num_blocks,
             lay.num_layers,

@@ -28,7 +28,7 @@ import traceback
 import msgspec
 
 from radixmux.memory.arena import ArenaSpec
-from radixmux.runtime.process import die_with_parent
+from radixmux.runtime.process import die_with_parent, exit_now
 
 PARENT_CHECK_MS = 1000
 
@@ -188,4 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as exc:  # SIGTERM unwinds the loop as SystemExit
+        code = exc.code if isinstance(exc.code, int) else 1
+    exit_now(code)

@@ -110,12 +110,26 @@ def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:
         code = main(ctx_msg, zctx)
     except KeyboardInterrupt:
         code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
     except Exception as exc:
         log.error("fatal: %s\n%s", exc, traceback.format_exc())
         report(zctx, ctx_msg.endpoints, P.ProcessFailed(ctx_msg.name, os.getpid(), str(exc)))
     finally:
         zctx.destroy(linger=500)
-    sys.exit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit once this process's own cleanup is done, skipping the interpreter's
+    teardown: with torch and transformers imported it takes over a second, and
+    a stop waits for it once per process, in order. Our files and sockets are
+    closed by then; only buffered log lines remain, so flush them first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def spawn(module: str, context: ProcessContext) -> subprocess.Popen:
