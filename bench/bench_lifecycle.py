@@ -36,9 +36,10 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 
 
 def stream_forever(
-    url: str, stop: threading.Event, arrivals: list[float], fails: list[str]
+    url: str, stop: threading.Event, arrivals: list[list[float]], fails: list[str]
 ) -> None:
-    """Stream greedy completions from ``a`` until ``stop``; each token's arrival time."""
+    """Stream greedy completions from ``a`` until ``stop``; each request's
+    token arrival times."""
     body = {
         "model": "a",
         "prompt": PROMPT,
@@ -52,21 +53,27 @@ def stream_forever(
             if r.status_code != 200:
                 fails.append(f"HTTP {r.status_code}")
                 continue
+            times: list[float] = []
+            arrivals.append(times)
             for line in r.iter_lines():
                 msg = sse_message(line)
                 if msg is SSE_DONE:
                     break
                 if msg is not None and msg.get("choices"):
-                    arrivals.append(time.monotonic())
+                    times.append(time.monotonic())
 
 
-def itl(arrivals: list[float], start: float, end: float) -> dict[str, float]:
-    """ITL percentiles (ms) of gaps that end in [start, end), over all clients' tokens."""
-    ts = sorted(arrivals)
-    gaps = [b - a for a, b in itertools.pairwise(ts) if start <= b < end and b - a < 30]
+def token_gaps(arrivals: list[list[float]]) -> list[tuple[float, float]]:
+    """(end time, gap) between consecutive tokens of one stream, all streams."""
+    return [(b, b - a) for times in arrivals for a, b in itertools.pairwise(times)]
+
+
+def itl(arrivals: list[list[float]], start: float, end: float) -> dict[str, float]:
+    """ITL percentiles (ms) of the gaps within a stream that end in [start, end)."""
+    gaps = [g for b, g in token_gaps(arrivals) if start <= b < end]
     if not gaps:
         return {"n": 0}
-    q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [gaps[0]] * 99
+    q = statistics.quantiles(gaps, n=100, method="inclusive") if len(gaps) > 1 else [gaps[0]] * 99
     return {
         "n": len(gaps),
         "p50_ms": q[49] * 1e3,
@@ -83,7 +90,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     events: dict[str, float] = {}
-    arrivals: list[float] = []
+    arrivals: list[list[float]] = []
     fails: list[str] = []
     with serving(
         "lifecycle", model=["smollm2,name=a"], dtype=args.dtype, kv_cache_bytes=512 << 20
@@ -110,14 +117,14 @@ def main() -> None:
         stop.set()
         for t in threads:
             t.join(timeout=300)
-    t0 = min(arrivals)
+    t0 = min(times[0] for times in arrivals if times)
     e = events
     phases = {
         "before": itl(arrivals, t0 + 2, e["load_start"]),
         "during load": itl(arrivals, e["load_start"], e["load_end"]),
         "between": itl(arrivals, e["load_end"], e["unload_start"]),
         "during unload": itl(arrivals, e["unload_start"], e["unload_end"]),
-        "after": itl(arrivals, e["unload_end"], max(arrivals) + 1e-6),
+        "after": itl(arrivals, e["unload_end"], max(max(t) for t in arrivals if t) + 1e-6),
     }
     print(
         f"\nITL of model a (SmolLM2, {args.clients} streaming clients) while b is loaded/unloaded"
@@ -144,15 +151,15 @@ def main() -> None:
     plot(arrivals, events, t0)
 
 
-def plot(arrivals: list[float], events: dict[str, float], t0: float) -> None:
+def plot(arrivals: list[list[float]], events: dict[str, float], t0: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ts = sorted(arrivals)
-    xs = [b - t0 for b in ts[1:]]
-    ys = [(b - a) * 1e3 for a, b in itertools.pairwise(ts)]
+    gaps = token_gaps(arrivals)
+    xs = [b - t0 for b, _ in gaps]
+    ys = [g * 1e3 for _, g in gaps]
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.plot(xs, ys, ".", ms=2)
     for a, b, label, colour in (
@@ -162,7 +169,7 @@ def plot(arrivals: list[float], events: dict[str, float], t0: float) -> None:
         ax.axvspan(events[a] - t0, events[b] - t0, alpha=0.2, color=colour, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("seconds")
-    ax.set_ylabel("gap between tokens of a (ms)")
+    ax.set_ylabel("inter-token latency of a (ms)")
     ax.set_title("Inter-token latency of a serving model while another is loaded and unloaded")
     ax.legend(loc="upper right")
     fig.tight_layout()

@@ -178,22 +178,46 @@ class ModelRunner:
         """Run the batch; return float32 logits ``[len(rows), vocab]`` at each
         listed sequence's last new token (default: every sequence)."""
         decoded = [self._decode(s) for s in seqs]
-        return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)
+        logits, at, _ = self._logits(decoded, list(range(len(seqs))) if rows is None else rows)
+        return logits[at]
 
     def _logits(
-        self, seqs: list[_Seq], rows: list[int], groups: Sequence[PrefixGroup] = ()
-    ) -> torch.Tensor:
+        self,
+        seqs: list[_Seq],
+        rows: list[int],
+        groups: Sequence[PrefixGroup] = (),
+        every: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[int], dict[int, tuple[int, int]]]:
+        """Run the batch; float32 logits at the last new token of each of
+        ``rows`` and at every new token of each of ``every``. Returns them with
+        the row of each ``rows`` entry and each ``every`` sequence's span."""
         batch, input_ids, positions = self._paged_batch(seqs, groups)
-        ends = np.cumsum([len(s.tokens) for s in seqs]) - 1
-        keep = torch.as_tensor(ends[rows], dtype=torch.int64)
+        ends = np.cumsum([len(s.tokens) for s in seqs])
+        keep: list[np.ndarray] = []
+        spans: dict[int, tuple[int, int]] = {}
+        size = 0
+        for i in every:
+            n = len(seqs[i].tokens)
+            keep.append(np.arange(ends[i] - n, ends[i]))
+            spans[i] = (size, size + n)
+            size += n
+        at = []
+        for i in rows:
+            if i in spans:
+                at.append(spans[i][1] - 1)
+            else:
+                keep.append(ends[i : i + 1] - 1)
+                at.append(size)
+                size += 1
+        index = torch.as_tensor(np.concatenate(keep) if keep else [], dtype=torch.int64)
         with paged_batch(batch):
             out = self.model(
                 input_ids=input_ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),
                 use_cache=False,
-                logits_to_keep=keep.to(self.device),
+                logits_to_keep=index.to(self.device),
             )
-        return out.logits[0].float().cpu()
+        return out.logits[0].float().cpu(), at, spans
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
@@ -244,18 +268,21 @@ class ModelRunner:
         """Forward and sample some sequences; returns the outputs and when the
         forward ended (``perf_counter``)."""
         rows = [i for i, s in enumerate(inputs) if s.sample]
-        logits = self._logits(seqs, rows, groups)
+        scored = [i for i, s in enumerate(inputs) if _scores_prompt(s, seqs[i])]
+        logits, at, spans = self._logits(seqs, rows, groups, scored)
         t1 = time.perf_counter()
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
-        picked = sample(logits, params, outs) if rows else None
+        picked = sample(logits[at], params, outs) if rows else None
+        prompt_lps = {i: _prompt_logprobs(logits, spans[i], inputs[i], seqs[i]) for i in scored}
         outputs = []
         by_row = {r: j for j, r in enumerate(rows)}
         eos = set(self.info.eos_token_ids)
         for i, s in enumerate(inputs):
             j = by_row.get(i)
+            plp, ptop = prompt_lps.get(i, (None, None))
             if j is None or picked is None:
-                outputs.append(SeqOutput(s.rid, -1))
+                outputs.append(SeqOutput(s.rid, -1, prompt_logprobs=plp, prompt_top_logprobs=ptop))
                 continue
             token = int(picked.tokens[j])
             p = s.params
@@ -270,8 +297,31 @@ class ModelRunner:
                 ids = picked.top_ids[j, : p.top_logprobs].tolist()
                 vals = picked.top_logprobs[j, : p.top_logprobs].tolist()
                 top = list(zip(ids, vals, strict=True))
-            outputs.append(SeqOutput(s.rid, token, lp, top, finish))
+            outputs.append(SeqOutput(s.rid, token, lp, top, finish, None, plp, ptop))
         return outputs, t1
+
+
+def _scores_prompt(inp: SeqInput, seq: _Seq) -> bool:
+    """A prompt chunk that asked for prompt logprobs and scores some token."""
+    if inp.params.prompt_logprobs_start < 0 or len(seq.output_ids):
+        return False
+    return len(seq.tokens) > 1 or inp.next_token >= 0
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, span: tuple[int, int], inp: SeqInput, seq: _Seq
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Each position's logprob of the prompt token after it (the model's raw
+    distribution: no penalties or bias), and the top alternatives if asked."""
+    targets = seq.tokens[1:].tolist() + ([inp.next_token] if inp.next_token >= 0 else [])
+    lp = torch.log_softmax(logits[span[0] : span[0] + len(targets)], dim=-1)
+    chosen = lp.gather(1, torch.as_tensor(targets, dtype=torch.int64)[:, None])[:, 0].tolist()
+    k = inp.params.top_logprobs
+    if not k:
+        return chosen, None
+    vals, ids = lp.topk(k, dim=-1)
+    top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return chosen, top
 
 
 def _describe(exc: BaseException) -> str:

@@ -35,6 +35,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ``logprobs`` asks for the chosen token's log-probability and the
     ``top_logprobs`` most likely alternatives. ``logit_bias`` adds to the
     logits of the listed token ids (after penalties, before everything else).
+    ``prompt_logprobs_start >= 0`` asks for the log-probability (and the top
+    alternatives) of every prompt token from that index on (the first prompt
+    token has none): the scheduler then computes those positions instead of
+    taking them from the cache.
     """
 
     temperature: float = 0.0
@@ -51,6 +55,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    prompt_logprobs_start: int = -1
 
 
 class SeqInput(msgspec.Struct, frozen=True):
@@ -60,7 +65,9 @@ class SeqInput(msgspec.Struct, frozen=True):
     (cached prefix then the new tokens); the last ``len(new_tokens)`` are where
     the new tokens' K/V are written, so the first new token's position is
     ``len(slots) - len(new_tokens)``. ``sample`` is False for a prefill chunk
-    that is not the prompt's last.
+    that is not the prompt's last. ``next_token`` is the prompt token after
+    a chunk that does not end the prompt (-1 otherwise): with prompt logprobs,
+    the chunk's last position scores it.
     """
 
     rid: str
@@ -69,6 +76,7 @@ class SeqInput(msgspec.Struct, frozen=True):
     sample: bool = True
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output_ids: bytes = b""
+    next_token: int = -1
 
 
 class PrefixGroup(msgspec.Struct, frozen=True):
@@ -102,6 +110,10 @@ class SeqOutput(msgspec.Struct, frozen=True):
     ``finish_reason`` is ``"stop"`` (a stop / EOS token), ``"length"``
     (``max_new_tokens`` reached with this token) or ``None``. ``error`` is set
     (and ``token_id`` is -1) when this sequence failed on its own.
+    ``prompt_logprobs`` (with prompt logprobs asked for, on prompt chunks):
+    the logprob of each prompt token this chunk scores, i.e. the tokens at
+    positions ``first_pos + 1 ..`` of the chunk (and ``next_token``), with
+    their top alternatives in ``prompt_top_logprobs``.
     """
 
     rid: str
@@ -110,6 +122,8 @@ class SeqOutput(msgspec.Struct, frozen=True):
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     error: str | None = None  # this sequence alone failed (its batch-mates did not)
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class ForwardResult(msgspec.Struct, tag="result", frozen=True):

@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,7 +39,7 @@ import zmq
 from radixmux.runtime import protocol as P
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
-from radixmux.runtime.tokenizer_worker import apply_table, load_tokenizer
+from radixmux.runtime.tokenizer_worker import TableThread, load_tokenizer
 
 log = logging.getLogger("radixmux.detokenizer")
 
@@ -126,24 +127,31 @@ class Detokenizer:
         self.live: dict[str, IncrementalText] = {}
         self.stopped: OrderedDict[str, float] = OrderedDict()  # rid -> when it stopped
         self.namers: dict[str, Callable[[int], str]] = {}  # model -> token id -> text
+        self.lock = threading.Lock()  # the table thread adds models, the loop removes them
 
     def add_models(self, table: list[P.ServedModel]) -> None:
         """Load the tokenizers of instances it lacks (one per folder). It never
         drops one here: an instance's last outputs may still be on their way;
         ``remove_model`` follows them."""
-        by_folder = {f: self.tokenizers[n] for n, f in self.folders.items()}
-        for m in table:
-            if m.instance not in self.tokenizers:
-                if m.folder not in by_folder:
-                    by_folder[m.folder] = load_tokenizer(m.folder)
+        # On the table thread while the loop serves: load first, then store
+        # under the lock ``remove_model`` takes (the loop only reads).
+        with self.lock:
+            by_folder = {f: self.tokenizers[n] for n, f in self.folders.items()}
+        missing = [m for m in table if m.instance not in self.tokenizers]
+        for m in missing:
+            if m.folder not in by_folder:
+                by_folder[m.folder] = load_tokenizer(m.folder)
+        with self.lock:
+            for m in missing:
                 self.tokenizers[m.instance] = by_folder[m.folder]
                 self.folders[m.instance] = m.folder
 
     def remove_model(self, name: str) -> None:
         """An instance was unloaded (after its last outputs, on the same socket)."""
-        self.tokenizers.pop(name, None)
-        self.folders.pop(name, None)
-        self.namers.pop(name, None)
+        with self.lock:
+            self.tokenizers.pop(name, None)
+            self.folders.pop(name, None)
+            self.namers.pop(name, None)
         log.info("model %s removed", name)
 
     def process(self, batch: P.TokenBatch) -> list[P.TextOutput]:
@@ -178,18 +186,21 @@ class Detokenizer:
 
     def _named(self, out: P.RequestOutput) -> P.RequestOutput:
         """``out`` with its logprob tokens named by their text (the front has no tokenizer)."""
-        if not out.logprobs or out.model not in self.tokenizers:
+        if not (out.logprobs or out.prompt_logprobs) or out.model not in self.tokenizers:
             return out
         name = self._namer(out.model)
-        lps = [
-            msgspec.structs.replace(
-                lp,
-                text=name(lp.token_id),
-                top_text=[name(t) for t, _ in lp.top] if lp.top is not None else None,
-            )
-            for lp in out.logprobs
-        ]
-        return msgspec.structs.replace(out, logprobs=lps)
+
+        def named(lp: P.TokenLogprob) -> P.TokenLogprob:
+            tops = [name(t) for t, _ in lp.top] if lp.top is not None else None
+            return msgspec.structs.replace(lp, text=name(lp.token_id), top_text=tops)
+
+        return msgspec.structs.replace(
+            out,
+            logprobs=[named(lp) for lp in out.logprobs] if out.logprobs else out.logprobs,
+            prompt_logprobs=[named(lp) for lp in out.prompt_logprobs]
+            if out.prompt_logprobs
+            else out.prompt_logprobs,
+        )
 
     def _namer(self, model: str) -> Callable[[int], str]:
         namer = self.namers.get(model)
@@ -242,6 +253,7 @@ def _text_output(
         error=error,
         status=status,
         queue_time=out.queue_time,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 
@@ -253,14 +265,13 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     eps = pctx.endpoints
     inbox = socket(zctx, zmq.PULL, eps.detokenizer, bind=True)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
-    to_launcher = socket(zctx, zmq.PUSH, eps.launcher, bind=False)
+    tables = TableThread(zctx, eps.launcher, pctx.name)
     decoder = P.decoder(P.DetokenizerInbox)
     report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
     log.info("ready: %s", ", ".join(detok.tokenizers))
     for msg in inbox_messages(inbox, decoder, log):
         if isinstance(msg, P.ModelTable):
-            load = functools.partial(detok.add_models, msg.models)
-            to_launcher.send(P.encode(apply_table(load, msg, pctx.name)))
+            tables.submit(functools.partial(detok.add_models, msg.models), msg)
         elif isinstance(msg, P.ModelRemoved):
             detok.remove_model(msg.name)
         else:

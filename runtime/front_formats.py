@@ -36,9 +36,11 @@ class CompletionFormat:
         include_usage: bool,
         n: int = 1,
         echo: list[str] | None = None,
+        best_of: int | None = None,
     ) -> None:
         self.id = f"cmpl-{rid}"
         self.n = n
+        self.best_of = best_of or n  # samples drawn per prompt (the best n are returned)
         self.echo = echo  # ``echo``: each prompt's text, put before its choices' text
         self.echoed: set[int] = set()  # streamed choices whose prompt is sent
         self.model = model
@@ -50,21 +52,24 @@ class CompletionFormat:
     def _lps(self, outs: list[P.TextOutput], offset: int) -> O.CompletionLogprobs | None:
         if not self.logprobs:
             return None
-        return O.completion_logprobs([lp for o in outs for lp in o.logprobs or []], offset)
+        # With echo, the first output carries the prompt's logprobs: they come first.
+        lps = [lp for o in outs for lp in (o.prompt_logprobs or []) + (o.logprobs or [])]
+        return O.completion_logprobs(lps, offset)
 
     def _response(self, choices: list[O.CompletionChoice], usage=None) -> O.CompletionResponse:
         return O.CompletionResponse(self.id, self.created, self.model, choices, usage)
 
-    def _prompt(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
+    def _prompt(self, prompt: int) -> str:
+        """Prompt ``prompt``'s text when echoing it, else nothing."""
+        return self.echo[prompt] if self.echo else ""
 
     def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         reason = _reason(gen)
         text = out.text
         if self.echo and index not in self.echoed:
             self.echoed.add(index)
-            text = self._prompt(index) + text
-        if not text and not out.logprobs and reason is None:
+            text = self._prompt(index // self.n) + text
+        if not text and not out.logprobs and not out.prompt_logprobs and reason is None:
             return []
         offset = self.offsets.get(index, 0)
         lps = self._lps([out], offset)
@@ -75,16 +80,33 @@ class CompletionFormat:
         return [self._response([], _usage(gens, self.n))] if self.include_usage else []
 
     def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        picked = self._best(outputs)
         choices = [
             O.CompletionChoice(
                 i,
-                self._prompt(i) + "".join(o.text for o in outs),
-                self._lps(outs, 0),
-                _reason(g),
+                self._prompt(k // self.best_of) + "".join(o.text for o in outputs[k]),
+                self._lps(outputs[k], 0),
+                _reason(gens[k]),
             )
-            for i, (outs, g) in enumerate(zip(outputs, gens, strict=True))
+            for i, k in enumerate(picked)
         ]
-        return self._response(choices, _usage(gens, self.n))
+        return self._response(choices, _usage(gens, self.best_of))  # every sample is billed
+
+    def _best(self, outputs: list[list[P.TextOutput]]) -> list[int]:
+        """The samples to answer with, in choice order: all of them, or with
+        ``best_of`` > ``n`` each prompt's ``n`` of highest mean token logprob."""
+        if self.best_of == self.n:
+            return list(range(len(outputs)))
+        picked = []
+        for first in range(0, len(outputs), self.best_of):
+            samples = range(first, first + self.best_of)
+            picked += sorted(samples, key=lambda k: -_mean_logprob(outputs[k]))[: self.n]
+        return picked
+
+
+def _mean_logprob(outs: list[P.TextOutput]) -> float:
+    lps = [lp.logprob for o in outs for lp in o.logprobs or [] if lp.logprob is not None]
+    return sum(lps) / len(lps) if lps else float("-inf")
 
 
 class ChatFormat:
@@ -139,12 +161,15 @@ class _NativeChoice:
         self.text = ""
         self.ids: list[int] = []
         self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
+        self.prompt_logprobs: list[P.TokenLogprob] | None = None  # logprob_start_len
 
     def add(self, out: P.TextOutput) -> None:
         self.text += out.text
         self.ids += out.token_ids
         if self.logprobs is not None:
             self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 class NativeFormat:
@@ -176,7 +201,15 @@ class NativeFormat:
             )
         lps = list(item.logprobs) if item.logprobs is not None else None
         out = N.response(
-            gen.rid, item.text, list(item.ids), last, finish, gen.latency, lps, self.with_text
+            gen.rid,
+            item.text,
+            list(item.ids),
+            last,
+            finish,
+            gen.latency,
+            lps,
+            self.with_text,
+            item.prompt_logprobs,
         )
         if self.batch:
             out.index = index

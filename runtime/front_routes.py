@@ -85,10 +85,11 @@ def build_app(front: Front) -> ASGIApp:
         prompts = O.completion_request(req, rid, model, time.time())
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        n = O.n_choices(req)
+        n, best_of = O.n_choices(req), O.best_of(req)
         echo = [await prompt_text(p) for p in prompts] if req.echo else None
-        fmt = CompletionFormat(rid, model.name, prompts[0].params.logprobs, usage, n, echo)
-        gens = fan_out(prompts, n)
+        shown = req.logprobs is not None  # best_of > n asks for logprobs to rank by
+        fmt = CompletionFormat(rid, model.name, shown, usage, n, echo, best_of)
+        gens = fan_out(prompts, best_of, "best_of" if best_of > n else "n")
         return await serve_generation(request, front.hub, gens, fmt, "completions")
 
     async def chat(request: Request) -> Response:

@@ -87,7 +87,6 @@ class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # nothing (None always does): anything else is a 400 naming the field.
 UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
     "rid": (),  # request ids are the server's (a client's could collide)
-    "logprob_start_len": (-1,),  # -1: output logprobs only, which is what we return
     "token_ids_logprob": (),
     "lora_path": (),
     "image_data": (),
@@ -122,6 +121,10 @@ class NativeMeta(msgspec.Struct, omit_defaults=True):
     # (logprob, token id, token text or None): the text with return_text_in_logprobs.
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     output_top_logprobs: list[list[tuple[float, int, str | None]]] | None = None
+    # With logprob_start_len >= 0: the prompt's, from that index (the first
+    # prompt token's logprob is None, as in SGLang).
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
 
 
 class NativeResponse(msgspec.Struct, omit_defaults=True):
@@ -175,6 +178,11 @@ def generate_request(
     s = body.sampling_params or NativeSampling()
     n = check_n(s.n, "sampling_params.n")
     params = sampling_params(s, model.info, bool(body.return_logprob), top_n)
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    if start < -1:
+        raise APIError(400, "'logprob_start_len' must be -1 (none) or >= 0", "logprob_start_len")
+    if start >= 0 and body.return_logprob:  # the prompt's logprobs from ``start``
+        params = msgspec.structs.replace(params, prompt_logprobs_start=start)
     prompts = [
         P.GenerateRequest(
             rid=rid,
@@ -244,6 +252,7 @@ def response(
     latency: float,
     logprobs: list[P.TokenLogprob] | None,
     with_text: bool = False,
+    prompt_logprobs: list[P.TokenLogprob] | None = None,
 ) -> NativeResponse:
     meta = NativeMeta(
         id=rid,
@@ -254,15 +263,22 @@ def response(
         e2e_latency=round(latency, 6),
     )
     if logprobs is not None:
-        meta.output_token_logprobs = [
-            (lp.logprob, lp.token_id, lp.text if with_text else None) for lp in logprobs
-        ]
-        meta.output_top_logprobs = [
-            [
-                (v, t, texts[k] if with_text and texts else None)
-                for k, (t, v) in enumerate(lp.top or [])
-            ]
-            for lp in logprobs
-            for texts in [lp.top_text]
+        meta.output_token_logprobs = _native_logprobs(logprobs, with_text)
+        meta.output_top_logprobs = [_native_tops(lp, with_text) for lp in logprobs]
+    if prompt_logprobs is not None:
+        meta.input_token_logprobs = _native_logprobs(prompt_logprobs, with_text)
+        meta.input_top_logprobs = [
+            None if lp.logprob is None else _native_tops(lp, with_text) for lp in prompt_logprobs
         ]
     return NativeResponse(text, ids, meta)
+
+
+def _native_logprobs(
+    lps: list[P.TokenLogprob], with_text: bool
+) -> list[tuple[float | None, int, str | None]]:
+    return [(lp.logprob, lp.token_id, lp.text if with_text else None) for lp in lps]
+
+
+def _native_tops(lp: P.TokenLogprob, with_text: bool) -> list[tuple[float, int, str | None]]:
+    texts = lp.top_text if with_text else None
+    return [(v, t, texts[k] if texts else None) for k, (t, v) in enumerate(lp.top or [])]

@@ -21,6 +21,7 @@ from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import (
+    MAX_N,
     MAX_PROMPTS,
     APIError,
     check_input_ids,
@@ -168,8 +169,8 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -308,6 +309,17 @@ def n_choices(req: _SamplingFields) -> int:
     return check_n(req.n, "n")
 
 
+def best_of(req: CompletionRequest) -> int:
+    """How many samples per prompt to draw (``best_of``, at least ``n``); the
+    ``n`` with the highest mean token logprob are returned."""
+    n = n_choices(req)
+    if req.best_of is None:
+        return n
+    if not n <= req.best_of <= MAX_N:
+        raise APIError(400, f"'best_of' must be in [n, {MAX_N}] (n = {n})", "best_of")
+    return req.best_of
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -317,18 +329,19 @@ def completion_request(
 ) -> list[P.GenerateRequest]:
     """The tokenizer's requests for a /v1/completions body, one per prompt."""
     refuse_unsupported(req, UNSUPPORTED_COMPLETION)
-    if req.best_of is not None and req.best_of != n_choices(req):
-        # best_of > n would rank samples by likelihood: not built.
+    ranked = best_of(req) > n_choices(req)
+    if ranked and req.stream:
         raise APIError(
-            400, "'best_of' must equal 'n' (ranking samples is not supported)", "best_of"
+            400, "'best_of' > 'n' cannot stream (choices are ranked at the end)", "best_of"
         )
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "'logprobs' must be in [0, 20]", "logprobs")
-    if req.echo and req.logprobs is not None:
-        # The prompt's own logprobs would need logits at every prompt position.
-        raise APIError(400, "'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
     max_tokens = _or(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
     params = sampling_params(req, max_tokens, model.info, req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
+        params = msgspec.structs.replace(params, prompt_logprobs_start=0)
+    if ranked:  # ranking needs every sample's logprobs, shown or not
+        params = msgspec.structs.replace(params, logprobs=True)
     return [
         _generate(req, rid, model, params, arrival, prompt=text, input_ids=ids)
         for text, ids in _prompts(req.prompt, model.info.vocab_size)
@@ -461,7 +474,9 @@ def completion_logprobs(lps: list[P.TokenLogprob], offset: int) -> CompletionLog
     return CompletionLogprobs(
         tokens=names,
         token_logprobs=[lp.logprob for lp in lps],
-        top_logprobs=[{name: v for name, v, _ in _tops(lp)} for lp in lps],
+        top_logprobs=[
+            None if lp.logprob is None else {name: v for name, v, _ in _tops(lp)} for lp in lps
+        ],
         text_offset=offsets,
     )
 

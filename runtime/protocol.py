@@ -120,7 +120,7 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     ``top_text`` (the tokens as text) are filled in by the detokenizer."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing scores it)
     top: list[tuple[int, float]] | None = None
     text: str | None = None
     top_text: list[str] | None = None
@@ -150,6 +150,9 @@ class RequestOutput(msgspec.Struct, frozen=True):
     # Seconds from arrival at the front to first admission into a batch; on
     # the request's first output only (None before admission or unknown).
     queue_time: float | None = None
+    # With prompt logprobs asked for: on the first output, one per prompt
+    # token from the asked start (the prompt's first token has logprob None).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", frozen=True):
@@ -171,6 +174,7 @@ class TextOutput(msgspec.Struct, frozen=True):
     error: str | None = None
     status: int = 200
     queue_time: float | None = None  # as in RequestOutput: first output only
+    prompt_logprobs: list[TokenLogprob] | None = None  # as in RequestOutput
 
 
 class TextBatch(msgspec.Struct, tag="text", frozen=True):

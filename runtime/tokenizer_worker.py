@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,20 +172,24 @@ def sync_models(
     models: dict[str, ModelTokenizer], table: list[P.ServedModel], chat_template_file: str | None
 ) -> None:
     """Make ``models`` hold exactly the instances of ``table`` (models loaded
-    or unloaded at run time), loading only the tokenizers it lacks."""
+    or unloaded at run time), loading only the tokenizers it lacks.
+
+    Runs on the table thread while the serving loop reads ``models``: the
+    slow loads come first, then only single dict stores and deletes, each
+    atomic for the reader."""
     wanted = {m.instance: m for m in table}
-    for name in [n for n in models if n not in wanted]:
-        del models[name]
     override = Path(chat_template_file).read_text() if chat_template_file else None
-    by_folder = {mt.model.folder: mt.tokenizer for mt in models.values()}
-    for name, m in wanted.items():
-        if name in models:
-            continue
-        if m.folder not in by_folder:
+    by_folder = {mt.model.folder: mt.tokenizer for mt in list(models.values())}
+    for m in wanted.values():
+        if m.instance not in models and m.folder not in by_folder:
             by_folder[m.folder] = load_tokenizer(m.folder)
-        tok = by_folder[m.folder]
-        template = override or getattr(tok, "chat_template", None) or None
-        models[name] = ModelTokenizer(m, tok, template)
+    for name in [n for n in list(models) if n not in wanted]:
+        del models[name]
+    for name, m in wanted.items():
+        if name not in models:
+            tok = by_folder[m.folder]
+            template = override or getattr(tok, "chat_template", None) or None
+            models[name] = ModelTokenizer(m, tok, template)
 
 
 def apply_table(load: Callable[[], None], table: P.ModelTable, name: str) -> P.ModelTableApplied:
@@ -196,6 +201,27 @@ def apply_table(load: Callable[[], None], table: P.ModelTable, name: str) -> P.M
         return P.ModelTableApplied(name, table.version, f"{type(exc).__name__}: {exc}")
     log.info("model table %d: %s", table.version, ", ".join(m.instance for m in table.models))
     return P.ModelTableApplied(name, table.version)
+
+
+class TableThread:
+    """Applies model tables off the serving loop, in order, each acknowledged
+    to the launcher when done: loading a tokenizer takes seconds (Gemma 3's
+    ~6 s here), and meanwhile the process must keep serving the other models
+    (a detokenizer blocked on it stalls every stream)."""
+
+    def __init__(self, zctx: zmq.Context, launcher: str, name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="model-table")
+        self._zctx, self._launcher, self._name = zctx, launcher, name
+        self._sock: zmq.Socket | None = None  # the thread's own: sockets are not thread-safe
+
+    def submit(self, load: Callable[[], None], table: P.ModelTable) -> None:
+        self._pool.submit(self._apply, load, table)
+
+    def _apply(self, load: Callable[[], None], table: P.ModelTable) -> None:
+        reply = apply_table(load, table, self._name)
+        if self._sock is None:
+            self._sock = socket(self._zctx, zmq.PUSH, self._launcher, bind=False)
+        self._sock.send(P.encode(reply))
 
 
 def model_tokenizer(models: dict[str, ModelTokenizer], name: str) -> ModelTokenizer:
@@ -248,7 +274,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     inbox = socket(zctx, zmq.PULL, eps.tokenizer, bind=False)
     to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
-    to_launcher = socket(zctx, zmq.PUSH, eps.launcher, bind=False)
+    tables = TableThread(zctx, eps.launcher, pctx.name)
     table = socket(zctx, zmq.SUB, eps.models, bind=False)
     table.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = P.decoder(P.TokenizerInbox)
@@ -261,7 +287,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     for msg in inbox_messages(inbox, decoder, log, also=also):
         if isinstance(msg, P.ModelTable):
             load = functools.partial(sync_models, models, msg.models, pctx.args.chat_template)
-            to_launcher.send(P.encode(apply_table(load, msg, pctx.name)))
+            tables.submit(load, msg)
             continue
         if isinstance(msg, P.TokenizeRequest | P.DetokenizeRequest):
             to_front.send(P.encode(tokenizer_service(models, msg)))

@@ -83,6 +83,7 @@ class ScheduledBatch:
         for req, n in zip(self.reqs, self.chunks, strict=True):
             start = req.kv_len
             end = start + n
+            scored = req.wants_prompt_logprobs and end < len(req.input_ids)
             seqs.append(
                 SeqInput(
                     rid=req.rid,
@@ -91,6 +92,7 @@ class ScheduledBatch:
                     sample=end == req.num_tokens,
                     params=req.params,
                     output_ids=pack_ids(req.output_ids),
+                    next_token=int(req.input_ids[end]) if scored else -1,
                 )
             )
         return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups)

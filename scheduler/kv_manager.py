@@ -46,7 +46,12 @@ class KVManager:
             req.slots = np.zeros(0, dtype=np.int64)
             req.kv_len = 0
             return
-        m = self.cache.match(req.model, req.tokens[:-1], record=False)
+        # Prompt logprobs come from computed positions only: the cached prefix
+        # may cover no more than the positions before the first one scored.
+        limit = req.num_tokens - 1
+        if req.wants_prompt_logprobs:
+            limit = min(limit, max(req.params.prompt_logprobs_start, 1) - 1)
+        m = self.cache.match(req.model, req.tokens[:limit], record=False)
         self.cache.lock(m.handle)
         req.handle = m.handle
         req.slots = m.slots
@@ -68,7 +73,7 @@ class KVManager:
         ``"loading"`` (slots reserved, the request is the tier's until its load
         ends), ``"wait"`` (another request is loading those chunks: look again
         next round), ``"no room"``, or None (nothing worth loading)."""
-        if self.disk is None:
+        if self.disk is None or req.wants_prompt_logprobs:
             return None
         plan = self.disk.plan_load(req)
         if plan is None or plan == "wait":

@@ -9,6 +9,7 @@ import numpy as np
 
 from radixmux.memory.radix_cache import CacheHandle
 from radixmux.model_runners.protocol import SamplingParams
+from radixmux.runtime.protocol import TokenLogprob
 
 _arrival_order = itertools.count()
 
@@ -43,6 +44,8 @@ class Req:
     aborted: str | None = None  # reason, when aborted while a batch is in flight
     retractions: int = 0
     queue_time: float | None = None  # arrival to first admission (s); None until then
+    # With prompt logprobs: prompt position -> the logprob of its token.
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -50,6 +53,12 @@ class Req:
         if not self.output_ids:
             return self.input_ids
         return np.concatenate([self.input_ids, np.asarray(self.output_ids, dtype=np.int32)])
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and are not sent yet (they go with
+        the first output; a request retracted later needs them no more)."""
+        return self.params.prompt_logprobs_start >= 0 and not self.announced
 
     @property
     def num_tokens(self) -> int:

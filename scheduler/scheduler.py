@@ -743,6 +743,8 @@ class Scheduler:
                 continue
             prompt = len(req.input_ids)
             self.prompt_tokens_computed += max(0, min(req.kv_len + n, prompt) - req.kv_len)
+            if out.prompt_logprobs is not None:
+                self._keep_prompt_logprobs(req, req.kv_len, out)
             req.kv_len += n
             if req.aborted:
                 self._finish(req, keep=True)
@@ -772,6 +774,27 @@ class Scheduler:
                 self.kv.cache_progress(req)
         return outputs
 
+    @staticmethod
+    def _keep_prompt_logprobs(req: Req, first: int, out: RP.SeqOutput) -> None:
+        """A chunk starting at position ``first`` scored the prompt tokens
+        after each of its positions (kept by position: a chunk computed again
+        after a retraction overwrites the same ones)."""
+        tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs or [])
+        for k, (lp, top) in enumerate(zip(out.prompt_logprobs or [], tops, strict=True)):
+            pos = first + 1 + k
+            req.prompt_logprobs[pos] = P.TokenLogprob(int(req.input_ids[pos]), lp, top)
+
+    def _prompt_logprobs(self, req: Req) -> list[P.TokenLogprob]:
+        """The prompt's logprobs from the asked start on (the first token's is None)."""
+        start = req.params.prompt_logprobs_start
+        found = [req.prompt_logprobs.get(pos) for pos in range(start, len(req.input_ids))]
+        missing = sum(lp is None for lp in found) - (start == 0)
+        if missing:  # a bug, not the client's: say so, send what there is
+            log.error("rid=%s: %d prompt logprobs missing", req.rid, missing)
+        req.prompt_logprobs = {}
+        ids = req.input_ids[start:].tolist()
+        return [lp or P.TokenLogprob(t, None) for lp, t in zip(found, ids, strict=True)]
+
     def _output(
         self,
         req: Req,
@@ -782,6 +805,7 @@ class Scheduler:
         status: int = 200,
     ) -> P.RequestOutput:
         first = not req.announced
+        want_prompt = first and req.params.prompt_logprobs_start >= 0 and status == 200
         req.announced = True
         return P.RequestOutput(
             rid=req.rid,
@@ -797,6 +821,7 @@ class Scheduler:
             stop=req.stop if first else None,
             skip_special_tokens=req.skip_special_tokens,
             queue_time=req.queue_time if first else None,
+            prompt_logprobs=self._prompt_logprobs(req) if want_prompt else None,
         )
 
     # ---- models at run time --------------------------------------------------------------

@@ -345,7 +345,7 @@ def chat(*messages: dict) -> dict:
         (CMPL, {"model": "chat"}, 400, "prompt"),
         (CMPL, cmpl(n=17), 400, "n"),
         (CMPL, cmpl(n=0), 400, "n"),
-        (CMPL, cmpl(n=2, best_of=3), 400, "best_of"),
+        (CMPL, cmpl(n=3, best_of=2), 400, "best_of"),  # best_of below n
         (CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
         (CMPL, cmpl(max_tokens="9"), 400, "max_tokens"),
         (CMPL, cmpl(temperature=-1), 400, "temperature"),
@@ -389,8 +389,9 @@ def chat(*messages: dict) -> dict:
             400,
             "sampling_params.logit_bias",
         ),
-        (CMPL, cmpl(echo=True, logprobs=1), 400, "echo"),  # prompt logprobs: not built
-        (CMPL, cmpl(best_of=3), 400, "best_of"),  # best_of > n: ranking not built
+        (CMPL, cmpl(best_of=3, stream=True), 400, "best_of"),  # ranked at the end
+        (CMPL, cmpl(best_of=17), 400, "best_of"),
+        (GEN, {"model": "chat", "text": "x", "logprob_start_len": -3}, 400, "logprob_start_len"),
         (CMPL, cmpl(suffix="!"), 400, "suffix"),
         (CMPL, cmpl(service_tier="flex"), 400, "service_tier"),
         (CHAT, {**chat({"role": "user", "content": "x"}), "tools": [{}]}, 400, "tools"),

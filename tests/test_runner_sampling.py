@@ -144,3 +144,54 @@ def test_stop_tokens_and_max_new_tokens(arena):
     reasons = [o.finish_reason for o in res.outputs]
     assert reasons == ["stop", "length", None, None]
     assert res.outputs[3].token_id == -1 and res.outputs[0].token_id == first.token_id
+
+
+def test_prompt_logprobs_match_plain_forward_across_chunks_and_a_cached_prefix(arena):
+    """Prompt logprobs (each token scored by the position before it) equal
+    log_softmax of transformers' own logits: a prompt split in two chunks (the
+    first scores the second's first token through ``next_token``) behind a
+    prefix already in the arena, in one batch with a plain request."""
+    from conftest import reference_logits
+
+    loaded = tiny_model("gemma3")  # soft-capped final logits: checks the kept rows get it
+    runner = make_runner(loaded, arena)
+    pool = SlotPool(runner.num_slots)
+    ids = torch.randint(0, 211, (29,)).tolist()
+    slots = pool.take(len(ids))
+    ref = torch.log_softmax(reference_logits(loaded.model, ids), dim=-1)
+    cached, cut = 6, 17  # prefix in the arena; first chunk [6, 17), second [17, 29)
+    runner.forward(ForwardBatch(0, [seq("pre", ids[:cached], slots[:cached], 0, sample=False)]))
+    asked = SamplingParams(logprobs=True, top_logprobs=3, prompt_logprobs_start=cached)
+    other = pool.take(5)
+    first = runner.forward(
+        ForwardBatch(
+            1,
+            [
+                seq(
+                    "p",
+                    ids[cached:cut],
+                    slots[:cut],
+                    cached,
+                    False,
+                    params=asked,
+                    next_token=ids[cut],
+                ),
+                seq("q", [5, 6, 7, 8, 9], other, 0),
+            ],
+        )
+    )
+    second = runner.forward(ForwardBatch(2, [seq("p", ids[cut:], slots, cut, params=asked)]))
+    p1, q, p2 = first.outputs[0], first.outputs[1], second.outputs[0]
+    assert q.prompt_logprobs is None and p1.token_id == -1 and p2.token_id >= 0
+    got = (p1.prompt_logprobs or []) + (p2.prompt_logprobs or [])
+    # Positions 6..27 score tokens 7..28: 11 from the first chunk, 11 from the second.
+    assert len(p1.prompt_logprobs or []) == cut - cached and len(got) == len(ids) - 1 - cached
+    want = [ref[pos, ids[pos + 1]].item() for pos in range(cached, len(ids) - 1)]
+    assert np.allclose(got, want, atol=1e-4), np.abs(np.array(got) - want).max()
+    tops = (p1.prompt_top_logprobs or []) + (p2.prompt_top_logprobs or [])
+    for pos, top in zip(range(cached, len(ids) - 1), tops, strict=True):
+        vals, idx = ref[pos].topk(3)
+        assert [t for t, _ in top] == idx.tolist()
+        assert np.allclose([v for _, v in top], vals.tolist(), atol=1e-4)
+    # The sampled token after the prompt is what it is without prompt logprobs.
+    assert p2.token_id == int(ref[-1].argmax()) and p2.logprob is not None
