@@ -5,7 +5,7 @@ Replays one synthetic, seeded multi-model trace through ``RadixCache`` and repor
 * match / insert / evict latency (median, p90, p99 in microseconds) and operations
   per second (1 / mean latency), every call timed on its own with
   ``time.perf_counter_ns``; the allocator's ``alloc`` is timed alongside;
-* tree memory: nodes, ``RadixCache.python_bytes()``, Python bytes per cached token;
+* tree memory: nodes, ``radix_diagnostics.python_bytes``, Python bytes per cached token;
 * the unified tree vs one separate ``RadixCache`` per model on the same trace;
 * the issue's targets, each with its measured figure and PASS / MISS: match of a
   2,048-token request over a cached path of <= 8 nodes <= 30 us median, insert
@@ -48,6 +48,7 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.layout import BlockGeometry, KVLayout
 from radixmux.memory.radix_cache import CacheHandle, ModelSpec, RadixCache
+from radixmux.memory.radix_diagnostics import check_invariants, python_bytes
 
 # ---- models ------------------------------------------------------------------
 
@@ -349,7 +350,7 @@ def tree_memory(caches: Sequence[RadixCache]) -> TreeMemory:
     return TreeMemory(
         trees=len(caches),
         nodes=sum(c.num_nodes for c in caches),
-        python_bytes=sum(c.python_bytes() for c in caches),
+        python_bytes=sum(python_bytes(c) for c in caches),
         kv_tokens=kv,
     )
 
@@ -423,7 +424,7 @@ def run_unified(cfg: BenchConfig, trace: list[Request]) -> PhaseResult:
     """Phase 1: one tree over an arena that holds the whole trace."""
     cache = make_cache(MODELS, blocks_for(trace, cfg.page_size), cfg.page_size, cfg.policy)
     t, rejected, wall = replay("unified", trace, lambda r: cache)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     return _phase("unified", trace, t, rejected, wall, [cache])
 
 
@@ -437,7 +438,7 @@ def run_separate(cfg: BenchConfig, trace: list[Request]) -> PhaseResult:
         )
     t, rejected, wall = replay("separate", trace, lambda r: caches[r.model])
     for cache in caches.values():
-        cache.check_invariants(held={})
+        check_invariants(cache, held={})
     return _phase("separate", trace, t, rejected, wall, list(caches.values()))
 
 
@@ -445,7 +446,7 @@ def run_pressure(cfg: BenchConfig, trace: list[Request]) -> PhaseResult:
     """Phase 3: one tree over a small arena, so requests evict to make room."""
     cache = make_cache(MODELS, cfg.small_arena_blocks, cfg.page_size, cfg.policy)
     t, rejected, wall = replay("pressure", trace, lambda r: cache)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     return _phase("pressure", trace, t, rejected, wall, [cache])
 
 
@@ -574,7 +575,7 @@ def bench_cold_insert(cfg: BenchConfig, reps: int) -> list[int]:
         t0 = perf()
         cache.insert(spec.name, tokens, slots)
         ns.append(perf() - t0)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     return ns
 
 
@@ -616,7 +617,7 @@ def bench_evict(cfg: BenchConfig, trace: Sequence[Request], policy: str, reps: i
         run.wall_ns.append(perf() - t0)
         run.cpu_ns.append(time.thread_time_ns() - c0)
     assert cache is not None
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     return run
 
 
@@ -641,7 +642,7 @@ def match_insert_stats(cfg: BenchConfig) -> tuple[list[OpStats], int]:
     match_ns, nodes = bench_match(cache, prompt, cfg.match_reps)
     log(f"  targets: match done ({cfg.match_reps} reps, {nodes}-node path)")
     append_ns = bench_append(cache, prompt, cfg.insert_reps)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     cold_ns = bench_cold_insert(cfg, min(cfg.insert_reps, 1000))
     log(f"  targets: insert done ({cfg.insert_reps} reps)")
     stats = [

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixmux.memory.radix_cache import PrefixSummary, RadixCache
+from radixmux.memory.radix_cache import RadixCache
+from radixmux.memory.radix_diagnostics import PrefixSummary, top_prefixes
 from radixmux.runtime import protocol as P
 
 MAX_ARENA_CELLS = 4096
@@ -23,7 +24,7 @@ TAIL_TOKENS = 8  # and of its end, when longer
 
 def dashboard_snapshot(cache: RadixCache) -> P.DashboardSnapshot:
     """The arena map and the most shared prefixes of ``cache``, right now."""
-    top = cache.top_prefixes(TOP_PREFIXES, PREFIX_VISITS)
+    top = top_prefixes(cache, TOP_PREFIXES, PREFIX_VISITS)
     prefixes = [_prefix_view(p) for p in top.prefixes]
     return P.DashboardSnapshot(arena_map(cache), prefixes, top.complete)
 

@@ -33,6 +33,7 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import DiskKVStore, StoreLocked
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.memory.radix_diagnostics import check_invariants
 from radixmux.model_runners import protocol as RP
 from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.runner_process import cpu_cores
@@ -1028,7 +1029,8 @@ class Scheduler:
         for req in self.requests.values():
             if req.runner is None and req not in loading:
                 assert req.handle is None and not len(req.slots), f"rid={req.rid} waits holding KV"
-        self.cache.check_invariants(
+        check_invariants(
+            self.cache,
             held=self.kv.held_slots(running + loading),
             locks=[r.handle for r in running if r.handle is not None]
             + (self.disk.locks if self.disk else [])

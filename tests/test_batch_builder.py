@@ -8,6 +8,7 @@ import numpy as np
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.memory.radix_diagnostics import check_invariants
 from radixmux.model_runners.protocol import SamplingParams
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState
 from radixmux.scheduler.kv_manager import KVManager
@@ -56,8 +57,8 @@ def test_prefill_shrinks_while_requests_decode() -> None:
     # first now decodes: the long prompt comes in 32-token chunks beside it.
     assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
     assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
-    b.kv.cache.check_invariants(
-        held=b.kv.held_slots(runner.running), locks=[r.handle for r in runner.running]
+    check_invariants(
+        b.kv.cache, held=b.kv.held_slots(runner.running), locks=[r.handle for r in runner.running]
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 from test_radix_cache import make_cache, serve
 
 from radixmux.memory.radix_cache import EVICTION_REASONS
+from radixmux.memory.radix_diagnostics import check_invariants, dump, python_bytes, top_prefixes
 
 
 def test_evictions_by_reason_per_model() -> None:
@@ -30,7 +31,7 @@ def test_evictions_by_reason_per_model() -> None:
     assert per["c"]["flush"] == 2
     # The global counts are the per-cache sums.
     assert cache.stats().evicted_tokens["flush"] == 6
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_an_orphaned_cache_counts_for_the_models_it_served() -> None:
@@ -66,10 +67,10 @@ def test_index_bytes_tracks_the_walk(page_size: int) -> None:
             cache.invalidate_prefix("g1", tokens[:page_size])
         if step % 97 == 96:
             cache.invalidate("b")
-        cache.check_invariants(held={})  # includes the kept counts
-        walked = cache.python_bytes()
+        check_invariants(cache, held={})  # includes the kept counts
+        walked = python_bytes(cache)
         assert cache.index_bytes() == pytest.approx(walked, rel=0.25)
-    assert cache.stats().tree_tokens == sum(len(t) for t in cache.dump().values())
+    assert cache.stats().tree_tokens == sum(len(t) for t in dump(cache).values())
     cache.flush()
     assert cache.index_bytes() == empty and cache.tree_tokens == 0
 
@@ -82,7 +83,7 @@ def test_top_prefixes_finds_the_shared_system_prompt() -> None:
     for i in range(3):  # 3 of b (same tokenizer group): 2 hit it
         serve(cache, "b", system + [10 + i])
     serve(cache, "c", [1, 2, 3])  # another group, never shared
-    top = cache.top_prefixes(k=5)
+    top = top_prefixes(cache, k=5)
     assert top.complete
     first = top.prefixes[0]
     assert np.frombuffer(first.tokens, dtype=np.int32).tolist() == system
@@ -95,7 +96,7 @@ def test_top_prefixes_finds_the_shared_system_prompt() -> None:
     assert first.hits == 6
     # Nothing else was ever shared: unshared paths are not listed.
     assert len(top.prefixes) == 1
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_top_prefixes_reports_where_sharing_changes_and_is_bounded() -> None:
@@ -103,9 +104,9 @@ def test_top_prefixes_reports_where_sharing_changes_and_is_bounded() -> None:
     base = [1, 2, 3, 4]
     for tail in ([5, 6], [5, 6], [5, 6, 7], [8]):
         serve(cache, "a", base + tail)
-    prefixes = cache.top_prefixes(k=10).prefixes
+    prefixes = top_prefixes(cache, k=10).prefixes
     # [1..4] is shared by 3 later lookups, [1..4, 5, 6] by 2: two levels, most hits first.
     got = [(np.frombuffer(p.tokens, np.int32).tolist(), p.hits) for p in prefixes]
     assert got == [(base, 3), (base + [5, 6], 2)]
     # A tiny budget stops early and says so.
-    assert not cache.top_prefixes(k=10, max_visits=1).complete
+    assert not top_prefixes(cache, k=10, max_visits=1).complete

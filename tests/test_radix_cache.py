@@ -8,6 +8,7 @@ import pytest
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.memory.radix_diagnostics import check_invariants
 
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 B/token: 64 slots per block
 WIDE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 128 B/token
@@ -40,7 +41,7 @@ def serve(cache: RadixCache, model: str, tokens: list[int]) -> np.ndarray:
     slots = np.concatenate([m.slots, new])
     cache.insert(model, tokens[:aligned], slots, prefix=m.handle)
     cache.unlock(m.handle)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     return slots
 
 
@@ -53,7 +54,7 @@ def test_match_empty_then_hit() -> None:
     assert np.array_equal(m.slots, slots)
     m = cache.match("a", [1, 2, 3, 9])
     assert m.length == 3 and np.array_equal(m.slots, slots[:3])
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_split_under_two_models_keeps_both() -> None:
@@ -71,7 +72,7 @@ def test_split_under_two_models_keeps_both() -> None:
     serve(cache, "b", [1, 2, 3, 4, 9])
     assert np.array_equal(cache.match("a", [1, 2, 3, 4, 5, 6]).slots, sa)
     assert cache.match("b", [1, 2, 3, 4, 5, 6]).length == 4
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_replicas_share_kv_groups_do_not() -> None:
@@ -93,7 +94,7 @@ def test_insert_returns_cached_len_and_frees_duplicates() -> None:
     assert cache.insert("a", [1, 2, 3, 4, 5, 6], dup) == 4
     assert cache.allocator.pool_usage(pool).used_slots == before + 2
     assert cache.cached_tokens("a") == 6
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     with pytest.raises(ValueError, match="slots"):
         cache.insert("a", [1, 2], dup[:1])
 
@@ -107,10 +108,10 @@ def test_lock_blocks_eviction() -> None:
     assert cache.evict(num_tokens=100) == 3
     assert cache.match("a", [1, 2, 3, 4]).length == 4
     assert cache.evict(num_tokens=100) == 0
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     cache.unlock(m.handle)
     assert cache.evict(num_tokens=100) == 4
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     with pytest.raises(ValueError, match="not locked"):
         cache.unlock(m.handle)
 
@@ -123,7 +124,7 @@ def test_eviction_is_leaf_first_per_model() -> None:
     assert cache.evict(num_tokens=1) == 3  # the older leaf [4,5,6]
     assert cache.match("a", [1, 2, 3, 7]).length == 4
     assert cache.match("a", [1, 2, 3, 4]).length == 3
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def _three_leaves(policy: str) -> RadixCache:
@@ -182,7 +183,7 @@ def test_invalidate_one_model_keeps_others() -> None:
     assert cache.match("a2", [1, 2, 3]).length == 0
     assert cache.match("a", [1, 2, 3]).length == 3
     assert cache.stats().evicted_tokens["invalidation"] == 3
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_invalidate_while_locked_frees_on_unlock() -> None:
@@ -194,12 +195,12 @@ def test_invalidate_while_locked_frees_on_unlock() -> None:
     extra = cache.allocator.alloc(pool, 2)
     assert cache.invalidate("b") == 0  # still locked
     assert cache.match("b", [1, 2, 3, 4]).length == 0  # but no longer served
-    cache.check_invariants(held={pool: [extra]})
+    check_invariants(cache, held={pool: [extra]})
     # The request finishes: its stale KV is not cached.
     assert cache.insert("b", [1, 2, 3, 4, 5, 6], np.concatenate([m.slots, extra]), m.handle) == 6
     cache.unlock(m.handle)
     assert cache.allocator.pool_usage(pool).used_slots == 0
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_invalidate_prefix_and_flush() -> None:
@@ -217,7 +218,7 @@ def test_invalidate_prefix_and_flush() -> None:
     assert cache.flush() == 1 + 1 + 2 + 3
     assert cache.num_nodes == 0
     assert cache.stats().evicted_tokens["flush"] == 7
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -234,7 +235,7 @@ def test_pages(page_size: int) -> None:
     assert cache.match("a", other).length == expect
     serve(cache, "a", other)
     assert cache.match("a", other).length == 48
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
     if page_size > 1:
         with pytest.raises(ValueError, match="whole pages"):
             cache.insert("a", tokens[:5], slots[:5])
@@ -267,7 +268,7 @@ def test_evict_for_frees_room_across_models() -> None:
     cache.lock(m.handle)
     assert not cache.evict_for("b", 64 + 33)  # can't: its own KV is locked
     cache.unlock(m.handle)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_unknown_model_is_clear() -> None:
@@ -305,7 +306,7 @@ def test_evict_for_a_capped_pool_spares_other_models() -> None:
     assert cache.cached_tokens("a") == 128  # untouched
     assert cache.cached_tokens("b") == 96
     assert cache.stats().evicted_for == {"a": 0, "b": 32}
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_evict_for_empties_whole_blocks_closest_to_empty_first() -> None:
@@ -326,7 +327,7 @@ def test_evict_for_empties_whole_blocks_closest_to_empty_first() -> None:
     assert cache.match("a", list(range(200, 232)), record=False).length == 0
     assert cache.stats().evicted_for["b"] == 32
     cache.unlock(m.handle)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_evict_for_skips_blocks_it_cannot_empty() -> None:
@@ -344,7 +345,7 @@ def test_evict_for_skips_blocks_it_cannot_empty() -> None:
     assert cache.cached_tokens("a") == 64
     cache.unlock(busy.handle)
     cache.unlock(mb.handle)
-    cache.check_invariants(held={})
+    check_invariants(cache, held={})
 
 
 def test_check_invariants_catches_a_lock_nobody_holds() -> None:
@@ -352,12 +353,12 @@ def test_check_invariants_catches_a_lock_nobody_holds() -> None:
     serve(cache, "a", [1, 2, 3, 4])
     m = cache.match("a", [1, 2, 3, 4])
     cache.lock(m.handle)
-    cache.check_invariants(held={}, locks=[m.handle])
+    check_invariants(cache, held={}, locks=[m.handle])
     assert cache.locks_held == 1
     with pytest.raises(AssertionError, match="1 leaked"):
-        cache.check_invariants(held={}, locks=[])
+        check_invariants(cache, held={}, locks=[])
     cache.unlock(m.handle)
-    cache.check_invariants(held={}, locks=[])
+    check_invariants(cache, held={}, locks=[])
 
 
 def test_shared_prefixes_groups_paths_by_their_deepest_common_node() -> None:

@@ -29,6 +29,7 @@ from hypothesis.stateful import (
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import CacheHandle, ModelSpec, RadixCache
+from radixmux.memory.radix_diagnostics import check_invariants, dump
 
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
 WIDE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 32 slots per block
@@ -107,7 +108,7 @@ class RadixMachine(RuleBasedStateMachine):
     def reconcile_removal(self, freed: int | None) -> dict[int, set[Key]]:
         """After an eviction-like call: the tree lost a subset of the reference
         (``freed`` tokens of it, when the call reports a count)."""
-        tree = self.cache.dump()
+        tree = dump(self.cache)
         gone: dict[int, set[Key]] = {}
         total = 0
         for cid, table in self.ref.items():
@@ -245,7 +246,7 @@ class RadixMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         STEPS[0] += 1
-        tree = self.cache.dump()
+        tree = dump(self.cache)
         for cid, table in self.ref.items():
             assert tree.get(cid, {}) == table, f"cache {cid} differs from the reference"
         assert set(tree) <= set(self.ref)
@@ -258,7 +259,7 @@ class RadixMachine(RuleBasedStateMachine):
         held: dict[str, list[np.ndarray]] = {}
         for r in self.live:
             held.setdefault(self.cache.pool_of(r.model), []).append(r.owned)
-        self.cache.check_invariants(held=held)
+        check_invariants(self.cache, held=held)
 
     def teardown(self) -> None:
         # Draining every request must leave only the tree's slots allocated.
@@ -268,7 +269,7 @@ class RadixMachine(RuleBasedStateMachine):
             self.cache.allocator.free(self.cache.pool_of(r.model), r.owned)
             self.cache.unlock(r.handle)
         self.live.clear()
-        self.cache.check_invariants(held={})
+        check_invariants(self.cache, held={})
         self.cache.flush()
         assert self.cache.allocator.usage().free_blocks == self.cache.allocator.num_blocks
 
