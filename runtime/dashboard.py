@@ -25,13 +25,20 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
 
 from radixmux.runtime import protocol as P
-from radixmux.runtime.api_common import APIError
+from radixmux.runtime.api_common import APIError, json_response
 from radixmux.runtime.front_hub import RequestHub, new_rid
 from radixmux.runtime.metrics import FrontMetrics
+from radixmux.runtime.openapi import Endpoint, Handler
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
 
 log = logging.getLogger("radixmux.front")
 
@@ -123,3 +130,30 @@ class Dashboard:
         req = P.DetokenizeRequest(new_rid(), model, ids)
         reply = await self.hub.tokenizer_call(req, timeout=PREVIEW_TIMEOUT_S)
         return reply.text or ""
+
+
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
+    """``/dashboard`` (the page, open) and ``/dashboard.json`` (its figures)."""
+    view = Dashboard(front.hub, front.metrics)
+
+    async def dashboard_page(request: Request) -> Response:
+        return HTMLResponse(DASHBOARD_PAGE)
+
+    async def dashboard_json(request: Request) -> Response:
+        return json_response(await view.view())
+
+    return [
+        (
+            Endpoint(
+                "/dashboard",
+                "GET",
+                "live view (HTML, open; give the API key as /dashboard#key=KEY)",
+                html=True,
+            ),
+            dashboard_page,
+        ),
+        (
+            Endpoint("/dashboard.json", "GET", "the live view's figures", response=DashboardView),
+            dashboard_json,
+        ),
+    ]

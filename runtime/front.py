@@ -22,8 +22,8 @@ import zmq
 
 from radixmux.runtime import protocol as P
 from radixmux.runtime import warmup_api
+from radixmux.runtime.front_app import build_app
 from radixmux.runtime.front_hub import RequestHub
-from radixmux.runtime.front_routes import build_app
 from radixmux.runtime.front_zmq import ClientServer
 from radixmux.runtime.metrics import FrontMetrics
 from radixmux.runtime.models_api import ModelManager

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,7 +27,7 @@ from radixmux.runtime import openai_api as O
 from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import APIError, json_response, served_names
 from radixmux.runtime.front_hub import new_rid
-from radixmux.runtime.openapi import Endpoint
+from radixmux.runtime.openapi import Body, Endpoint, Handler
 from radixmux.runtime.server_args import DTYPES, ModelArg, check_model_name, default_model_name
 
 if TYPE_CHECKING:
@@ -207,12 +206,7 @@ def _timeout(request: Request) -> float | None:
     return value
 
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def endpoints(
-    front: Front, body: Callable[[Request, type], Awaitable[object]]
-) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
     """The lifecycle routes, for the front's route table and OpenAPI document."""
     manager = front.model_manager
 

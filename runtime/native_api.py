@@ -1,4 +1,4 @@
-"""SGLang-compatible ``/generate``: request schema, conversion, response shape.
+"""SGLang-compatible ``/generate``: request schema, conversion, response formatting, route.
 
 Responses match SGLang's so its tools (router, ``bench_serving``) can drive us:
 ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
@@ -9,9 +9,12 @@ Sampling defaults follow SGLang: temperature 1, 128 new tokens.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
@@ -25,8 +28,15 @@ from radixmux.runtime.api_common import (
     fan_out,
     logit_bias,
     refuse_unsupported,
+    resolve_model,
     stop_list,
 )
+from radixmux.runtime.front_hub import Generation, new_rid
+from radixmux.runtime.front_stream import serve_generation
+from radixmux.runtime.openapi import Body, Endpoint, Handler
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -282,3 +292,111 @@ def _native_logprobs(
 def _native_tops(lp: P.TokenLogprob, with_text: bool) -> list[tuple[float, int, str | None]]:
     texts = lp.top_text if with_text else None
     return [(v, t, texts[k] if texts else None) for k, (t, v) in enumerate(lp.top or [])]
+
+
+# ---- response formatting ---------------------------------------------------------
+class _NativeChoice:
+    """One item's text, ids and logprobs so far (SGLang chunks are cumulative)."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
+        self.prompt_logprobs: list[P.TokenLogprob] | None = None  # logprob_start_len
+
+    def add(self, out: P.TextOutput) -> None:
+        self.text += out.text
+        self.ids += out.token_ids
+        if self.logprobs is not None:
+            self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+
+class NativeFormat:
+    """SGLang ``/generate``: every streamed chunk carries the text and ids so far;
+    a batch (or ``n`` > 1) is answered with a list, its chunks tagged by index."""
+
+    def __init__(self, logprobs: bool, with_text: bool = False, batch: bool = False) -> None:
+        self.logprobs = logprobs
+        self.with_text = with_text  # return_text_in_logprobs
+        self.batch = batch
+        self.items: dict[int, _NativeChoice] = {}
+
+    def _item(self, index: int) -> _NativeChoice:
+        if index not in self.items:
+            self.items[index] = _NativeChoice(self.logprobs)
+        return self.items[index]
+
+    def _response(self, gen: Generation, index: int) -> NativeResponse:
+        item = self._item(index)
+        last = gen.last
+        assert last is not None
+        finish = None
+        if gen.done:
+            finish = finish_reason(
+                gen.finish_reason,
+                gen.matched_stop,
+                item.ids[-1] if item.ids else None,
+                last.completion_tokens,
+            )
+        lps = list(item.logprobs) if item.logprobs is not None else None
+        out = response(
+            gen.rid,
+            item.text,
+            list(item.ids),
+            last,
+            finish,
+            gen.latency,
+            lps,
+            self.with_text,
+            item.prompt_logprobs,
+        )
+        if self.batch:
+            out.index = index
+        return out
+
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+        self._item(index).add(out)
+        if not out.text and not out.token_ids and not gen.done:
+            return []
+        return [self._response(gen, index)]
+
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+        return []
+
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> Any:
+        answers = []
+        for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
+            for out in outs:
+                self._item(i).add(out)
+            answers.append(self._response(gen, i))
+        return answers if self.batch else answers[0]
+
+
+# ---- routes ----------------------------------------------------------------------
+def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+    """SGLang's ``/generate``, for the front's route table and OpenAPI document."""
+
+    async def generate(request: Request) -> Response:
+        req = await body(request, NativeGenerate)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        gens = generate_request(req, rid, model, time.time())
+        with_text = bool(req.return_text_in_logprobs)
+        fmt = NativeFormat(gens[0].params.logprobs, with_text, is_batch(req))
+        return await serve_generation(request, front.hub, gens, fmt, "generate")
+
+    return [
+        (
+            Endpoint(
+                "/generate",
+                "POST",
+                "SGLang native generation",
+                NativeGenerate,
+                NativeResponse,
+                streams=True,
+            ),
+            generate,
+        ),
+    ]

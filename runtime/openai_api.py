@@ -1,4 +1,9 @@
-"""OpenAI-compatible request and response schemas, and their conversion.
+"""The OpenAI API: request and response schemas, conversion, formatting, routes.
+
+One module per API (this one, ``native_api``, ``tokenize_api``, ``ops_api``,
+``models_api``, ``warmup_api``): its types, the internal requests made from
+them, the per-request formatters (``CompletionFormat``, ``ChatFormat``) and
+``endpoints``, the routes the app (``front_app``) mounts.
 
 Requests decode straight into these Structs. Nothing a client sends is
 silently ignored: a field outside the OpenAI API (and vLLM's sampling
@@ -8,14 +13,20 @@ holds its neutral value (``UNSUPPORTED``); :func:`completion_request` and
 :func:`chat_request` check them against the served model and build the
 :class:`GenerateRequest` the tokenizer workers take. Sampling defaults follow
 OpenAI (temperature 1, top_p 1); greedy is ``temperature=0``.
+
+A formatter is made per request: streaming calls ``chunks`` per output and
+``tail`` after the last, non-streaming calls ``full`` with every output.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.protocol import SamplingParams
@@ -27,11 +38,22 @@ from radixmux.runtime.api_common import (
     check_input_ids,
     check_n,
     check_sampling,
+    fan_out,
+    json_response,
     logit_bias,
     refuse_unsupported,
     require_chat_template,
+    resolve_model,
     stop_list,
 )
+from radixmux.runtime.front_hub import Generation, new_rid
+from radixmux.runtime.front_stream import serve_generation
+from radixmux.runtime.openapi import Body, Endpoint, Handler
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
+
+log = logging.getLogger("radixmux.front")
 
 # OpenAI's documented default for /v1/completions; chat has none, we pick a bounded one
 # because the tokenizer worker rejects prompt + max_tokens beyond the context.
@@ -514,3 +536,223 @@ def model_card(m: P.ServedModel, created: int) -> ModelCard:
         kv_share_key=info.kv_share_key,
         version=m.version,
     )
+
+
+# ---- response formatting (one formatter per request) ----------------------------
+def _reason(gen: Generation) -> str | None:
+    return gen.finish_reason if gen.done else None
+
+
+def _usage(gens: list[Generation], n: int = 1) -> Usage:
+    return usage([g.last for g in gens], n)
+
+
+class CompletionFormat:
+    """``/v1/completions`` (``n`` choices per prompt)."""
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        n: int = 1,
+        echo: list[str] | None = None,
+        best_of: int | None = None,
+    ) -> None:
+        self.id = f"cmpl-{rid}"
+        self.n = n
+        self.best_of = best_of or n  # samples drawn per prompt (the best n are returned)
+        self.echo = echo  # ``echo``: each prompt's text, put before its choices' text
+        self.echoed: set[int] = set()  # streamed choices whose prompt is sent
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.offsets: dict[int, int] = {}  # choice -> text streamed so far
+
+    def _lps(self, outs: list[P.TextOutput], offset: int) -> CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        # With echo, the first output carries the prompt's logprobs: they come first.
+        lps = [lp for o in outs for lp in (o.prompt_logprobs or []) + (o.logprobs or [])]
+        return completion_logprobs(lps, offset)
+
+    def _response(self, choices: list[CompletionChoice], usage=None) -> CompletionResponse:
+        return CompletionResponse(self.id, self.created, self.model, choices, usage)
+
+    def _prompt(self, prompt: int) -> str:
+        """Prompt ``prompt``'s text when echoing it, else nothing."""
+        return self.echo[prompt] if self.echo else ""
+
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+        reason = _reason(gen)
+        text = out.text
+        if self.echo and index not in self.echoed:
+            self.echoed.add(index)
+            text = self._prompt(index // self.n) + text
+        if not text and not out.logprobs and not out.prompt_logprobs and reason is None:
+            return []
+        offset = self.offsets.get(index, 0)
+        lps = self._lps([out], offset)
+        self.offsets[index] = offset + len(text)
+        return [self._response([CompletionChoice(index, text, lps, reason)])]
+
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+        return [self._response([], _usage(gens, self.n))] if self.include_usage else []
+
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        picked = self._best(outputs)
+        choices = [
+            CompletionChoice(
+                i,
+                self._prompt(k // self.best_of) + "".join(o.text for o in outputs[k]),
+                self._lps(outputs[k], 0),
+                _reason(gens[k]),
+            )
+            for i, k in enumerate(picked)
+        ]
+        return self._response(choices, _usage(gens, self.best_of))  # every sample is billed
+
+    def _best(self, outputs: list[list[P.TextOutput]]) -> list[int]:
+        """The samples to answer with, in choice order: all of them, or with
+        ``best_of`` > ``n`` each prompt's ``n`` of highest mean token logprob."""
+        if self.best_of == self.n:
+            return list(range(len(outputs)))
+        picked = []
+        for first in range(0, len(outputs), self.best_of):
+            samples = range(first, first + self.best_of)
+            picked += sorted(samples, key=lambda k: -_mean_logprob(outputs[k]))[: self.n]
+        return picked
+
+
+def _mean_logprob(outs: list[P.TextOutput]) -> float:
+    lps = [lp.logprob for o in outs for lp in o.logprobs or [] if lp.logprob is not None]
+    return sum(lps) / len(lps) if lps else float("-inf")
+
+
+class ChatFormat:
+    """``/v1/chat/completions``."""
+
+    def __init__(self, rid: str, model: str, logprobs: bool, include_usage: bool) -> None:
+        self.id = f"chatcmpl-{rid}"
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.started: set[int] = set()  # choices whose role chunk is sent
+
+    def _chunk(self, index: int, delta: ChatDelta, lps=None, reason=None) -> ChatChunk:
+        choices = [ChatChunkChoice(index, delta, lps, reason)]
+        return ChatChunk(self.id, self.created, self.model, choices)
+
+    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+        found: list[msgspec.Struct] = []
+        if index not in self.started:
+            # OpenAI's first chunk of a choice announces the role with empty content.
+            self.started.add(index)
+            found.append(self._chunk(index, ChatDelta(role="assistant", content="")))
+        if out.text or out.logprobs:
+            lps = chat_logprobs(out.logprobs or []) if self.logprobs else None
+            found.append(self._chunk(index, ChatDelta(content=out.text), lps))
+        if gen.done:
+            found.append(self._chunk(index, ChatDelta(), reason=_reason(gen)))
+        return found
+
+    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+        if not self.include_usage:
+            return []
+        return [ChatChunk(self.id, self.created, self.model, [], _usage(gens))]
+
+    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+        choices = []
+        for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
+            text = "".join(o.text for o in outs)
+            lps = None
+            if self.logprobs:
+                lps = chat_logprobs([lp for o in outs for lp in o.logprobs or []])
+            message = ChatMessageOut("assistant", text)
+            choices.append(ChatChoice(i, message, lps, _reason(gen)))
+        return ChatResponse(self.id, self.created, self.model, choices, _usage(gens))
+
+
+# ---- routes ----------------------------------------------------------------------
+def _log_user(rid: str, req: CompletionRequest | ChatRequest) -> None:
+    """OpenAI's end-user fields change no answer; the log keeps them with the request id."""
+    if req.user or req.safety_identifier:
+        log.info("rid=%s user=%r safety_identifier=%r", rid, req.user, req.safety_identifier)
+
+
+def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+    """The OpenAI routes, for the front's route table and OpenAPI document."""
+
+    async def prompt_text(gen: P.GenerateRequest) -> str:
+        """A prompt as text (``echo``): as sent, or its token ids decoded."""
+        if gen.prompt is not None:
+            return gen.prompt
+        ids = gen.input_ids or []
+        reply = await front.hub.tokenizer_call(P.DetokenizeRequest(new_rid(), gen.model, ids))
+        return reply.text or ""
+
+    async def completions(request: Request) -> Response:
+        req = await body(request, CompletionRequest)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        prompts = completion_request(req, rid, model, time.time())
+        _log_user(rid, req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        n, samples = n_choices(req), best_of(req)
+        echo = [await prompt_text(p) for p in prompts] if req.echo else None
+        shown = req.logprobs is not None  # best_of > n asks for logprobs to rank by
+        fmt = CompletionFormat(rid, model.name, shown, usage, n, echo, samples)
+        gens = fan_out(prompts, samples, "best_of" if samples > n else "n")
+        return await serve_generation(request, front.hub, gens, fmt, "completions")
+
+    async def chat(request: Request) -> Response:
+        req = await body(request, ChatRequest)
+        model = resolve_model(front.served, req.model)
+        rid = new_rid()
+        template = front.args.chat_template is not None
+        gen = chat_request(req, rid, model, time.time(), template)
+        _log_user(rid, req)
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
+        gens = fan_out([gen], n_choices(req))
+        return await serve_generation(request, front.hub, gens, fmt, "chat")
+
+    async def list_models(request: Request) -> Response:
+        return json_response(model_list(list(front.served.values()), front.started))
+
+    async def get_model_card(request: Request) -> Response:
+        model = resolve_model(front.served, request.path_params["name"])
+        return json_response(model_card(model, front.started))
+
+    return [
+        (
+            Endpoint(
+                "/v1/completions",
+                "POST",
+                "OpenAI text completion",
+                CompletionRequest,
+                CompletionResponse,
+                streams=True,
+            ),
+            completions,
+        ),
+        (
+            Endpoint(
+                "/v1/chat/completions",
+                "POST",
+                "OpenAI chat completion (the model's chat template)",
+                ChatRequest,
+                ChatResponse,
+                streams=True,
+            ),
+            chat,
+        ),
+        (Endpoint("/v1/models", "GET", "served models", response=ModelList), list_models),
+        (
+            Endpoint("/v1/models/{name:path}", "GET", "one served model", response=ModelCard),
+            get_model_card,
+        ),
+    ]

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from radixmux.runtime.api_common import ErrorResponse
+
+# What every API module hands the app: (Endpoint, Handler) pairs. ``Body``
+# decodes a request's JSON body into a type (size, nesting and content type
+# checked first); the app passes its own to each module.
+Handler = Callable[[Request], Awaitable[Response]]
+Body = Callable[[Request, type], Awaitable[Any]]
 
 REF = "#/components/schemas/{name}"
 

@@ -7,11 +7,20 @@ generation request with the same prompt or messages would be served with.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from radixmux.runtime import protocol as P
-from radixmux.runtime.api_common import APIError, check_input_ids
+from radixmux.runtime.api_common import APIError, check_input_ids, json_response, resolve_model
+from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openai_api import ChatMessageIn, chat_messages
+from radixmux.runtime.openapi import Body, Endpoint, Handler
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -80,3 +89,43 @@ def detokenize_request(
     if body.tokens:
         check_input_ids(body.tokens, model.info.vocab_size, "tokens")
     return P.DetokenizeRequest(req_id, model.instance, body.tokens)
+
+
+def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+    """vLLM's ``/tokenize`` and ``/detokenize``."""
+
+    async def tokenize(request: Request) -> Response:
+        req = await body(request, TokenizeBody)
+        model = resolve_model(front.served, req.model)
+        template = front.args.chat_template is not None
+        reply = await front.hub.tokenizer_call(tokenize_request(req, new_rid(), model, template))
+        return json_response(tokenize_response(reply, model))
+
+    async def detokenize(request: Request) -> Response:
+        req = await body(request, DetokenizeBody)
+        model = resolve_model(front.served, req.model)
+        reply = await front.hub.tokenizer_call(detokenize_request(req, new_rid(), model))
+        return json_response(DetokenizeResponse(reply.text or ""))
+
+    return [
+        (
+            Endpoint(
+                "/tokenize",
+                "POST",
+                "vLLM's tokenize: the ids a generation request would be served with",
+                TokenizeBody,
+                TokenizeResponse,
+            ),
+            tokenize,
+        ),
+        (
+            Endpoint(
+                "/detokenize",
+                "POST",
+                "vLLM's detokenize: token ids back to text",
+                DetokenizeBody,
+                DetokenizeResponse,
+            ),
+            detokenize,
+        ),
+    ]

@@ -39,7 +39,7 @@ from radixmux.runtime.api_common import (
 )
 from radixmux.runtime.front_hub import RequestHub, new_rid
 from radixmux.runtime.openai_api import ChatMessageIn
-from radixmux.runtime.openapi import Endpoint
+from radixmux.runtime.openapi import Body, Endpoint, Handler
 from radixmux.runtime.process import report
 from radixmux.runtime.tokenize_api import TokenizeBody, tokenize_request
 
@@ -54,8 +54,6 @@ MAX_PREFIXES = 64  # per warm-up body, as for a batch of prompts
 FORMS = ("prompts", "messages", "token_ids")
 # The name under which the front reports start-up warm-ups to the launcher.
 STARTUP_NAME = "warmup"
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class WarmupBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -156,9 +154,7 @@ async def warm(front: Front, body: WarmupBody, starting: bool = False) -> Warmup
     )
 
 
-def endpoints(
-    front: Front, body: Callable[[Request, type], Awaitable[object]]
-) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
     """The warm-up route, for the front's route table and OpenAPI document."""
 
     async def warmup(request: Request) -> Response:

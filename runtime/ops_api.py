@@ -1,0 +1,201 @@
+"""Operations endpoints: health, model and server info, cache control, metrics.
+
+SGLang's names (``/health``, ``/health_generate``, ``/get_model_info``,
+``/get_server_info``, ``/flush_cache``) plus ``/models/{name}/invalidate`` and
+Prometheus ``/metrics``. Each answers from the scheduler's own ``stats``
+reply (a ``check`` for ``/get_server_info``, which runs its invariant check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixmux import __name__ as _pkg
+from radixmux.runtime import protocol as P
+from radixmux.runtime.api_common import APIError, json_response, resolve_model
+from radixmux.runtime.front_hub import new_rid
+from radixmux.runtime.openapi import Endpoint, Handler
+
+if TYPE_CHECKING:
+    from radixmux.runtime.front import Front
+
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
+    """The operations routes, for the front's route table and OpenAPI document."""
+
+    async def health(request: Request) -> Response:
+        if not front.hub.ready:
+            body = APIError(503, "the server is starting").body()
+            return json_response({"status": "starting", **body}, 503)
+        try:
+            stats = await _stats(HEALTH_TIMEOUT_S)
+        except APIError as exc:
+            return json_response({"status": "unavailable", **exc.body()}, 503)
+        states = _model_states(front.served, stats)
+        down = _down_models(front.served, stats)
+        if not down:
+            return json_response({"status": "ok", "models": states})
+        why = "; ".join(f"model '{name}' is {states[name]}: {r}" for name, r in down.items())
+        body = APIError(503, why).body()
+        return json_response({"status": "degraded", "models": states, "down": down, **body}, 503)
+
+    async def health_generate(request: Request) -> Response:
+        try:
+            stats = await _stats(HEALTH_TIMEOUT_S)
+        except APIError as exc:
+            return json_response({"status": "unavailable", **exc.body()}, 503)
+        down = _down_models(front.served, stats)
+        up = [m for name, m in front.served.items() if name not in down]
+        results = await asyncio.gather(*(_probe(m) for m in up))
+        down.update({m.name: why for m, why in zip(up, results, strict=True) if why is not None})
+        if not down:
+            return json_response({"status": "ok", "models": sorted(front.served)})
+        why = "; ".join(f"model '{name}' failed: {reason}" for name, reason in down.items())
+        return json_response(
+            {"status": "unhealthy", "down": down, **APIError(503, why).body()}, 503
+        )
+
+    async def _probe(model: P.ServedModel) -> str | None:
+        """One greedy token from ``model``; the reason it failed, or None."""
+        params = P.SamplingParams(max_new_tokens=1)
+        req = P.GenerateRequest(
+            new_rid(), model.instance, params, input_ids=[0], arrival=time.time()
+        )
+        try:
+            async with front.hub.generate(req, "health_generate") as gen:
+                await asyncio.wait_for(_drain(gen), HEALTH_GENERATE_TIMEOUT_S)
+        except APIError as exc:
+            return exc.message
+        except asyncio.TimeoutError:
+            return f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+        return None
+
+    async def _stats(timeout: float, op: str = "stats") -> P.SchedulerStats:
+        reply = await front.hub.control(op, timeout=timeout)
+        if not reply.ok or reply.stats is None:
+            raise APIError(503, f"the scheduler could not report stats: {reply.message}")
+        return reply.stats
+
+    async def model_info(request: Request) -> Response:
+        model = resolve_model(front.served, request.query_params.get("model") or _first())
+        info = model.info
+        return json_response(
+            {
+                "model_path": model.folder,
+                "tokenizer_path": model.folder,
+                "is_generation": True,
+                "served_model_name": model.name,
+                "architecture": info.architecture,
+                "context_length": info.context_length,
+                "vocab_size": info.vocab_size,
+                "has_chat_template": info.has_chat_template,
+                "dtype": info.dtype,
+                "device": info.device,
+                "replicas": model.replicas,
+                "priority": model.priority,
+                "models": sorted(front.served),
+            }
+        )
+
+    def _first() -> str:
+        return next(iter(front.served))
+
+    async def server_info(request: Request) -> Response:
+        args = msgspec.to_builtins(front.args)
+        if args.get("api_key"):
+            args["api_key"] = "<set>"  # never echo the secret
+        stats: Any = None
+        error = None
+        try:
+            # "check": the scheduler's independent invariant check runs too.
+            stats = msgspec.to_builtins(await _stats(HEALTH_TIMEOUT_S, "check"))
+        except APIError as exc:
+            error = exc.message
+        served = [msgspec.to_builtins(m) for m in front.served.values()]
+        return json_response(
+            {
+                **args,
+                "version": server_version(),
+                "served_models": served,
+                "scheduler": stats,
+                "scheduler_error": error,
+            }
+        )
+
+    async def flush_cache(request: Request) -> Response:
+        reply = await front.hub.control("flush_cache")
+        if not reply.ok:
+            raise APIError(400, f"cache not flushed: {reply.message}")
+        return json_response({"ok": True, "message": reply.message or "Cache flushed."})
+
+    async def invalidate(request: Request) -> Response:
+        model = resolve_model(front.served, request.path_params["name"])
+        reply = await front.hub.control("invalidate", model.instance)
+        if not reply.ok:
+            raise APIError(400, f"model '{model.name}' not invalidated: {reply.message}")
+        return json_response({"ok": True, "model": model.name, "message": reply.message})
+
+    async def metrics(request: Request) -> Response:
+        try:
+            stats: P.SchedulerStats | None = await _stats(2.0)
+        except APIError:
+            stats = None  # radixmux_scheduler_up 0 says so; front metrics still useful
+        return Response(front.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    return [
+        (Endpoint("/health", "GET", "per-model state; 503 while starting or degraded"), health),
+        (Endpoint("/health_generate", "GET", "one token from every model"), health_generate),
+        (Endpoint("/get_model_info", "GET", "SGLang's model info"), model_info),
+        (Endpoint("/get_server_info", "GET", "flags and scheduler state"), server_info),
+        (Endpoint("/flush_cache", "GET", "drop every cached prefix"), flush_cache),
+        (Endpoint("/flush_cache", "POST", "drop every cached prefix"), flush_cache),
+        (
+            Endpoint("/models/{name:path}/invalidate", "POST", "drop one model's cache"),
+            invalidate,
+        ),
+        (Endpoint("/metrics", "GET", "Prometheus metrics", text=True), metrics),
+    ]
+
+
+async def _drain(gen: Any) -> None:
+    async for _ in gen:
+        pass
+
+
+def _model_states(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+    """Each served model's state: serving, restarting or down."""
+    reported = {m.name: m.state for m in stats.models}
+    return {name: reported.get(m.instance, "down") for name, m in served.items()}
+
+
+def _down_models(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+    """Served models that are not up, with the reason the scheduler gives."""
+    reported = {m.name: m for m in stats.models}
+    down: dict[str, str] = {}
+    for name, model in served.items():
+        m = reported.get(model.instance)
+        if m is None:
+            down[name] = "not reported by the scheduler"
+        elif not m.up:
+            down[name] = m.error or "no live runner"
+    return down
+
+
+def server_version() -> str:
+    """The installed package version ("unknown" when run from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_pkg)
+    except PackageNotFoundError:
+        return "unknown"
