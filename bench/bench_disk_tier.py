@@ -165,7 +165,7 @@ class Setup:
 
 
 def model_arg(text: str) -> Any:
-    from radixmux.runtime.server_args import ModelArg
+    from radixmux.protocol import ModelArg
 
     return ModelArg.parse(text)
 

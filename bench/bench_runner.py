@@ -27,7 +27,7 @@ from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.paged_attention import ATTN_NAME
-from radixmux.model_runners.protocol import (
+from radixmux.protocol import (
     ATTENTION_BACKENDS,
     ForwardBatch,
     SeqInput,

@@ -63,7 +63,7 @@ from radixmux.model_runners import paged_attention, protocol
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.packed_linear import PackedLinear
-from radixmux.model_runners.protocol import (
+from radixmux.protocol import (
     ATTENTION_BACKENDS,
     ForwardBatch,
     SeqInput,

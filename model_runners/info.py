@@ -1,33 +1,8 @@
-"""``ModelInfo``: what a runner tells the scheduler about the model it serves."""
+"""What a model's config says about its attention windows and end tokens (for ``ModelInfo``)."""
 
 from __future__ import annotations
 
 from typing import Any
-
-import msgspec
-
-from radixmux.memory.layout import KVLayout
-
-
-class ModelInfo(msgspec.Struct, frozen=True):
-    """Layout, limits and fingerprints of a loaded model (sent in the ready message).
-
-    ``sliding_windows`` has one entry per layer: the window in tokens, or
-    ``None`` for full attention. ``kv_share_key`` is the weights fingerprint.
-    """
-
-    name: str
-    architecture: str
-    layout: KVLayout
-    context_length: int
-    sliding_windows: list[int | None]
-    vocab_size: int
-    eos_token_ids: list[int]
-    tokenizer_fingerprint: str
-    kv_share_key: str
-    has_chat_template: bool
-    dtype: str
-    device: str
 
 
 def sliding_windows(config: Any) -> list[int | None]:

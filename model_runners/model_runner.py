@@ -20,7 +20,8 @@ from radixmux.model_runners.paged_attention import (
     PagedBatch,
     paged_batch,
 )
-from radixmux.model_runners.protocol import (
+from radixmux.model_runners.sampling import sample
+from radixmux.protocol import (
     ATTENTION_BACKENDS,
     ForwardBatch,
     ForwardResult,
@@ -29,7 +30,6 @@ from radixmux.model_runners.protocol import (
     SeqOutput,
     unpack_ids,
 )
-from radixmux.model_runners.sampling import sample
 
 log = logging.getLogger("radixmux.runner")
 

@@ -28,7 +28,7 @@ import traceback
 import msgspec
 
 from radixmux.memory.arena import ArenaSpec
-from radixmux.runtime.process import die_with_parent, exit_now
+from radixmux.os_process import die_with_parent, exit_now
 
 PARENT_CHECK_MS = 1000
 
@@ -78,7 +78,7 @@ def serve(config: RunnerConfig) -> int:
     import torch
     import zmq
 
-    from radixmux.model_runners import protocol as P
+    from radixmux import protocol as P
 
     parent = os.getppid()
     # Linux: the kernel sends SIGTERM when the parent exits. The poll loop's
@@ -131,7 +131,7 @@ def _loop(sock, runner, parent: int) -> int:
     import torch
     import zmq
 
-    from radixmux.model_runners import protocol as P
+    from radixmux import protocol as P
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(P.RunnerRequest)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixmux.model_runners.protocol import SamplingParams
+from radixmux.protocol import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 

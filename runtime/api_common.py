@@ -15,9 +15,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.model_runners.info import ModelInfo
-from radixmux.model_runners.protocol import SamplingParams
-from radixmux.runtime.protocol import GenerateRequest, ServedModel
+from radixmux.protocol import GenerateRequest, ModelInfo, SamplingParams, ServedModel
 
 T = TypeVar("T")
 

@@ -26,7 +26,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmux.model_runners.protocol import SamplingParams
+from radixmux.protocol import (
+    ChatMessage,
+    RequestError,
+    SamplingParams,
+    TextBatch,
+    TextOutput,
+    encode,
+)
 from radixmux.runtime.client_protocol import (
     ClientAbort,
     ClientGenerate,
@@ -35,7 +42,6 @@ from radixmux.runtime.client_protocol import (
     ClientReply,
 )
 from radixmux.runtime.models_api import ModelChange
-from radixmux.runtime.protocol import ChatMessage, RequestError, TextBatch, TextOutput, encode
 
 _PARAM_NAMES = {f.name for f in msgspec.structs.fields(SamplingParams)}
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from radixmux.model_runners.protocol import SamplingParams
+from radixmux.protocol import ChatMessage, RequestError, SamplingParams, TextBatch
 from radixmux.runtime.models_api import ModelChange
-from radixmux.runtime.protocol import ChatMessage, RequestError, TextBatch
 
 
 class ClientGenerate(msgspec.Struct, tag="client_generate", frozen=True):

@@ -31,7 +31,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import APIError, json_response
 from radixmux.runtime.front_hub import RequestHub, new_rid
 from radixmux.runtime.metrics import FrontMetrics

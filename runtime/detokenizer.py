@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
 from radixmux.runtime.tokenizer_worker import TableThread, load_tokenizer

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from radixmux.protocol import ModelArg
 from radixmux.runtime.launcher import Launcher
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 MAX_IN_FLIGHT = 64  # concurrent requests an Engine keeps open
 

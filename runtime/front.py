@@ -20,7 +20,7 @@ import uvicorn
 import uvloop
 import zmq
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime import warmup_api
 from radixmux.runtime.front_app import build_app
 from radixmux.runtime.front_hub import RequestHub

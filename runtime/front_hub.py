@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import APIError
 from radixmux.runtime.ipc import Endpoints, socket
 from radixmux.runtime.metrics import FrontMetrics

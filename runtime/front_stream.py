@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import APIError, json_response
 from radixmux.runtime.front_hub import Generation, RequestHub
 

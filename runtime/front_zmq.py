@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,

@@ -39,12 +39,13 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from radixmux import protocol as P
 from radixmux.memory.arena import KVArena
-from radixmux.runtime import protocol as P
+from radixmux.protocol import ModelArg
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.runtime.model_lifecycle import ModelLifecycle
 from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from radixmux.model_runners.runner_process import RunnerConfig

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixmux.runtime.protocol import DiskTierStats, ModelStatus, SchedulerStats
+from radixmux.protocol import DiskTierStats, ModelStatus, SchedulerStats
 
 # Latency buckets from 5 ms to 2 min: CPU runners are slow, GPUs fast.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

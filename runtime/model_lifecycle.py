@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixmux.runtime import protocol as P
-from radixmux.runtime.server_args import ModelArg
+from radixmux import protocol as P
+from radixmux.protocol import ModelArg
 
 if TYPE_CHECKING:
     from radixmux.runtime.launcher import Child, Launcher

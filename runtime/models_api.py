@@ -23,12 +23,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixmux import protocol as P
+from radixmux.protocol import ModelArg
 from radixmux.runtime import openai_api as O
-from radixmux.runtime import protocol as P
 from radixmux.runtime.api_common import APIError, json_response, served_names
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Body, Endpoint, Handler
-from radixmux.runtime.server_args import DTYPES, ModelArg, check_model_name, default_model_name
+from radixmux.runtime.server_args import DTYPES, check_model_name, default_model_name
 
 if TYPE_CHECKING:
     from radixmux.runtime.front import Front

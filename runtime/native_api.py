@@ -16,9 +16,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.model_runners.info import ModelInfo
-from radixmux.model_runners.protocol import SamplingParams
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
+from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_common import (
     MAX_PROMPTS,
     APIError,

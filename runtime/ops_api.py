@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux import __name__ as _pkg
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import APIError, json_response, resolve_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Endpoint, Handler

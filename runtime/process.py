@@ -9,11 +9,8 @@ killed launcher never leaves orphans behind.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 import traceback
@@ -22,8 +19,9 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
+from radixmux import protocol as P
 from radixmux.memory.arena import ArenaSpec
-from radixmux.runtime import protocol as P
+from radixmux.os_process import die_with_parent, exit_now
 from radixmux.runtime.ipc import Endpoints, socket
 from radixmux.runtime.server_args import ServerArgs
 
@@ -47,12 +45,6 @@ def setup_logging(level: str, name: str) -> logging.Logger:
         force=True,
     )
     return logging.getLogger(f"radixmux.{name}")
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent exits."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.ProcessFailed) -> None:
@@ -118,18 +110,6 @@ def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:
     finally:
         zctx.destroy(linger=500)
     exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Exit once this process's own cleanup is done, skipping the interpreter's
-    teardown: with torch and transformers imported it takes over a second, and
-    a stop waits for it once per process, in order. Our files and sockets are
-    closed by then; only buffered log lines remain, so flush them first."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 def spawn(module: str, context: ProcessContext) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import msgspec
 
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
-from radixmux.model_runners.protocol import ATTENTION_BACKENDS
+from radixmux.protocol import ATTENTION_BACKENDS, ModelArg
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 KV_PARTITIONS = ("unified", "static")
@@ -24,43 +24,32 @@ DEFAULT_MODEL = "smollm2"
 DEFAULT_KV_DISK_DIR = "~/.cache/radixmux/kv"
 
 
-class ModelArg(msgspec.Struct, frozen=True):
-    """One ``--model`` flag: ``SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]``."""
-
-    source: str
-    name: str
-    dtype: str | None = None
-    priority: float = 1.0
-    replicas: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> ModelArg:
-        source, *opts = [p.strip() for p in text.split(",")]
-        if not source:
-            raise ValueError(f"--model {text!r}: empty model source")
-        fields: dict[str, str] = {}
-        for opt in opts:
-            key, sep, value = opt.partition("=")
-            if not sep or key not in ("name", "dtype", "priority", "replicas"):
-                raise ValueError(
-                    f"--model {text!r}: bad option {opt!r}; use name=, dtype=, priority=, replicas="
-                )
-            fields[key] = value
-        name = fields.get("name") or default_model_name(source)
-        check_model_name(name)
-        dtype = fields.get("dtype")
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"--model {text!r}: dtype must be one of {DTYPES}")
-        try:
-            priority = float(fields.get("priority", 1.0))
-            replicas = int(fields.get("replicas", 1))
-        except ValueError:
+def parse_model_arg(text: str) -> ModelArg:
+    """One ``--model`` flag's value, checked."""
+    source, *opts = [p.strip() for p in text.split(",")]
+    if not source:
+        raise ValueError(f"--model {text!r}: empty model source")
+    fields: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in ("name", "dtype", "priority", "replicas"):
             raise ValueError(
-                f"--model {text!r}: priority must be a number, replicas an int"
-            ) from None
-        if priority <= 0 or replicas < 1:
-            raise ValueError(f"--model {text!r}: priority must be > 0 and replicas >= 1")
-        return cls(source, name, dtype, priority, replicas)
+                f"--model {text!r}: bad option {opt!r}; use name=, dtype=, priority=, replicas="
+            )
+        fields[key] = value
+    name = fields.get("name") or default_model_name(source)
+    check_model_name(name)
+    dtype = fields.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--model {text!r}: dtype must be one of {DTYPES}")
+    try:
+        priority = float(fields.get("priority", 1.0))
+        replicas = int(fields.get("replicas", 1))
+    except ValueError:
+        raise ValueError(f"--model {text!r}: priority must be a number, replicas an int") from None
+    if priority <= 0 or replicas < 1:
+        raise ValueError(f"--model {text!r}: priority must be > 0 and replicas >= 1")
+    return ModelArg(source, name, dtype, priority, replicas)
 
 
 def default_model_name(source: str) -> str:
@@ -312,7 +301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     ns = parser.parse_args(argv)
     values = vars(ns)
     try:
-        values["models"] = [ModelArg.parse(m) for m in values.pop("model")]
+        values["models"] = [parse_model_arg(m) for m in values.pop("model")]
         return ServerArgs(**values)
     except ValueError as exc:
         parser.error(str(exc))

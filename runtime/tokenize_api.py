@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import APIError, check_input_ids, json_response, resolve_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openai_api import ChatMessageIn, chat_messages

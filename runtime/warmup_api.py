@@ -29,7 +29,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 
 from radixmux.memory.radix_cache import common_prefix_tokens
-from radixmux.model_runners.protocol import ForwardBatch, PrefixGroup, SeqInput, pack_ids
+from radixmux.protocol import ForwardBatch, PrefixGroup, SeqInput, pack_ids
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.policy import order_waiting
 from radixmux.scheduler.request import Req

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from radixmux import protocol as P
 from radixmux.memory.radix_cache import RadixCache
 from radixmux.memory.radix_diagnostics import PrefixSummary, top_prefixes
-from radixmux.runtime import protocol as P
 
 MAX_ARENA_CELLS = 4096
 TOP_PREFIXES = 16

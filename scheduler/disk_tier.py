@@ -52,7 +52,7 @@ from radixmux.memory.kv_transfer import (
     byte_view,
 )
 from radixmux.memory.radix_cache import CacheHandle, RadixCache
-from radixmux.runtime.protocol import DiskTierStats
+from radixmux.protocol import DiskTierStats
 from radixmux.scheduler.request import Req
 
 log = logging.getLogger("radixmux.scheduler")

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from radixmux.memory.radix_cache import CacheHandle
-from radixmux.model_runners.protocol import SamplingParams
-from radixmux.runtime.protocol import TokenLogprob
+from radixmux.protocol import SamplingParams, TokenLogprob
 
 _arrival_order = itertools.count()
 

@@ -29,18 +29,17 @@ import msgspec
 import numpy as np
 import zmq
 
+from radixmux import protocol as P
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import DiskKVStore, StoreLocked
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
-from radixmux.model_runners import protocol as RP
-from radixmux.model_runners.info import ModelInfo
 from radixmux.model_runners.runner_process import cpu_cores
-from radixmux.runtime import protocol as P
+from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, report, run_process
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState, ScheduledBatch
 from radixmux.scheduler.dashboard import dashboard_snapshot
 from radixmux.scheduler.disk_tier import DiskTier
@@ -125,7 +124,7 @@ class Scheduler:
         self.to_detok = socket(zctx, zmq.PUSH, ep.detokenizer, bind=False)
         self.to_front = socket(zctx, zmq.PUSH, ep.front, bind=False)
         self.inbox_decoder = P.decoder(P.SchedulerInbox)
-        self.runner_decoder = P.decoder(RP.RunnerReply)
+        self.runner_decoder = P.decoder(P.RunnerReply)
         self.models: dict[str, ModelState] = {}
         self.runners: dict[str, RunnerState] = {}
         self.requests: dict[str, Req] = {}
@@ -176,9 +175,9 @@ class Scheduler:
                 ident, raw = self.runner_sock.recv_multipart()
                 rid = ident.decode()
                 msg = self.runner_decoder.decode(raw)
-                if isinstance(msg, RP.Failed):
+                if isinstance(msg, P.Failed):
                     raise StartupError(f"runner {rid} failed to start: {msg.error}")
-                if isinstance(msg, RP.Ready) and rid in expected:
+                if isinstance(msg, P.Ready) and rid in expected:
                     infos[rid] = msg.info
                     pids[rid] = msg.pid
                     log.info("runner %s ready (pid %d, %.1fs load)", rid, msg.pid, msg.load_seconds)
@@ -307,7 +306,7 @@ class Scheduler:
             self.disk.close(flush=True)
         for runner in self.runners.values():
             if runner.up:
-                self._send_runner(runner.runner_id, RP.Shutdown())
+                self._send_runner(runner.runner_id, P.Shutdown())
 
     def disk_results(self) -> None:
         """Finished disk jobs: loaded requests go back first in their queue;
@@ -483,7 +482,7 @@ class Scheduler:
         used = sum(len(r.slots) for r in model.running()) * bpt
         return max(0, int(share - used) // bpt)
 
-    def _send_runner(self, runner_id: str, msg: RP.RunnerRequest) -> None:
+    def _send_runner(self, runner_id: str, msg: P.RunnerRequest) -> None:
         self.runner_sock.send_multipart([runner_id.encode(), P.encode(msg)])
 
     # ---- inbox -----------------------------------------------------------------------
@@ -646,7 +645,7 @@ class Scheduler:
     def _update_down_reason(self, model: ModelState, why: str) -> None:
         model.down_reason = None if model.up else why
 
-    def runner_ready(self, runner: RunnerState, msg: RP.Ready) -> None:
+    def runner_ready(self, runner: RunnerState, msg: P.Ready) -> None:
         """A restarted runner is back: its model serves again."""
         model = self.models[runner.model]
         expected = model.info.kv_share_key
@@ -674,13 +673,13 @@ class Scheduler:
         msg = self.runner_decoder.decode(raw)
         if runner is None and self._pending_runner(runner_id, msg):
             return
-        if runner is not None and isinstance(msg, RP.Ready) and not runner.up:
+        if runner is not None and isinstance(msg, P.Ready) and not runner.up:
             self.runner_ready(runner, msg)
             return
-        if runner is not None and isinstance(msg, RP.Failed):
+        if runner is not None and isinstance(msg, P.Failed):
             log.error("runner %s failed to restart: %s", runner_id, msg.error)
             return  # its exit reaches us as RunnerDied; the launcher decides what next
-        if runner is None or not isinstance(msg, RP.ForwardResult):
+        if runner is None or not isinstance(msg, P.ForwardResult):
             log.warning("unexpected message from runner %s: %s", runner_id, type(msg).__name__)
             return
         batch = runner.inflight
@@ -700,7 +699,7 @@ class Scheduler:
             self.check()
 
     @staticmethod
-    def describe_step(batch: ScheduledBatch, result: RP.ForwardResult) -> str:
+    def describe_step(batch: ScheduledBatch, result: P.ForwardResult) -> str:
         """One step's composition and cost (``--log-level debug``), to see where time goes."""
         decodes = [r for r, n in zip(batch.reqs, batch.chunks, strict=True) if n == 1]
         chunks = [(r, n) for r, n in zip(batch.reqs, batch.chunks, strict=True) if n > 1]
@@ -714,9 +713,7 @@ class Scheduler:
             f"threads={result.threads}"
         )
 
-    def apply_result(
-        self, batch: ScheduledBatch, result: RP.ForwardResult
-    ) -> list[P.RequestOutput]:
+    def apply_result(self, batch: ScheduledBatch, result: P.ForwardResult) -> list[P.RequestOutput]:
         """Advance each request of a finished batch; outputs for the detokenizer."""
         assert self.kv is not None
         outputs: list[P.RequestOutput] = []
@@ -776,7 +773,7 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _keep_prompt_logprobs(req: Req, first: int, out: RP.SeqOutput) -> None:
+    def _keep_prompt_logprobs(req: Req, first: int, out: P.SeqOutput) -> None:
         """A chunk starting at position ``first`` scored the prompt tokens
         after each of its positions (kept by position: a chunk computed again
         after a retraction overwrites the same ones)."""
@@ -841,12 +838,12 @@ class Scheduler:
         if pending is None or runner_id not in runner_ids(pending.add.model):
             return False
         name = pending.add.model.name
-        if isinstance(msg, RP.Failed):
+        if isinstance(msg, P.Failed):
             del self.pending[name]
             error = f"runner {runner_id} failed to load {pending.add.model.source}: {msg.error}"
             log.error("model %s: %s", name, error)
             self._tell_launcher(P.ModelAdded(name, error=error))
-        elif isinstance(msg, RP.Ready):
+        elif isinstance(msg, P.Ready):
             pending.infos[runner_id] = msg.info
             pending.pids[runner_id] = msg.pid
             log.info("runner %s ready (pid %d, %.1fs load)", runner_id, msg.pid, msg.load_seconds)
@@ -907,7 +904,7 @@ class Scheduler:
             self.removing.discard(name)
             for runner in model.runners:
                 if runner.up:
-                    self._send_runner(runner.runner_id, RP.Shutdown())
+                    self._send_runner(runner.runner_id, P.Shutdown())
                 del self.runners[runner.runner_id]
                 self.held.pop(runner.runner_id, None)
             del self.models[name]

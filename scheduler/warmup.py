@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixmux import protocol as P
 from radixmux.memory.radix_cache import CacheHandle, RadixCache, common_prefix_tokens
-from radixmux.runtime import protocol as P
 
 WARMUP_PARAMS = P.SamplingParams(max_new_tokens=1)
 _ITEMSIZE = 4  # prefixes travel and are keyed as packed int32

@@ -16,7 +16,7 @@ from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, describe
 from radixmux.model_runners.model_runner import ModelRunner
-from radixmux.model_runners.protocol import SeqInput, pack_ids
+from radixmux.protocol import SeqInput, pack_ids
 
 # Two cores shared with other work: one thread per test process.
 torch.set_num_threads(1)

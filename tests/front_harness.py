@@ -22,12 +22,12 @@ import httpx
 import msgspec
 import zmq
 
+from radixmux import protocol as P
 from radixmux.memory.layout import KVLayout
-from radixmux.model_runners.info import ModelInfo
-from radixmux.runtime import protocol as P
+from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 VOCAB = 1000
 # What a script yields: a message to push to the front, or seconds to wait first.

@@ -9,7 +9,7 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
-from radixmux.model_runners.protocol import SamplingParams
+from radixmux.protocol import SamplingParams
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req

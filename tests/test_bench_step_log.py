@@ -8,7 +8,7 @@ import logging
 from test_batch_builder import builder, request, run
 
 from radixmux.bench.step_log import parse_steps, summarize
-from radixmux.model_runners.protocol import ForwardResult
+from radixmux.protocol import ForwardResult
 from radixmux.scheduler.batch_builder import RunnerState
 from radixmux.scheduler.scheduler import Scheduler
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from radixmux.runtime.client import AsyncClient, Client, ClientError
 from tests.front_harness import RunningFront, fail, running_front, served_model, words
 

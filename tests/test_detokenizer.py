@@ -10,13 +10,13 @@ import pytest
 import zmq
 from tiny_models import make_tiny_model_dir
 
+from radixmux import protocol as P
 from radixmux.memory.layout import KVLayout
-from radixmux.model_runners.info import ModelInfo
-from radixmux.runtime import protocol as P
+from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.detokenizer import STOPPED_TTL_S, Detokenizer, IncrementalText
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 # Emoji (with a skin-tone modifier) and CJK: byte-level BPE splits each
 # character over several tokens, so naive per-token decoding prints U+FFFD.

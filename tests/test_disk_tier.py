@@ -258,7 +258,7 @@ def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_ea
 ) -> None:
     import numpy as np
 
-    from radixmux.model_runners.protocol import SamplingParams
+    from radixmux.protocol import SamplingParams
     from radixmux.scheduler.request import Req
 
     cache, tier, arena, kv_of = tier_setup(tmp_path)

@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixmux.runtime import protocol as P
+from radixmux import protocol as P
 from tests.front_harness import (
     RunningFront,
     chat_and_base_front,

@@ -24,8 +24,9 @@ import pytest
 from tiny_models import make_tiny_model_dir
 
 from radixmux.memory.arena import default_arena_dir
+from radixmux.protocol import ModelArg
 from radixmux.runtime.launcher import Launcher, LaunchError
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_SCHEDULER = importlib.util.find_spec("radixmux.scheduler.scheduler") is not None

@@ -16,7 +16,7 @@ import torch
 from conftest import SlotPool, make_runner, seq
 
 from radixmux.memory.arena import KVArena
-from radixmux.model_runners.protocol import ForwardBatch, SamplingParams
+from radixmux.protocol import ForwardBatch, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

@@ -14,7 +14,7 @@ import torch
 import zmq
 from conftest import SlotPool, reference_logits, seq, tiny_model
 
-from radixmux.model_runners import protocol as P
+from radixmux import protocol as P
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 
 ENC = msgspec.msgpack.Encoder()

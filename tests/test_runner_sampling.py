@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from conftest import SlotPool, make_runner, seq, tiny_model
 
-from radixmux.model_runners.protocol import ForwardBatch, SamplingParams
 from radixmux.model_runners.sampling import apply_penalties, sample
+from radixmux.protocol import ForwardBatch, SamplingParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -25,13 +25,13 @@ import torch
 import zmq
 from tiny_models import make_tiny_model_dir
 
+from radixmux import protocol as P
 from radixmux.memory.arena import ArenaSpec, KVArena
-from radixmux.model_runners.protocol import SamplingParams
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
-from radixmux.runtime import protocol as P
+from radixmux.protocol import ModelArg, SamplingParams
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ModelArg, ServerArgs
+from radixmux.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(300)
 
