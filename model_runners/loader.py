@@ -13,8 +13,9 @@ from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
 from radixmux.model_runners.fingerprint import tokenizer_fingerprint, weights_fingerprint
 from radixmux.model_runners.fused_ops import fuse_model
+from radixmux.model_runners.info import eos_ids, sliding_windows
 from radixmux.model_runners.packed_linear import pack_linear_weights
-from radixmux.protocol import ModelInfo, eos_ids, sliding_windows
+from radixmux.protocol import ModelInfo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
