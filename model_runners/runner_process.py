@@ -78,7 +78,7 @@ def serve(config: RunnerConfig) -> int:
     import torch
     import zmq
 
-    from radixmux import protocol as P
+    from radixmux import protocol
 
     parent = os.getppid()
     # Linux: the kernel sends SIGTERM when the parent exits. The poll loop's
@@ -114,11 +114,11 @@ def serve(config: RunnerConfig) -> int:
             warm_up(loaded.model, config.max_batch_tokens, config.max_batch_sequences or None)
         load_seconds = loaded.load_seconds + time.perf_counter() - t0
     except Exception as exc:
-        sock.send(encoder.encode(P.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))
+        sock.send(encoder.encode(protocol.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))
         sock.close()
         ctx.term()
         return 1
-    sock.send(encoder.encode(P.Ready(loaded.info, os.getpid(), load_seconds, threads)))
+    sock.send(encoder.encode(protocol.Ready(loaded.info, os.getpid(), load_seconds, threads)))
 
     try:
         return _loop(sock, runner, parent)
@@ -131,10 +131,10 @@ def _loop(sock, runner, parent: int) -> int:
     import torch
     import zmq
 
-    from radixmux import protocol as P
+    from radixmux import protocol
 
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(P.RunnerRequest)
+    decoder = msgspec.msgpack.Decoder(protocol.RunnerRequest)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while True:
@@ -146,9 +146,9 @@ def _loop(sock, runner, parent: int) -> int:
         try:
             msg = decoder.decode(raw)
         except msgspec.DecodeError as exc:
-            sock.send(encoder.encode(P.ForwardResult(-1, error=f"malformed message: {exc}")))
+            sock.send(encoder.encode(protocol.ForwardResult(-1, error=f"malformed message: {exc}")))
             continue
-        if isinstance(msg, P.Shutdown):
+        if isinstance(msg, protocol.Shutdown):
             return 0
         if msg.threads > 0 and msg.threads != torch.get_num_threads():
             torch.set_num_threads(msg.threads)
@@ -156,7 +156,9 @@ def _loop(sock, runner, parent: int) -> int:
             result = runner.forward(msg)
         except Exception as exc:  # a bug or an odd batch must not kill the model
             tb = traceback.format_exc(limit=3)
-            result = P.ForwardResult(msg.batch_id, error=f"{type(exc).__name__}: {exc}\n{tb}")
+            result = protocol.ForwardResult(
+                msg.batch_id, error=f"{type(exc).__name__}: {exc}\n{tb}"
+            )
         sock.send(encoder.encode(result))
 
 

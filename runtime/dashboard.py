@@ -31,7 +31,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import APIError, json_response
 from radixmux.runtime.front_hub import RequestHub, new_rid
 from radixmux.runtime.metrics import FrontMetrics
@@ -66,8 +66,8 @@ class DashboardView(msgspec.Struct, frozen=True):
     """
 
     time: float
-    stats: P.SchedulerStats | None
-    snapshot: P.DashboardSnapshot | None
+    stats: protocol.SchedulerStats | None
+    snapshot: protocol.DashboardSnapshot | None
     previews: list[str | None]
     queue_time: dict[str, QueueTimeView]
     error: str | None = None
@@ -107,7 +107,7 @@ class Dashboard:
                     total[s.labels["model"]] = s.value
         return {m: QueueTimeView(int(n), total.get(m, 0.0)) for m, n in count.items()}
 
-    async def _preview(self, prefix: P.SharedPrefixView) -> str | None:
+    async def _preview(self, prefix: protocol.SharedPrefixView) -> str | None:
         if not prefix.holders or not prefix.holders[0].models:
             return None
         model = prefix.holders[0].models[0]  # every holder tokenizes alike (one group)
@@ -127,7 +127,7 @@ class Dashboard:
         return text
 
     async def _decode(self, model: str, ids: list[int]) -> str:
-        req = P.DetokenizeRequest(new_rid(), model, ids)
+        req = protocol.DetokenizeRequest(new_rid(), model, ids)
         reply = await self.hub.tokenizer_call(req, timeout=PREVIEW_TIMEOUT_S)
         return reply.text or ""
 

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
 from radixmux.runtime.tokenizer_worker import TableThread, load_tokenizer
@@ -129,7 +129,7 @@ class Detokenizer:
         self.namers: dict[str, Callable[[int], str]] = {}  # model -> token id -> text
         self.lock = threading.Lock()  # the table thread adds models, the loop removes them
 
-    def add_models(self, table: list[P.ServedModel]) -> None:
+    def add_models(self, table: list[protocol.ServedModel]) -> None:
         """Load the tokenizers of instances it lacks (one per folder). It never
         drops one here: an instance's last outputs may still be on their way;
         ``remove_model`` follows them."""
@@ -154,9 +154,9 @@ class Detokenizer:
             self.namers.pop(name, None)
         log.info("model %s removed", name)
 
-    def process(self, batch: P.TokenBatch) -> list[P.TextOutput]:
+    def process(self, batch: protocol.TokenBatch) -> list[protocol.TextOutput]:
         """The text outputs for one batch (outputs of stopped requests dropped)."""
-        outputs: list[P.TextOutput] = []
+        outputs: list[protocol.TextOutput] = []
         now = time.monotonic()
         while self.stopped and (
             len(self.stopped) > MAX_STOPPED
@@ -184,13 +184,13 @@ class Detokenizer:
             outputs.append(_text_output(out, text, finish, matched, out.error, out.status))
         return outputs
 
-    def _named(self, out: P.RequestOutput) -> P.RequestOutput:
+    def _named(self, out: protocol.RequestOutput) -> protocol.RequestOutput:
         """``out`` with its logprob tokens named by their text (the front has no tokenizer)."""
         if not (out.logprobs or out.prompt_logprobs) or out.model not in self.tokenizers:
             return out
         name = self._namer(out.model)
 
-        def named(lp: P.TokenLogprob) -> P.TokenLogprob:
+        def named(lp: protocol.TokenLogprob) -> protocol.TokenLogprob:
             tops = [name(t) for t, _ in lp.top] if lp.top is not None else None
             return msgspec.structs.replace(lp, text=name(lp.token_id), top_text=tops)
 
@@ -216,7 +216,7 @@ class Detokenizer:
             self.namers[model] = namer
         return namer
 
-    def _step(self, out: P.RequestOutput) -> tuple[str, str | None, str | None]:
+    def _step(self, out: protocol.RequestOutput) -> tuple[str, str | None, str | None]:
         state = self.live.get(out.rid)
         if state is None:
             tokenizer = self.tokenizers.get(out.model)
@@ -233,14 +233,14 @@ class Detokenizer:
 
 
 def _text_output(
-    out: P.RequestOutput,
+    out: protocol.RequestOutput,
     text: str,
     finish: str | None,
     matched: str | None,
     error: str | None,
     status: int,
-) -> P.TextOutput:
-    return P.TextOutput(
+) -> protocol.TextOutput:
+    return protocol.TextOutput(
         rid=out.rid,
         text=text,
         token_ids=out.new_token_ids,
@@ -266,18 +266,18 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     inbox = socket(zctx, zmq.PULL, eps.detokenizer, bind=True)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
     tables = TableThread(zctx, eps.launcher, pctx.name)
-    decoder = P.decoder(P.DetokenizerInbox)
-    report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
+    decoder = protocol.decoder(protocol.DetokenizerInbox)
+    report(zctx, eps, protocol.ProcessReady(pctx.name, os.getpid()))
     log.info("ready: %s", ", ".join(detok.tokenizers))
     for msg in inbox_messages(inbox, decoder, log):
-        if isinstance(msg, P.ModelTable):
+        if isinstance(msg, protocol.ModelTable):
             tables.submit(functools.partial(detok.add_models, msg.models), msg)
-        elif isinstance(msg, P.ModelRemoved):
+        elif isinstance(msg, protocol.ModelRemoved):
             detok.remove_model(msg.name)
         else:
             outputs = detok.process(msg)
             if outputs:
-                to_front.send(P.encode(P.TextBatch(outputs)))
+                to_front.send(protocol.encode(protocol.TextBatch(outputs)))
     log.info("stopping with %d requests live", len(detok.live))
     return 0
 

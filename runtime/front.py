@@ -20,7 +20,7 @@ import uvicorn
 import uvloop
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime import warmup_api
 from radixmux.runtime.front_app import build_app
 from radixmux.runtime.front_hub import RequestHub
@@ -106,7 +106,7 @@ async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
                 http.result()
                 raise RuntimeError("uvicorn stopped during start-up")
             await asyncio.sleep(0.01)
-        report(zctx, ctx.endpoints, P.ProcessReady(ctx.name, os.getpid()))
+        report(zctx, ctx.endpoints, protocol.ProcessReady(ctx.name, os.getpid()))
         log.info(
             "serving http://%s:%d models=%s zmq=%s",
             ctx.args.host,

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import APIError
 from radixmux.runtime.ipc import Endpoints, socket
 from radixmux.runtime.metrics import FrontMetrics
@@ -39,14 +39,14 @@ class Generation:
     output and raises :class:`APIError` when the request fails downstream.
     """
 
-    def __init__(self, hub: RequestHub, req: P.GenerateRequest) -> None:
+    def __init__(self, hub: RequestHub, req: protocol.GenerateRequest) -> None:
         self.hub = hub
         self.rid = req.rid
         self.model = req.model
-        self.queue: asyncio.Queue[P.TextOutput | P.RequestError] = asyncio.Queue()
+        self.queue: asyncio.Queue[protocol.TextOutput | protocol.RequestError] = asyncio.Queue()
         self.start = time.perf_counter()
         self.last_at: float | None = None
-        self.last: P.TextOutput | None = None
+        self.last: protocol.TextOutput | None = None
         self.finish_reason: str | None = None
         self.matched_stop: str | None = None
         self.done = False
@@ -54,11 +54,11 @@ class Generation:
     def __aiter__(self) -> Generation:
         return self
 
-    async def __anext__(self) -> P.TextOutput:
+    async def __anext__(self) -> protocol.TextOutput:
         if self.done:
             raise StopAsyncIteration
         item = await self.queue.get()
-        if isinstance(item, P.RequestError):
+        if isinstance(item, protocol.RequestError):
             self._fail(item.status, item.message, item.param)
         elif item.error is not None or item.finish_reason == "error":
             self.last = item
@@ -80,7 +80,7 @@ class Generation:
     def latency(self) -> float:
         return time.perf_counter() - self.start
 
-    def _account(self, out: P.TextOutput) -> None:
+    def _account(self, out: protocol.TextOutput) -> None:
         now = time.perf_counter()
         n = len(out.token_ids)
         m = self.hub.metrics
@@ -153,7 +153,7 @@ class RequestHub:
         # Replies awaited by req_id: the scheduler's ControlReply, a tokenizer
         # worker's TokenizerReply.
         self.replies: dict[str, asyncio.Future[Any]] = {}
-        self._decoder = P.decoder(P.FrontInbox)
+        self._decoder = protocol.decoder(protocol.FrontInbox)
         self._pending_sends: set[asyncio.Future] = set()
         # False until the launcher says every process is up: until then the
         # front answers "starting" (a tokenizer worker may still be loading).
@@ -172,12 +172,12 @@ class RequestHub:
             except msgspec.DecodeError as exc:
                 log.error("undecodable message on the front socket: %s", exc)
                 continue
-            if isinstance(msg, P.TextBatch):
+            if isinstance(msg, protocol.TextBatch):
                 for out in msg.outputs:
                     self._deliver(out.rid, out)
-            elif isinstance(msg, P.RequestError):
+            elif isinstance(msg, protocol.RequestError):
                 self._deliver(msg.rid, msg)
-            elif isinstance(msg, P.ServerReady):
+            elif isinstance(msg, protocol.ServerReady):
                 log.info("every process is ready")
                 if self.before_ready is None:
                     self.ready = True
@@ -188,7 +188,7 @@ class RequestHub:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
-    def _deliver(self, rid: str, item: P.TextOutput | P.RequestError) -> None:
+    def _deliver(self, rid: str, item: protocol.TextOutput | protocol.RequestError) -> None:
         gen = self.live.get(rid)
         if gen is None:
             # Late output of an aborted or finished request: expected, harmless.
@@ -197,7 +197,9 @@ class RequestHub:
         gen.queue.put_nowait(item)
 
     @contextlib.asynccontextmanager
-    async def generate(self, req: P.GenerateRequest, source: str) -> AsyncIterator[Generation]:
+    async def generate(
+        self, req: protocol.GenerateRequest, source: str
+    ) -> AsyncIterator[Generation]:
         """Submit ``req`` and yield its :class:`Generation`; leaving early aborts it."""
         self._check_ready()
         gen = Generation(self, req)
@@ -211,7 +213,7 @@ class RequestHub:
             req.params.max_new_tokens,
         )
         try:
-            await self.tokenizer.send(P.encode(req))
+            await self.tokenizer.send(protocol.encode(req))
             yield gen
         finally:
             self.live.pop(req.rid, None)
@@ -226,7 +228,7 @@ class RequestHub:
 
     def abort(self, rid: str, reason: str, early: bool = False) -> None:
         """Tell the scheduler to stop ``rid`` (callable from cleanup code: never awaits)."""
-        self._send_later(self.scheduler, P.encode(P.AbortRequest(rid, reason, early)))
+        self._send_later(self.scheduler, protocol.encode(protocol.AbortRequest(rid, reason, early)))
 
     def _send_later(self, sock: zmq.asyncio.Socket, data: bytes) -> None:
         # pyzmq sends at once when it can; the future only lingers under backpressure.
@@ -241,18 +243,18 @@ class RequestHub:
 
     async def control(
         self, op: str, model: str | None = None, timeout: float = 5.0
-    ) -> P.ControlReply:
+    ) -> protocol.ControlReply:
         """Ask the scheduler for ``op``; 503 when it does not answer in ``timeout`` seconds."""
         req_id = new_rid()
-        msg = P.ControlRequest(req_id, op, model)
+        msg = protocol.ControlRequest(req_id, op, model)
         return await self._ask(self.scheduler, req_id, msg, timeout, f"the scheduler ({op!r})")
 
     async def tokenizer_call(
         self,
-        req: P.TokenizeRequest | P.DetokenizeRequest,
+        req: protocol.TokenizeRequest | protocol.DetokenizeRequest,
         timeout: float = 30.0,
         starting: bool = False,
-    ) -> P.TokenizerReply:
+    ) -> protocol.TokenizerReply:
         """``/tokenize`` or ``/detokenize`` by a tokenizer worker; its errors raise APIError.
         ``starting``: a start-up warm-up's call, made before ``ready``."""
         if not starting:
@@ -263,15 +265,17 @@ class RequestHub:
         return reply
 
     async def warmup(
-        self, msg: P.WarmupRequest, timeout: float, starting: bool = False
-    ) -> P.WarmupReply:
+        self, msg: protocol.WarmupRequest, timeout: float, starting: bool = False
+    ) -> protocol.WarmupReply:
         """A warm-up run by the scheduler; answers when every prefix is cached.
         ``starting``: a ``--warmup FILE`` line, run before ``ready``."""
         if not starting:
             self._check_ready()
         return await self._ask(self.scheduler, msg.req_id, msg, timeout, "the scheduler (warm-up)")
 
-    async def launcher_call(self, cmd: P.ModelCommand, timeout: float) -> P.ModelCommandReply:
+    async def launcher_call(
+        self, cmd: protocol.ModelCommand, timeout: float
+    ) -> protocol.ModelCommandReply:
         """A model load or unload done by the launcher (``models_api``)."""
         self._check_ready()
         return await self._ask(self.launcher, cmd.req_id, cmd, timeout, "the launcher")
@@ -282,7 +286,7 @@ class RequestHub:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.replies[req_id] = fut
         try:
-            await sock.send(P.encode(msg))
+            await sock.send(protocol.encode(msg))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise APIError(503, f"{who} did not answer within {timeout:g} s") from None
@@ -292,7 +296,7 @@ class RequestHub:
     def fail_all(self, status: int, message: str) -> None:
         """End every live request with an error (the server is shutting down)."""
         for rid, gen in list(self.live.items()):
-            gen.queue.put_nowait(P.RequestError(rid, status, message))
+            gen.queue.put_nowait(protocol.RequestError(rid, status, message))
 
     def close(self) -> None:
         for sock in (self.tokenizer, self.inbox, self.scheduler, self.launcher):

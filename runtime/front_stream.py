@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import APIError, json_response
 from radixmux.runtime.front_hub import Generation, RequestHub
 
@@ -38,11 +38,13 @@ class Formatter(Protocol):
     the choice an output belongs to, and ``tail``/``full`` see them all.
     """
 
-    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]: ...
+    def chunks(
+        self, out: protocol.TextOutput, gen: Generation, index: int
+    ) -> list[msgspec.Struct]: ...
 
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]: ...
 
-    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> Any: ...
+    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]) -> Any: ...
 
 
 def sse(obj: Any) -> bytes:
@@ -69,7 +71,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
         gone.cancel()
 
 
-async def _collect(gen: Generation, first: P.TextOutput) -> list[P.TextOutput]:
+async def _collect(gen: Generation, first: protocol.TextOutput) -> list[protocol.TextOutput]:
     return [first, *[out async for out in gen]]
 
 
@@ -87,7 +89,7 @@ async def _all(works: list[Awaitable[T]]) -> list[T]:
 async def serve_generation(
     request: Request,
     hub: RequestHub,
-    reqs: list[P.GenerateRequest],
+    reqs: list[protocol.GenerateRequest],
     fmt: Formatter,
     source: str,
 ) -> Response:
@@ -122,8 +124,8 @@ async def serve_generation(
 
 
 async def _interleaved(
-    gens: list[Generation], firsts: list[P.TextOutput]
-) -> AsyncIterator[tuple[int, P.TextOutput]]:
+    gens: list[Generation], firsts: list[protocol.TextOutput]
+) -> AsyncIterator[tuple[int, protocol.TextOutput]]:
     """Every choice's outputs, each as soon as it arrives; a failing choice raises."""
     for i, first in enumerate(firsts):
         yield i, first
@@ -131,7 +133,7 @@ async def _interleaved(
         async for out in gens[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, P.TextOutput | APIError | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, protocol.TextOutput | APIError | None]] = asyncio.Queue()
 
     async def pump(i: int, gen: Generation) -> None:
         try:
@@ -158,7 +160,7 @@ async def _interleaved(
 
 
 async def _events(
-    gens: list[Generation], firsts: list[P.TextOutput], fmt: Formatter
+    gens: list[Generation], firsts: list[protocol.TextOutput], fmt: Formatter
 ) -> AsyncIterator[bytes]:
     try:
         async for i, out in _interleaved(gens, firsts):

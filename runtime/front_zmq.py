@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
@@ -66,7 +66,9 @@ class ClientServer:
             try:
                 msg = self._decoder.decode(data)
             except msgspec.DecodeError as exc:
-                await self._send(ident, P.RequestError("", 400, f"undecodable message: {exc}"))
+                await self._send(
+                    ident, protocol.RequestError("", 400, f"undecodable message: {exc}")
+                )
                 continue
             key = (ident, msg.rid)
             if isinstance(msg, ClientAbort):
@@ -74,7 +76,9 @@ class ClientServer:
                 if task is not None:
                     task.cancel()  # leaving the generation aborts it downstream
             elif key in self.tasks:
-                await self._send(ident, P.RequestError(msg.rid, 400, f"rid {msg.rid} in use"))
+                await self._send(
+                    ident, protocol.RequestError(msg.rid, 400, f"rid {msg.rid} in use")
+                )
             else:
                 work = self._change if isinstance(msg, ClientModelChange) else self._serve
                 task = asyncio.create_task(work(ident, msg))
@@ -82,7 +86,7 @@ class ClientServer:
                 task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
 
     async def _send(self, ident: bytes, msg: msgspec.Struct) -> None:
-        await self.router.send_multipart([ident, P.encode(msg)])
+        await self.router.send_multipart([ident, protocol.encode(msg)])
 
     async def _serve(self, ident: bytes, msg: ClientGenerate) -> None:
         try:
@@ -90,12 +94,14 @@ class ClientServer:
             async with self.hub.generate(req, "zmq") as gen:
                 if msg.stream:
                     async for out in gen:
-                        await self._send(ident, P.TextBatch([_as_client(out, msg.rid, gen)]))
+                        await self._send(ident, protocol.TextBatch([_as_client(out, msg.rid, gen)]))
                 else:
                     outs = [out async for out in gen]
-                    await self._send(ident, P.TextBatch([_merged(outs, msg.rid, gen)]))
+                    await self._send(ident, protocol.TextBatch([_merged(outs, msg.rid, gen)]))
         except APIError as exc:
-            await self._send(ident, P.RequestError(msg.rid, exc.status, exc.message, exc.param))
+            await self._send(
+                ident, protocol.RequestError(msg.rid, exc.status, exc.message, exc.param)
+            )
 
     async def _change(self, ident: bytes, msg: ClientModelChange) -> None:
         """A model load, unload or reload, as the HTTP routes do it."""
@@ -117,14 +123,16 @@ class ClientServer:
                 raise APIError(400, "op must be load, unload or reload", "op")
             await self._send(ident, ClientModelChanged(msg.rid, change))
         except APIError as exc:
-            await self._send(ident, P.RequestError(msg.rid, exc.status, exc.message, exc.param))
+            await self._send(
+                ident, protocol.RequestError(msg.rid, exc.status, exc.message, exc.param)
+            )
 
     def _check_key(self, given: str | None) -> None:
         key = self.args.api_key
         if key and not hmac.compare_digest((given or "").encode(), key.encode()):
             raise APIError(401, "missing or wrong api_key")
 
-    def _request(self, msg: ClientGenerate) -> P.GenerateRequest:
+    def _request(self, msg: ClientGenerate) -> protocol.GenerateRequest:
         self._check_key(msg.api_key)
         model = resolve_model(self.served, msg.model)
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
@@ -139,7 +147,7 @@ class ClientServer:
         check_sampling(msg.params, model.info, "", "max_new_tokens")
         if any(not s for s in msg.stop):
             raise APIError(400, "'stop' strings must be non-empty", "stop")
-        return P.GenerateRequest(
+        return protocol.GenerateRequest(
             rid=new_rid(),
             model=model.instance,
             params=msg.params,
@@ -153,17 +161,17 @@ class ClientServer:
         )
 
 
-def _as_client(out: P.TextOutput, rid: str, gen: Generation) -> P.TextOutput:
+def _as_client(out: protocol.TextOutput, rid: str, gen: Generation) -> protocol.TextOutput:
     """``out`` under the client's rid, with the front's view of how it finished."""
     return msgspec.structs.replace(
         out, rid=rid, finish_reason=gen.finish_reason if gen.done else None
     )
 
 
-def _merged(outs: list[P.TextOutput], rid: str, gen: Generation) -> P.TextOutput:
+def _merged(outs: list[protocol.TextOutput], rid: str, gen: Generation) -> protocol.TextOutput:
     last = outs[-1]
     lps = [lp for o in outs for lp in o.logprobs or []]
-    return P.TextOutput(
+    return protocol.TextOutput(
         rid=rid,
         text="".join(o.text for o in outs),
         token_ids=[t for o in outs for t in o.token_ids],

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.arena import KVArena
 from radixmux.protocol import ModelArg
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
@@ -125,7 +125,7 @@ class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.endpoints: Endpoints | None = None
-        self.served: list[P.ServedModel] = []
+        self.served: list[protocol.ServedModel] = []
         self.children: list[Child] = []
         self.exit_code = 0
         self._arena: KVArena | None = None
@@ -141,7 +141,7 @@ class Launcher:
         self._runner_configs: dict[str, RunnerConfig] = {}
         self._restarts: dict[str, list[float]] = {}  # runner id -> restart times
         self._due: dict[str, float] = {}  # runner id -> when to start it again
-        self._ready: dict[str, P.ProcessReady] = {}
+        self._ready: dict[str, protocol.ProcessReady] = {}
         self._stop_requested = threading.Event()
         self._started = False
         self._stopped = False
@@ -210,7 +210,7 @@ class Launcher:
             )
         self._wait_ready(names, READY_TIMEOUT_S)
         self.lifecycle = ModelLifecycle(self, self.served)
-        self._to_front.send(P.encode(P.ServerReady()))
+        self._to_front.send(protocol.encode(protocol.ServerReady()))
         if args.warmup is not None:  # the front runs them, then reports "warmup" ready
             self._wait_ready(["warmup"], WARMUP_READY_TIMEOUT_S)
         self._started = True
@@ -283,14 +283,14 @@ class Launcher:
         self.served = [m for m in self.served if m.instance != instance]
 
     def send_scheduler(self, msg: msgspec.Struct) -> None:
-        self._to_scheduler.send(P.encode(msg))
+        self._to_scheduler.send(protocol.encode(msg))
 
     def send_front(self, msg: msgspec.Struct) -> None:
-        self._to_front.send(P.encode(msg))
+        self._to_front.send(protocol.encode(msg))
 
-    def publish_table(self, table: P.ModelTable) -> None:
+    def publish_table(self, table: protocol.ModelTable) -> None:
         """The model table to every tokenizer worker (PUB) and the detokenizer."""
-        data = P.encode(table)
+        data = protocol.encode(table)
         self._models_pub.send(data)
         self._to_detokenizer.send(data)
         self.served = list(table.models)
@@ -320,8 +320,8 @@ class Launcher:
                 RESTART_WINDOW_S,
             )
         with contextlib.suppress(zmq.ZMQError):
-            msg = P.RunnerDied(rid, code, restarting)
-            self._to_scheduler.send(P.encode(msg), zmq.NOBLOCK)
+            msg = protocol.RunnerDied(rid, code, restarting)
+            self._to_scheduler.send(protocol.encode(msg), zmq.NOBLOCK)
 
     def _supervise_runners(self) -> None:
         """Notice dead runners and start the ones whose backoff has passed."""
@@ -362,7 +362,7 @@ class Launcher:
         """Handle launcher messages arriving within ``timeout_ms``."""
         if not self._inbox.poll(timeout_ms):
             return
-        decoder = P.decoder(P.LauncherInbox)
+        decoder = protocol.decoder(protocol.LauncherInbox)
         while True:
             try:
                 msg = decoder.decode(self._inbox.recv(zmq.NOBLOCK))
@@ -373,9 +373,9 @@ class Launcher:
                 continue
             if self.lifecycle is not None and self._lifecycle_message(msg):
                 continue
-            if isinstance(msg, P.ModelCommand):  # not started yet: the front is not ready
+            if isinstance(msg, protocol.ModelCommand):  # not started yet: the front is not ready
                 continue
-            if isinstance(msg, P.ProcessFailed):
+            if isinstance(msg, protocol.ProcessFailed):
                 if self._started or self._stopped:
                     log.error("%s (pid %d) failed: %s", msg.name, msg.pid, msg.error)
                     continue
@@ -386,13 +386,13 @@ class Launcher:
     def _lifecycle_message(self, msg: msgspec.Struct) -> bool:
         lc = self.lifecycle
         assert lc is not None
-        if isinstance(msg, P.ModelCommand):
+        if isinstance(msg, protocol.ModelCommand):
             lc.command(msg)
-        elif isinstance(msg, P.ModelAdded):
+        elif isinstance(msg, protocol.ModelAdded):
             lc.added(msg)
-        elif isinstance(msg, P.ModelRemoved):
+        elif isinstance(msg, protocol.ModelRemoved):
             lc.removed(msg)
-        elif isinstance(msg, P.ModelTableApplied):
+        elif isinstance(msg, protocol.ModelTableApplied):
             lc.applied(msg)
         else:
             return False
@@ -473,7 +473,7 @@ class Launcher:
             return
         if sock is not None:
             with contextlib.suppress(zmq.ZMQError):
-                sock.send(P.encode(P.ShutdownProcess()), zmq.NOBLOCK)
+                sock.send(protocol.encode(protocol.ShutdownProcess()), zmq.NOBLOCK)
             _wait_all(alive, GRACEFUL_S)
         self._terminate(alive)
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.protocol import ModelArg
 
 if TYPE_CHECKING:
@@ -51,17 +51,17 @@ RUNNER_EXIT_S = 10.0  # after the scheduler's Shutdown, then SIGKILL
 
 @dataclass
 class _Load:
-    cmd: P.ModelCommand
+    cmd: protocol.ModelCommand
     arg: ModelArg | None = None  # resolved: local folder, concrete dtype
     runner_ids: list[str] = field(default_factory=list)
-    served: P.ServedModel | None = None
+    served: protocol.ServedModel | None = None
     table_version: int = 0
     sent_table_at: float = 0.0
 
 
 @dataclass
 class _Unload:
-    cmd: P.ModelCommand | None  # None: the clean-up of a failed load (nobody to answer)
+    cmd: protocol.ModelCommand | None  # None: the clean-up of a failed load (nobody to answer)
     freed_tokens: int = 0
     removed: bool = False
     removed_at: float = 0.0
@@ -70,9 +70,9 @@ class _Unload:
 class ModelLifecycle:
     """Loads and unloads instances for the launcher (see the module docstring)."""
 
-    def __init__(self, launcher: Launcher, served: list[P.ServedModel]) -> None:
+    def __init__(self, launcher: Launcher, served: list[protocol.ServedModel]) -> None:
         self.launcher = launcher
-        self.table: dict[str, P.ServedModel] = {m.instance: m for m in served}
+        self.table: dict[str, protocol.ServedModel] = {m.instance: m for m in served}
         self.version = 0
         self.loads: dict[str, _Load] = {}
         self.unloads: dict[str, _Unload] = {}
@@ -81,7 +81,7 @@ class ModelLifecycle:
         self._applied: dict[str, int] = {}  # process name -> table version it holds
 
     # ---- commands from the front --------------------------------------------------
-    def command(self, cmd: P.ModelCommand) -> None:
+    def command(self, cmd: protocol.ModelCommand) -> None:
         name = cmd.model.name
         if cmd.op == "load":
             if name in self.table or name in self.loads or name in self.unloads:
@@ -165,10 +165,10 @@ class ModelLifecycle:
             launcher.add_runner_config(rid, arg, total)
             launcher.start_runner(rid)
         cmd = load.cmd
-        launcher.send_scheduler(P.AddModel(arg, cmd.served or arg.name, cmd.version))
+        launcher.send_scheduler(protocol.AddModel(arg, cmd.served or arg.name, cmd.version))
 
     # ---- replies from the scheduler and the tokenizer processes ---------------------
-    def added(self, msg: P.ModelAdded) -> None:
+    def added(self, msg: protocol.ModelAdded) -> None:
         load = self.loads.get(msg.name)
         if load is None:
             return
@@ -180,7 +180,7 @@ class ModelLifecycle:
         load.table_version = self._publish()
         load.sent_table_at = time.monotonic()
 
-    def applied(self, msg: P.ModelTableApplied) -> None:
+    def applied(self, msg: protocol.ModelTableApplied) -> None:
         self._applied[msg.name] = max(self._applied.get(msg.name, 0), msg.version)
         for name, load in list(self.loads.items()):
             if load.served is None:
@@ -192,7 +192,7 @@ class ModelLifecycle:
                 log.info("model %s: serving as %s", name, load.served.name)
                 self._reply(load.cmd, 200, "loaded", model=load.served)
 
-    def removed(self, msg: P.ModelRemoved) -> None:
+    def removed(self, msg: protocol.ModelRemoved) -> None:
         unload = self.unloads.get(msg.name)
         if unload is None:
             return
@@ -228,7 +228,7 @@ class ModelLifecycle:
         """Send the current table to the tokenizer processes; returns its version."""
         if not resend:
             self.version += 1
-        table = P.ModelTable(self.version, list(self.table.values()))
+        table = protocol.ModelTable(self.version, list(self.table.values()))
         self.launcher.publish_table(table)
         return self.version
 
@@ -245,7 +245,7 @@ class ModelLifecycle:
         self.unloads[name] = unload
         for rid in self.launcher.runner_ids_of(name):
             self.retiring[rid] = name
-        self.launcher.send_scheduler(P.RemoveModel(name))
+        self.launcher.send_scheduler(protocol.RemoveModel(name))
 
     def _unloaded(self, name: str, unload: _Unload) -> None:
         del self.unloads[name]
@@ -262,12 +262,12 @@ class ModelLifecycle:
 
     def _reply(
         self,
-        cmd: P.ModelCommand,
+        cmd: protocol.ModelCommand,
         status: int,
         message: str,
-        model: P.ServedModel | None = None,
+        model: protocol.ServedModel | None = None,
         freed_tokens: int = 0,
     ) -> None:
         self.launcher.send_front(
-            P.ModelCommandReply(cmd.req_id, status, message, model, freed_tokens)
+            protocol.ModelCommandReply(cmd.req_id, status, message, model, freed_tokens)
         )

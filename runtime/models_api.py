@@ -23,9 +23,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.protocol import ModelArg
-from radixmux.runtime import openai_api as O
+from radixmux.runtime import openai_api
 from radixmux.runtime.api_common import APIError, json_response, served_names
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Body, Endpoint, Handler
@@ -64,7 +64,7 @@ class ModelChange(msgspec.Struct):
     version: int
     message: str
     seconds: float
-    model: O.ModelCard | None = None  # after a load or reload
+    model: openai_api.ModelCard | None = None  # after a load or reload
     freed_tokens: int = 0  # cached tokens the old or unloaded instance gave back
     aborted: int = 0  # requests still running at ?timeout=, failed with a 503
     ok: bool = True
@@ -97,7 +97,7 @@ class ModelManager:
             version = old.version + 1
             arg = ModelArg(
                 body.source or old.folder,
-                P.instance_name(name, version),
+                protocol.instance_name(name, version),
                 body.dtype or old.info.dtype,
                 old.priority,
                 old.replicas,
@@ -122,24 +122,24 @@ class ModelManager:
         return change
 
     # ---- steps ----------------------------------------------------------------------
-    def _served(self, name: str) -> P.ServedModel:
+    def _served(self, name: str) -> protocol.ServedModel:
         model = self.front.served.get(name)
         if model is None:
             served = served_names(self.front.served)
             raise APIError(404, f"model '{name}' is not served; served models: {served}", "name")
         return model
 
-    async def _load(self, arg: ModelArg, served: str, version: int) -> P.ServedModel:
-        reply = await self._command(P.ModelCommand(new_rid(), "load", arg, served, version))
+    async def _load(self, arg: ModelArg, served: str, version: int) -> protocol.ServedModel:
+        reply = await self._command(protocol.ModelCommand(new_rid(), "load", arg, served, version))
         assert reply.model is not None
         return reply.model
 
-    async def _unload(self, model: P.ServedModel) -> int:
+    async def _unload(self, model: protocol.ServedModel) -> int:
         arg = ModelArg(model.folder, model.instance)
-        reply = await self._command(P.ModelCommand(new_rid(), "unload", arg))
+        reply = await self._command(protocol.ModelCommand(new_rid(), "unload", arg))
         return reply.freed_tokens
 
-    async def _command(self, cmd: P.ModelCommand) -> P.ModelCommandReply:
+    async def _command(self, cmd: protocol.ModelCommand) -> protocol.ModelCommandReply:
         timeout = LOAD_TIMEOUT_S if cmd.op == "load" else UNLOAD_TIMEOUT_S
         # Shielded: a client that leaves must not leave a half-made change behind.
         ask = self.front.hub.launcher_call(cmd, timeout)
@@ -149,7 +149,7 @@ class ModelManager:
             raise APIError(reply.status, reply.message, param)
         return reply
 
-    async def _drain(self, model: P.ServedModel, timeout: float | None) -> int:
+    async def _drain(self, model: protocol.ServedModel, timeout: float | None) -> int:
         """Wait until no request of ``model``'s instance is in flight; after
         ``timeout`` seconds fail the rest with a 503. Returns how many failed."""
         hub = self.front.hub
@@ -161,20 +161,20 @@ class ModelManager:
             if deadline is not None and time.monotonic() >= deadline:
                 why = f"model '{model.name}' (version {model.version}) was unloaded"
                 for gen in live:
-                    gen.queue.put_nowait(P.RequestError(gen.rid, 503, why))
+                    gen.queue.put_nowait(protocol.RequestError(gen.rid, 503, why))
                     hub.abort(gen.rid, "unloaded")
                 return len(live)
             await asyncio.sleep(DRAIN_POLL_S)
 
     def _change(
-        self, model: P.ServedModel, what: str, t0: float, freed: int = 0, aborted: int = 0
+        self, model: protocol.ServedModel, what: str, t0: float, freed: int = 0, aborted: int = 0
     ) -> ModelChange:
         return ModelChange(
             name=model.name,
             version=model.version,
             message=f"{what} {model.name} (version {model.version})",
             seconds=round(time.monotonic() - t0, 3),
-            model=O.model_card(model, self.front.started),
+            model=openai_api.model_card(model, self.front.started),
             freed_tokens=freed,
             aborted=aborted,
         )

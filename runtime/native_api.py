@@ -16,7 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_common import (
     MAX_PROMPTS,
@@ -172,8 +172,8 @@ def sampling_params(
 
 
 def generate_request(
-    body: NativeGenerate, rid: str, model: P.ServedModel, arrival: float
-) -> list[P.GenerateRequest]:
+    body: NativeGenerate, rid: str, model: protocol.ServedModel, arrival: float
+) -> list[protocol.GenerateRequest]:
     """The tokenizer's requests for a /generate body: one per prompt, ``n``
     samples each (SGLang answers a batch or ``n`` > 1 with a list, in that order)."""
     refuse_unsupported(body, UNSUPPORTED_GENERATE)
@@ -193,7 +193,7 @@ def generate_request(
     if start >= 0 and body.return_logprob:  # the prompt's logprobs from ``start``
         params = msgspec.structs.replace(params, prompt_logprobs_start=start)
     prompts = [
-        P.GenerateRequest(
+        protocol.GenerateRequest(
             rid=rid,
             model=model.instance,
             params=params,
@@ -256,12 +256,12 @@ def response(
     rid: str,
     text: str,
     ids: list[int],
-    last: P.TextOutput,
+    last: protocol.TextOutput,
     finish: dict[str, Any] | None,
     latency: float,
-    logprobs: list[P.TokenLogprob] | None,
+    logprobs: list[protocol.TokenLogprob] | None,
     with_text: bool = False,
-    prompt_logprobs: list[P.TokenLogprob] | None = None,
+    prompt_logprobs: list[protocol.TokenLogprob] | None = None,
 ) -> NativeResponse:
     meta = NativeMeta(
         id=rid,
@@ -283,12 +283,12 @@ def response(
 
 
 def _native_logprobs(
-    lps: list[P.TokenLogprob], with_text: bool
+    lps: list[protocol.TokenLogprob], with_text: bool
 ) -> list[tuple[float | None, int, str | None]]:
     return [(lp.logprob, lp.token_id, lp.text if with_text else None) for lp in lps]
 
 
-def _native_tops(lp: P.TokenLogprob, with_text: bool) -> list[tuple[float, int, str | None]]:
+def _native_tops(lp: protocol.TokenLogprob, with_text: bool) -> list[tuple[float, int, str | None]]:
     texts = lp.top_text if with_text else None
     return [(v, t, texts[k] if texts else None) for k, (t, v) in enumerate(lp.top or [])]
 
@@ -300,10 +300,10 @@ class _NativeChoice:
     def __init__(self, logprobs: bool) -> None:
         self.text = ""
         self.ids: list[int] = []
-        self.logprobs: list[P.TokenLogprob] | None = [] if logprobs else None
-        self.prompt_logprobs: list[P.TokenLogprob] | None = None  # logprob_start_len
+        self.logprobs: list[protocol.TokenLogprob] | None = [] if logprobs else None
+        self.prompt_logprobs: list[protocol.TokenLogprob] | None = None  # logprob_start_len
 
-    def add(self, out: P.TextOutput) -> None:
+    def add(self, out: protocol.TextOutput) -> None:
         self.text += out.text
         self.ids += out.token_ids
         if self.logprobs is not None:
@@ -355,7 +355,7 @@ class NativeFormat:
             out.index = index
         return out
 
-    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         self._item(index).add(out)
         if not out.text and not out.token_ids and not gen.done:
             return []
@@ -364,7 +364,7 @@ class NativeFormat:
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return []
 
-    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> Any:
+    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]) -> Any:
         answers = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
             for out in outs:

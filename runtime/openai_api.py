@@ -28,7 +28,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_common import (
     MAX_N,
@@ -346,8 +346,8 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def completion_request(
-    req: CompletionRequest, rid: str, model: P.ServedModel, arrival: float
-) -> list[P.GenerateRequest]:
+    req: CompletionRequest, rid: str, model: protocol.ServedModel, arrival: float
+) -> list[protocol.GenerateRequest]:
     """The tokenizer's requests for a /v1/completions body, one per prompt."""
     refuse_unsupported(req, UNSUPPORTED_COMPLETION)
     ranked = best_of(req) > n_choices(req)
@@ -372,13 +372,13 @@ def completion_request(
 def _generate(
     req: _SamplingFields,
     rid: str,
-    model: P.ServedModel,
+    model: protocol.ServedModel,
     params: SamplingParams,
     arrival: float,
     **prompt: Any,
-) -> P.GenerateRequest:
+) -> protocol.GenerateRequest:
     """The GenerateRequest for one prompt (``prompt``, ``input_ids`` or ``messages``)."""
-    return P.GenerateRequest(
+    return protocol.GenerateRequest(
         rid=rid,
         model=model.instance,
         params=params,
@@ -411,8 +411,8 @@ def _prompts(prompt: str | list[Any], vocab_size: int) -> list[tuple[str | None,
 
 
 def chat_request(
-    req: ChatRequest, rid: str, model: P.ServedModel, arrival: float, template_flag: bool
-) -> P.GenerateRequest:
+    req: ChatRequest, rid: str, model: protocol.ServedModel, arrival: float, template_flag: bool
+) -> protocol.GenerateRequest:
     """The tokenizer's request for a /v1/chat/completions body."""
     refuse_unsupported(req, UNSUPPORTED_CHAT)
     messages = chat_messages(req.messages, model, template_flag)
@@ -425,8 +425,8 @@ def chat_request(
 
 
 def chat_messages(
-    messages: list[ChatMessageIn], model: P.ServedModel, template_flag: bool
-) -> list[P.ChatMessage]:
+    messages: list[ChatMessageIn], model: protocol.ServedModel, template_flag: bool
+) -> list[protocol.ChatMessage]:
     """Checked chat messages for ``model``'s template (chat and /tokenize alike)."""
     require_chat_template(model, template_flag)
     if not messages:
@@ -434,14 +434,14 @@ def chat_messages(
     return [chat_message(m, i) for i, m in enumerate(messages)]
 
 
-def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:
+def chat_message(m: ChatMessageIn, i: int) -> protocol.ChatMessage:
     refuse_unsupported(m, UNSUPPORTED_MESSAGE, f"messages[{i}].")
     if m.role not in CHAT_ROLES:
         raise APIError(
             400, f"'messages[{i}].role' must be one of {CHAT_ROLES}", f"messages[{i}].role"
         )
     if m.content is None or isinstance(m.content, str):
-        return P.ChatMessage(m.role, m.content or "")
+        return protocol.ChatMessage(m.role, m.content or "")
     texts = []
     for part in m.content:
         if part.type != "text" or part.text is None:
@@ -451,10 +451,10 @@ def chat_message(m: ChatMessageIn, i: int) -> P.ChatMessage:
                 f"messages[{i}].content",
             )
         texts.append(part.text)
-    return P.ChatMessage(m.role, "".join(texts))
+    return protocol.ChatMessage(m.role, "".join(texts))
 
 
-def usage(lasts: list[P.TextOutput | None], n: int = 1) -> Usage:
+def usage(lasts: list[protocol.TextOutput | None], n: int = 1) -> Usage:
     """Token counts from each choice's finished (or latest) output, ``n`` choices
     per prompt: each prompt once (its choices share it), the completions summed."""
     firsts = [out for out in lasts[::n] if out]
@@ -478,13 +478,13 @@ def token_bytes(text: str | None) -> list[int] | None:
     return list(text.encode())
 
 
-def _tops(lp: P.TokenLogprob) -> list[tuple[str, float, str | None]]:
+def _tops(lp: protocol.TokenLogprob) -> list[tuple[str, float, str | None]]:
     """(name, logprob, text) of each top alternative."""
     texts: list[str | None] = list(lp.top_text or [None] * len(lp.top or []))
     return [(token_name(t, x), v, x) for (t, v), x in zip(lp.top or [], texts, strict=True)]
 
 
-def completion_logprobs(lps: list[P.TokenLogprob], offset: int) -> CompletionLogprobs:
+def completion_logprobs(lps: list[protocol.TokenLogprob], offset: int) -> CompletionLogprobs:
     """Logprobs of a completion; ``text_offset`` is each token's character offset
     in the choice's text, ``offset`` being the text before these tokens."""
     names = [token_name(lp.token_id, lp.text) for lp in lps]
@@ -502,7 +502,7 @@ def completion_logprobs(lps: list[P.TokenLogprob], offset: int) -> CompletionLog
     )
 
 
-def chat_logprobs(lps: list[P.TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(lps: list[protocol.TokenLogprob]) -> ChatLogprobs:
     return ChatLogprobs(
         [
             ChatTokenLogprob(
@@ -516,12 +516,12 @@ def chat_logprobs(lps: list[P.TokenLogprob]) -> ChatLogprobs:
     )
 
 
-def model_list(served: list[P.ServedModel], created: int | None = None) -> ModelList:
+def model_list(served: list[protocol.ServedModel], created: int | None = None) -> ModelList:
     created = int(time.time()) if created is None else created
     return ModelList([model_card(m, created) for m in served])
 
 
-def model_card(m: P.ServedModel, created: int) -> ModelCard:
+def model_card(m: protocol.ServedModel, created: int) -> ModelCard:
     info = m.info
     return ModelCard(
         id=m.name,
@@ -570,7 +570,7 @@ class CompletionFormat:
         self.include_usage = include_usage
         self.offsets: dict[int, int] = {}  # choice -> text streamed so far
 
-    def _lps(self, outs: list[P.TextOutput], offset: int) -> CompletionLogprobs | None:
+    def _lps(self, outs: list[protocol.TextOutput], offset: int) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
         # With echo, the first output carries the prompt's logprobs: they come first.
@@ -584,7 +584,7 @@ class CompletionFormat:
         """Prompt ``prompt``'s text when echoing it, else nothing."""
         return self.echo[prompt] if self.echo else ""
 
-    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         reason = _reason(gen)
         text = out.text
         if self.echo and index not in self.echoed:
@@ -600,7 +600,9 @@ class CompletionFormat:
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return [self._response([], _usage(gens, self.n))] if self.include_usage else []
 
-    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+    def full(
+        self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]
+    ) -> msgspec.Struct:
         picked = self._best(outputs)
         choices = [
             CompletionChoice(
@@ -613,7 +615,7 @@ class CompletionFormat:
         ]
         return self._response(choices, _usage(gens, self.best_of))  # every sample is billed
 
-    def _best(self, outputs: list[list[P.TextOutput]]) -> list[int]:
+    def _best(self, outputs: list[list[protocol.TextOutput]]) -> list[int]:
         """The samples to answer with, in choice order: all of them, or with
         ``best_of`` > ``n`` each prompt's ``n`` of highest mean token logprob."""
         if self.best_of == self.n:
@@ -625,7 +627,7 @@ class CompletionFormat:
         return picked
 
 
-def _mean_logprob(outs: list[P.TextOutput]) -> float:
+def _mean_logprob(outs: list[protocol.TextOutput]) -> float:
     lps = [lp.logprob for o in outs for lp in o.logprobs or [] if lp.logprob is not None]
     return sum(lps) / len(lps) if lps else float("-inf")
 
@@ -645,7 +647,7 @@ class ChatFormat:
         choices = [ChatChunkChoice(index, delta, lps, reason)]
         return ChatChunk(self.id, self.created, self.model, choices)
 
-    def chunks(self, out: P.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
         found: list[msgspec.Struct] = []
         if index not in self.started:
             # OpenAI's first chunk of a choice announces the role with empty content.
@@ -663,7 +665,9 @@ class ChatFormat:
             return []
         return [ChatChunk(self.id, self.created, self.model, [], _usage(gens))]
 
-    def full(self, outputs: list[list[P.TextOutput]], gens: list[Generation]) -> msgspec.Struct:
+    def full(
+        self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]
+    ) -> msgspec.Struct:
         choices = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
             text = "".join(o.text for o in outs)
@@ -685,12 +689,14 @@ def _log_user(rid: str, req: CompletionRequest | ChatRequest) -> None:
 def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
     """The OpenAI routes, for the front's route table and OpenAPI document."""
 
-    async def prompt_text(gen: P.GenerateRequest) -> str:
+    async def prompt_text(gen: protocol.GenerateRequest) -> str:
         """A prompt as text (``echo``): as sent, or its token ids decoded."""
         if gen.prompt is not None:
             return gen.prompt
         ids = gen.input_ids or []
-        reply = await front.hub.tokenizer_call(P.DetokenizeRequest(new_rid(), gen.model, ids))
+        reply = await front.hub.tokenizer_call(
+            protocol.DetokenizeRequest(new_rid(), gen.model, ids)
+        )
         return reply.text or ""
 
     async def completions(request: Request) -> Response:

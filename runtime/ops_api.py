@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux import __name__ as _pkg
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import APIError, json_response, resolve_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Endpoint, Handler
@@ -65,10 +65,10 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
             {"status": "unhealthy", "down": down, **APIError(503, why).body()}, 503
         )
 
-    async def _probe(model: P.ServedModel) -> str | None:
+    async def _probe(model: protocol.ServedModel) -> str | None:
         """One greedy token from ``model``; the reason it failed, or None."""
-        params = P.SamplingParams(max_new_tokens=1)
-        req = P.GenerateRequest(
+        params = protocol.SamplingParams(max_new_tokens=1)
+        req = protocol.GenerateRequest(
             new_rid(), model.instance, params, input_ids=[0], arrival=time.time()
         )
         try:
@@ -80,7 +80,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
             return f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s"
         return None
 
-    async def _stats(timeout: float, op: str = "stats") -> P.SchedulerStats:
+    async def _stats(timeout: float, op: str = "stats") -> protocol.SchedulerStats:
         reply = await front.hub.control(op, timeout=timeout)
         if not reply.ok or reply.stats is None:
             raise APIError(503, f"the scheduler could not report stats: {reply.message}")
@@ -147,7 +147,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def metrics(request: Request) -> Response:
         try:
-            stats: P.SchedulerStats | None = await _stats(2.0)
+            stats: protocol.SchedulerStats | None = await _stats(2.0)
         except APIError:
             stats = None  # radixmux_scheduler_up 0 says so; front metrics still useful
         return Response(front.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
@@ -172,13 +172,17 @@ async def _drain(gen: Any) -> None:
         pass
 
 
-def _model_states(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+def _model_states(
+    served: dict[str, protocol.ServedModel], stats: protocol.SchedulerStats
+) -> dict[str, str]:
     """Each served model's state: serving, restarting or down."""
     reported = {m.name: m.state for m in stats.models}
     return {name: reported.get(m.instance, "down") for name, m in served.items()}
 
 
-def _down_models(served: dict[str, P.ServedModel], stats: P.SchedulerStats) -> dict[str, str]:
+def _down_models(
+    served: dict[str, protocol.ServedModel], stats: protocol.SchedulerStats
+) -> dict[str, str]:
     """Served models that are not up, with the reason the scheduler gives."""
     reported = {m.name: m for m in stats.models}
     down: dict[str, str] = {}

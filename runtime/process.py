@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.arena import ArenaSpec
 from radixmux.os_process import die_with_parent, exit_now
 from radixmux.runtime.ipc import Endpoints, socket
@@ -32,7 +32,7 @@ class ProcessContext(msgspec.Struct, frozen=True):
     name: str  # e.g. "scheduler", "tokenizer-0", "front"
     args: ServerArgs
     endpoints: Endpoints
-    served: list[P.ServedModel] = msgspec.field(default_factory=list)
+    served: list[protocol.ServedModel] = msgspec.field(default_factory=list)
     arena: ArenaSpec | None = None
 
 
@@ -47,10 +47,12 @@ def setup_logging(level: str, name: str) -> logging.Logger:
     return logging.getLogger(f"radixmux.{name}")
 
 
-def report(ctx: zmq.Context, endpoints: Endpoints, msg: P.ProcessReady | P.ProcessFailed) -> None:
+def report(
+    ctx: zmq.Context, endpoints: Endpoints, msg: protocol.ProcessReady | protocol.ProcessFailed
+) -> None:
     """Tell the launcher this process is up (or why it is not)."""
     sock = socket(ctx, zmq.PUSH, endpoints.launcher, bind=False)
-    sock.send(P.encode(msg))
+    sock.send(protocol.encode(msg))
     sock.close(linger=2000)
 
 
@@ -81,7 +83,7 @@ def inbox_messages(
             except msgspec.DecodeError as exc:
                 log.warning("dropped a malformed message (%d bytes): %s", len(raw), exc)
                 continue
-            if isinstance(msg, P.ShutdownProcess):
+            if isinstance(msg, protocol.ShutdownProcess):
                 log.info("shutdown requested")
                 return
             yield msg
@@ -106,7 +108,7 @@ def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
     except Exception as exc:
         log.error("fatal: %s\n%s", exc, traceback.format_exc())
-        report(zctx, ctx_msg.endpoints, P.ProcessFailed(ctx_msg.name, os.getpid(), str(exc)))
+        report(zctx, ctx_msg.endpoints, protocol.ProcessFailed(ctx_msg.name, os.getpid(), str(exc)))
     finally:
         zctx.destroy(linger=500)
     exit_now(code)

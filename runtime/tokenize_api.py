@@ -13,7 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import APIError, check_input_ids, json_response, resolve_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openai_api import ChatMessageIn, chat_messages
@@ -55,8 +55,8 @@ class DetokenizeResponse(msgspec.Struct):
 
 
 def tokenize_request(
-    body: TokenizeBody, req_id: str, model: P.ServedModel, template_flag: bool
-) -> P.TokenizeRequest:
+    body: TokenizeBody, req_id: str, model: protocol.ServedModel, template_flag: bool
+) -> protocol.TokenizeRequest:
     """The tokenizer worker's request for a ``/tokenize`` body (checked here first)."""
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
@@ -65,7 +65,7 @@ def tokenize_request(
         messages = chat_messages(body.messages, model, template_flag)
     elif not body.prompt:
         raise APIError(400, "'prompt' must not be empty", "prompt")
-    return P.TokenizeRequest(
+    return protocol.TokenizeRequest(
         req_id=req_id,
         model=model.instance,
         prompt=body.prompt,
@@ -76,19 +76,21 @@ def tokenize_request(
     )
 
 
-def tokenize_response(reply: P.TokenizerReply, model: P.ServedModel) -> TokenizeResponse:
+def tokenize_response(
+    reply: protocol.TokenizerReply, model: protocol.ServedModel
+) -> TokenizeResponse:
     return TokenizeResponse(
         len(reply.tokens), model.info.context_length, reply.tokens, reply.token_strs
     )
 
 
 def detokenize_request(
-    body: DetokenizeBody, req_id: str, model: P.ServedModel
-) -> P.DetokenizeRequest:
+    body: DetokenizeBody, req_id: str, model: protocol.ServedModel
+) -> protocol.DetokenizeRequest:
     """The worker's request for a ``/detokenize`` body (no tokens: the empty text)."""
     if body.tokens:
         check_input_ids(body.tokens, model.info.vocab_size, "tokens")
-    return P.DetokenizeRequest(req_id, model.instance, body.tokens)
+    return protocol.DetokenizeRequest(req_id, model.instance, body.tokens)
 
 
 def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
 
@@ -56,11 +56,11 @@ def load_tokenizer(folder: str) -> Any:
 class ModelTokenizer:
     """One served model's tokenizer, chat template and limits."""
 
-    model: P.ServedModel
+    model: protocol.ServedModel
     tokenizer: Any
     chat_template: str | None
 
-    def encode_prompt(self, req: P.GenerateRequest) -> list[int]:
+    def encode_prompt(self, req: protocol.GenerateRequest) -> list[int]:
         """The request's prompt ids, from whichever of its three forms it carries."""
         given = [f for f in ("prompt", "input_ids", "messages") if getattr(req, f) is not None]
         if len(given) != 1:
@@ -85,7 +85,7 @@ class ModelTokenizer:
 
     def encode_chat(
         self,
-        messages: list[P.ChatMessage],
+        messages: list[protocol.ChatMessage],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
     ) -> list[int]:
@@ -121,7 +121,7 @@ class ModelTokenizer:
                 )
         return ids
 
-    def tokenize(self, req: P.TokenizeRequest) -> P.TokenizerReply:
+    def tokenize(self, req: protocol.TokenizeRequest) -> protocol.TokenizerReply:
         """``/tokenize``: exactly one of prompt or messages, tokenized as generation
         would (special tokens for text, none beyond the template's for chat)."""
         if (req.prompt is None) == (req.messages is None):
@@ -133,14 +133,14 @@ class ModelTokenizer:
             special = req.add_special_tokens is not False
             ids = self.encode_text(req.prompt or "", special)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return P.TokenizerReply(req.req_id, tokens=ids, token_strs=strs)
+        return protocol.TokenizerReply(req.req_id, tokens=ids, token_strs=strs)
 
-    def detokenize(self, req: P.DetokenizeRequest) -> P.TokenizerReply:
+    def detokenize(self, req: protocol.DetokenizeRequest) -> protocol.TokenizerReply:
         """``/detokenize``: the text of ``tokens`` (special tokens kept, as vLLM does)."""
         ids = self.check_ids(req.tokens, "tokens")
-        return P.TokenizerReply(req.req_id, text=self.tokenizer.decode(ids))
+        return protocol.TokenizerReply(req.req_id, text=self.tokenizer.decode(ids))
 
-    def check_length(self, ids: list[int], params: P.SamplingParams) -> None:
+    def check_length(self, ids: list[int], params: protocol.SamplingParams) -> None:
         """Reject empty prompts and prompts that leave no room for ``max_tokens``."""
         if not ids:
             raise RejectedRequest(400, "the prompt is empty (no tokens)", "prompt")
@@ -156,7 +156,7 @@ class ModelTokenizer:
 
 
 def load_models(
-    served: list[P.ServedModel], chat_template_file: str | None
+    served: list[protocol.ServedModel], chat_template_file: str | None
 ) -> dict[str, ModelTokenizer]:
     """Every served instance's tokenizer (loaded once per folder) and chat template.
 
@@ -169,7 +169,9 @@ def load_models(
 
 
 def sync_models(
-    models: dict[str, ModelTokenizer], table: list[P.ServedModel], chat_template_file: str | None
+    models: dict[str, ModelTokenizer],
+    table: list[protocol.ServedModel],
+    chat_template_file: str | None,
 ) -> None:
     """Make ``models`` hold exactly the instances of ``table`` (models loaded
     or unloaded at run time), loading only the tokenizers it lacks.
@@ -192,15 +194,17 @@ def sync_models(
             models[name] = ModelTokenizer(m, tok, template)
 
 
-def apply_table(load: Callable[[], None], table: P.ModelTable, name: str) -> P.ModelTableApplied:
+def apply_table(
+    load: Callable[[], None], table: protocol.ModelTable, name: str
+) -> protocol.ModelTableApplied:
     """Run ``load`` (a ``sync_models`` for ``table``) and say how it went."""
     try:
         load()
     except Exception as exc:  # a model that cannot load fails its load, not this process
         log.exception("model table %d not applied", table.version)
-        return P.ModelTableApplied(name, table.version, f"{type(exc).__name__}: {exc}")
+        return protocol.ModelTableApplied(name, table.version, f"{type(exc).__name__}: {exc}")
     log.info("model table %d: %s", table.version, ", ".join(m.instance for m in table.models))
-    return P.ModelTableApplied(name, table.version)
+    return protocol.ModelTableApplied(name, table.version)
 
 
 class TableThread:
@@ -214,14 +218,14 @@ class TableThread:
         self._zctx, self._launcher, self._name = zctx, launcher, name
         self._sock: zmq.Socket | None = None  # the thread's own: sockets are not thread-safe
 
-    def submit(self, load: Callable[[], None], table: P.ModelTable) -> None:
+    def submit(self, load: Callable[[], None], table: protocol.ModelTable) -> None:
         self._pool.submit(self._apply, load, table)
 
-    def _apply(self, load: Callable[[], None], table: P.ModelTable) -> None:
+    def _apply(self, load: Callable[[], None], table: protocol.ModelTable) -> None:
         reply = apply_table(load, table, self._name)
         if self._sock is None:
             self._sock = socket(self._zctx, zmq.PUSH, self._launcher, bind=False)
-        self._sock.send(P.encode(reply))
+        self._sock.send(protocol.encode(reply))
 
 
 def model_tokenizer(models: dict[str, ModelTokenizer], name: str) -> ModelTokenizer:
@@ -234,15 +238,17 @@ def model_tokenizer(models: dict[str, ModelTokenizer], name: str) -> ModelTokeni
     return mt
 
 
-def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.TokenizedRequest:
+def tokenize(
+    models: dict[str, ModelTokenizer], req: protocol.GenerateRequest
+) -> protocol.TokenizedRequest:
     """Turn one request into a ``TokenizedRequest`` or raise ``RejectedRequest``."""
     mt = model_tokenizer(models, req.model)
     ids = mt.encode_prompt(req)
     mt.check_length(ids, req.params)
-    return P.TokenizedRequest(
+    return protocol.TokenizedRequest(
         rid=req.rid,
         model=req.model,
-        input_ids=P.pack_ids(ids),
+        input_ids=protocol.pack_ids(ids),
         params=req.params,
         stop=list(req.stop),
         skip_special_tokens=req.skip_special_tokens,
@@ -251,17 +257,19 @@ def tokenize(models: dict[str, ModelTokenizer], req: P.GenerateRequest) -> P.Tok
 
 
 def tokenizer_service(
-    models: dict[str, ModelTokenizer], req: P.TokenizeRequest | P.DetokenizeRequest
-) -> P.TokenizerReply:
+    models: dict[str, ModelTokenizer], req: protocol.TokenizeRequest | protocol.DetokenizeRequest
+) -> protocol.TokenizerReply:
     """Answer ``/tokenize`` or ``/detokenize``; every failure is a reply, never a raise."""
     try:
         mt = model_tokenizer(models, req.model)
-        return mt.tokenize(req) if isinstance(req, P.TokenizeRequest) else mt.detokenize(req)
+        return mt.tokenize(req) if isinstance(req, protocol.TokenizeRequest) else mt.detokenize(req)
     except RejectedRequest as exc:
-        return P.TokenizerReply(req.req_id, exc.status, error=exc.message, param=exc.param)
+        return protocol.TokenizerReply(req.req_id, exc.status, error=exc.message, param=exc.param)
     except Exception:  # a tokenizer bug fails this call, not the worker
         log.exception("req_id=%s %s failed", req.req_id, type(req).__name__)
-        return P.TokenizerReply(req.req_id, 500, error="tokenization failed (see the server log)")
+        return protocol.TokenizerReply(
+            req.req_id, 500, error="tokenization failed (see the server log)"
+        )
 
 
 def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
@@ -277,34 +285,38 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     tables = TableThread(zctx, eps.launcher, pctx.name)
     table = socket(zctx, zmq.SUB, eps.models, bind=False)
     table.setsockopt(zmq.SUBSCRIBE, b"")
-    decoder = P.decoder(P.TokenizerInbox)
-    report(zctx, eps, P.ProcessReady(pctx.name, os.getpid()))
+    decoder = protocol.decoder(protocol.TokenizerInbox)
+    report(zctx, eps, protocol.ProcessReady(pctx.name, os.getpid()))
     log.info(
         "ready: %s",
         ", ".join(f"{n} (chat={m.chat_template is not None})" for n, m in models.items()),
     )
-    also = (table, P.decoder(P.ModelTable))
+    also = (table, protocol.decoder(protocol.ModelTable))
     for msg in inbox_messages(inbox, decoder, log, also=also):
-        if isinstance(msg, P.ModelTable):
+        if isinstance(msg, protocol.ModelTable):
             load = functools.partial(sync_models, models, msg.models, pctx.args.chat_template)
             tables.submit(load, msg)
             continue
-        if isinstance(msg, P.TokenizeRequest | P.DetokenizeRequest):
-            to_front.send(P.encode(tokenizer_service(models, msg)))
+        if isinstance(msg, protocol.TokenizeRequest | protocol.DetokenizeRequest):
+            to_front.send(protocol.encode(tokenizer_service(models, msg)))
             continue
         try:
             out = tokenize(models, msg)
         except RejectedRequest as exc:
             log.info("rid=%s rejected %d: %s", msg.rid, exc.status, exc.message)
-            to_front.send(P.encode(P.RequestError(msg.rid, exc.status, exc.message, exc.param)))
+            to_front.send(
+                protocol.encode(protocol.RequestError(msg.rid, exc.status, exc.message, exc.param))
+            )
             continue
         except Exception:  # a tokenizer bug must fail the request, not the worker
             log.exception("rid=%s tokenization failed", msg.rid)
-            err = P.RequestError(msg.rid, 500, "tokenization failed (the server log has details)")
-            to_front.send(P.encode(err))
+            err = protocol.RequestError(
+                msg.rid, 500, "tokenization failed (the server log has details)"
+            )
+            to_front.send(protocol.encode(err))
             continue
         log.debug("rid=%s model=%s %d prompt tokens", msg.rid, msg.model, len(out.input_ids) // 4)
-        to_scheduler.send(P.encode(out))
+        to_scheduler.send(protocol.encode(out))
     return 0
 
 

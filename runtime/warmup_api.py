@@ -29,7 +29,7 @@ import zmq
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
@@ -89,11 +89,11 @@ class WarmupResponse(msgspec.Struct):
     pin: bool
     cached_tokens: int
     pinned_tokens: int
-    items: list[P.WarmedPrefix]
+    items: list[protocol.WarmedPrefix]
 
 
 async def prefix_ids(
-    hub: RequestHub, body: WarmupBody, model: P.ServedModel, template: bool, starting: bool
+    hub: RequestHub, body: WarmupBody, model: protocol.ServedModel, template: bool, starting: bool
 ) -> list[list[int]]:
     """Each prefix's token ids, exactly as a generation request would have them."""
     body.check()
@@ -132,7 +132,9 @@ async def warm(front: Front, body: WarmupBody, starting: bool = False) -> Warmup
     model = resolve_model(front.served, body.model)
     template = front.args.chat_template is not None
     ids = await prefix_ids(front.hub, body, model, template, starting)
-    msg = P.WarmupRequest(new_rid(), model.instance, [P.pack_ids(t) for t in ids], body.pin)
+    msg = protocol.WarmupRequest(
+        new_rid(), model.instance, [protocol.pack_ids(t) for t in ids], body.pin
+    )
     t0 = time.perf_counter()
     reply = await front.hub.warmup(msg, WARMUP_TIMEOUT_S, starting)
     if reply.status >= 400:
@@ -218,10 +220,10 @@ def at_start(front: Front, zctx: zmq.Context) -> Callable[[], Awaitable[bool]]:
                     raise ValueError(f"--warmup {path} line {n}: {exc.message}") from None
         except ValueError as exc:
             log.error("%s", exc)
-            report(zctx, eps, P.ProcessFailed(STARTUP_NAME, os.getpid(), str(exc)))
+            report(zctx, eps, protocol.ProcessFailed(STARTUP_NAME, os.getpid(), str(exc)))
             return False
         log.info("--warmup %s: %d warm-ups done", path, len(bodies))
-        report(zctx, eps, P.ProcessReady(STARTUP_NAME, os.getpid()))
+        report(zctx, eps, protocol.ProcessReady(STARTUP_NAME, os.getpid()))
         return True
 
     return run

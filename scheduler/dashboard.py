@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.radix_cache import RadixCache
 from radixmux.memory.radix_diagnostics import PrefixSummary, top_prefixes
 
@@ -22,20 +22,20 @@ HEAD_TOKENS = 24  # token ids of a prefix's start sent for its preview
 TAIL_TOKENS = 8  # and of its end, when longer
 
 
-def dashboard_snapshot(cache: RadixCache) -> P.DashboardSnapshot:
+def dashboard_snapshot(cache: RadixCache) -> protocol.DashboardSnapshot:
     """The arena map and the most shared prefixes of ``cache``, right now."""
     top = top_prefixes(cache, TOP_PREFIXES, PREFIX_VISITS)
     prefixes = [_prefix_view(p) for p in top.prefixes]
-    return P.DashboardSnapshot(arena_map(cache), prefixes, top.complete)
+    return protocol.DashboardSnapshot(arena_map(cache), prefixes, top.complete)
 
 
-def arena_map(cache: RadixCache) -> P.ArenaMap:
+def arena_map(cache: RadixCache) -> protocol.ArenaMap:
     """Each block's (or cell's) owner pool and fill, with the pools' models."""
     alloc = cache.allocator
     usage = alloc.usage()
     keys = sorted(usage.pools)
     pools = [
-        P.ArenaPool(
+        protocol.ArenaPool(
             key=key,
             models=sorted(m for m in cache.models if cache.pool_of(m) == key),
             blocks=usage.pools[key].blocks,
@@ -64,17 +64,17 @@ def arena_map(cache: RadixCache) -> P.ArenaMap:
         owner = np.full(cells, -1)
     room = capacity.sum(axis=1)
     fill = np.where(room > 0, 100 * used.sum(axis=1) // np.maximum(room, 1), 0)
-    return P.ArenaMap(n, alloc.block_bytes, per_cell, pools, owner.tolist(), fill.tolist())
+    return protocol.ArenaMap(n, alloc.block_bytes, per_cell, pools, owner.tolist(), fill.tolist())
 
 
-def _prefix_view(prefix: PrefixSummary) -> P.SharedPrefixView:
+def _prefix_view(prefix: PrefixSummary) -> protocol.SharedPrefixView:
     ids = np.frombuffer(prefix.tokens, dtype=np.int32)
     head = ids[:HEAD_TOKENS].tolist()
     tail = ids[max(HEAD_TOKENS, len(ids) - TAIL_TOKENS) :].tolist()
     holders = [
-        P.PrefixHolderView(
+        protocol.PrefixHolderView(
             list(h.models), h.hits, h.locks, h.subtree_tokens, h.subtree_tokens * h.bytes_per_token
         )
         for h in prefix.holders
     ]
-    return P.SharedPrefixView(len(ids), prefix.hits, prefix.children, head, tail, holders)
+    return protocol.SharedPrefixView(len(ids), prefix.hits, prefix.children, head, tail, holders)

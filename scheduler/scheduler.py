@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import DiskKVStore, StoreLocked
@@ -69,7 +69,7 @@ class ModelState:
     arg: ModelArg  # arg.name is the instance name (see ServedModel.instance)
     info: ModelInfo
     runners: list[RunnerState]
-    served: P.ServedModel
+    served: protocol.ServedModel
     waiting: list[Req] = field(default_factory=list)
     down_reason: str | None = None
 
@@ -103,7 +103,7 @@ def runner_ids(arg: ModelArg) -> list[str]:
 class PendingModel:
     """An instance added at run time whose runners are still loading."""
 
-    add: P.AddModel
+    add: protocol.AddModel
     infos: dict[str, ModelInfo] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -123,8 +123,8 @@ class Scheduler:
         self.runner_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.to_detok = socket(zctx, zmq.PUSH, ep.detokenizer, bind=False)
         self.to_front = socket(zctx, zmq.PUSH, ep.front, bind=False)
-        self.inbox_decoder = P.decoder(P.SchedulerInbox)
-        self.runner_decoder = P.decoder(P.RunnerReply)
+        self.inbox_decoder = protocol.decoder(protocol.SchedulerInbox)
+        self.runner_decoder = protocol.decoder(protocol.RunnerReply)
         self.models: dict[str, ModelState] = {}
         self.runners: dict[str, RunnerState] = {}
         self.requests: dict[str, Req] = {}
@@ -148,7 +148,7 @@ class Scheduler:
         self.warmups = Warmups(Pins(cap))  # warm-ups in flight and pinned prefixes
 
     # ---- start-up ------------------------------------------------------------------
-    def wait_for_runners(self) -> list[P.ServedModel]:
+    def wait_for_runners(self) -> list[protocol.ServedModel]:
         """Collect every runner's Ready; raise StartupError naming a failed one."""
         expected = {rid: m for m in self.args.models for rid in runner_ids(m)}
         infos: dict[str, ModelInfo] = {}
@@ -165,19 +165,19 @@ class Scheduler:
             events = dict(poller.poll(min(left, 1.0) * 1000))
             if self.inbox in events:
                 msg = self.inbox_decoder.decode(self.inbox.recv())
-                if isinstance(msg, P.RunnerDied):
+                if isinstance(msg, protocol.RunnerDied):
                     raise StartupError(
                         f"runner {msg.runner_id} exited with code {msg.exitcode} while starting"
                     )
-                if isinstance(msg, P.ShutdownProcess):
+                if isinstance(msg, protocol.ShutdownProcess):
                     raise StartupError("shut down while waiting for runners")
             if self.runner_sock in events:
                 ident, raw = self.runner_sock.recv_multipart()
                 rid = ident.decode()
                 msg = self.runner_decoder.decode(raw)
-                if isinstance(msg, P.Failed):
+                if isinstance(msg, protocol.Failed):
                     raise StartupError(f"runner {rid} failed to start: {msg.error}")
-                if isinstance(msg, P.Ready) and rid in expected:
+                if isinstance(msg, protocol.Ready) and rid in expected:
                     infos[rid] = msg.info
                     pids[rid] = msg.pid
                     log.info("runner %s ready (pid %d, %.1fs load)", rid, msg.pid, msg.load_seconds)
@@ -185,7 +185,7 @@ class Scheduler:
 
     def _build_state(
         self, infos: dict[str, ModelInfo], pids: dict[str, int]
-    ) -> list[P.ServedModel]:
+    ) -> list[protocol.ServedModel]:
         args = self.args
         arena = self.ctx.arena
         assert arena is not None
@@ -231,7 +231,7 @@ class Scheduler:
         pids: dict[str, int],
         served_name: str,
         version: int = 1,
-    ) -> P.ServedModel:
+    ) -> protocol.ServedModel:
         """Register one instance whose runners are all ready (raises
         StartupError if they disagree, ValueError if its KV cannot live in the arena)."""
         assert self.cache is not None
@@ -241,7 +241,9 @@ class Scheduler:
             raise StartupError(f"replicas of {arg.name} loaded different weights: {keys}")
         self.cache.register_model(spec)
         info = infos[ids[0]]
-        served = P.ServedModel(served_name, arg.source, info, arg.replicas, arg.priority, version)
+        served = protocol.ServedModel(
+            served_name, arg.source, info, arg.replicas, arg.priority, version
+        )
         states = [RunnerState(i, arg.name, state="up", pid=pids[i]) for i in ids]
         self.models[arg.name] = ModelState(arg, info, states, served)
         self.runners.update({s.runner_id: s for s in states})
@@ -306,7 +308,7 @@ class Scheduler:
             self.disk.close(flush=True)
         for runner in self.runners.values():
             if runner.up:
-                self._send_runner(runner.runner_id, P.Shutdown())
+                self._send_runner(runner.runner_id, protocol.Shutdown())
 
     def disk_results(self) -> None:
         """Finished disk jobs: loaded requests go back first in their queue;
@@ -370,7 +372,7 @@ class Scheduler:
                 self._reject(rid, status, message)
         outputs = self._warmup_outputs(outputs)
         if outputs:
-            self.to_detok.send(P.encode(P.TokenBatch(outputs)))
+            self.to_detok.send(protocol.encode(protocol.TokenBatch(outputs)))
 
     def _drop(self, req: Req) -> None:
         """Forget a request wherever it is, freeing its KV (nothing is cached)."""
@@ -482,26 +484,26 @@ class Scheduler:
         used = sum(len(r.slots) for r in model.running()) * bpt
         return max(0, int(share - used) // bpt)
 
-    def _send_runner(self, runner_id: str, msg: P.RunnerRequest) -> None:
-        self.runner_sock.send_multipart([runner_id.encode(), P.encode(msg)])
+    def _send_runner(self, runner_id: str, msg: protocol.RunnerRequest) -> None:
+        self.runner_sock.send_multipart([runner_id.encode(), protocol.encode(msg)])
 
     # ---- inbox -----------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, P.TokenizedRequest):
+        if isinstance(msg, protocol.TokenizedRequest):
             self.enqueue(msg)
-        elif isinstance(msg, P.AbortRequest):
+        elif isinstance(msg, protocol.AbortRequest):
             self.abort(msg.rid, msg.reason, msg.early)
-        elif isinstance(msg, P.ControlRequest):
-            self.to_front.send(P.encode(self.control(msg)))
-        elif isinstance(msg, P.RunnerDied):
+        elif isinstance(msg, protocol.ControlRequest):
+            self.to_front.send(protocol.encode(self.control(msg)))
+        elif isinstance(msg, protocol.RunnerDied):
             self.runner_died(msg)
-        elif isinstance(msg, P.AddModel):
+        elif isinstance(msg, protocol.AddModel):
             self.add_model(msg)
-        elif isinstance(msg, P.RemoveModel):
+        elif isinstance(msg, protocol.RemoveModel):
             self.remove_model(msg.name)
-        elif isinstance(msg, P.WarmupRequest):
+        elif isinstance(msg, protocol.WarmupRequest):
             self.warmup(msg)
-        elif isinstance(msg, P.ShutdownProcess):
+        elif isinstance(msg, protocol.ShutdownProcess):
             self.stopping = True
 
     def _reject(self, rid: str, status: int, message: str, param: str | None = None) -> None:
@@ -509,9 +511,9 @@ class Scheduler:
         if rid in self.warmups:  # the front knows the warm-up, not its prefixes' rids
             self._reply_warmup(self.warmups.failed(rid, status, message, param))
             return
-        self.to_front.send(P.encode(P.RequestError(rid, status, message, param)))
+        self.to_front.send(protocol.encode(protocol.RequestError(rid, status, message, param)))
 
-    def enqueue(self, msg: P.TokenizedRequest) -> None:
+    def enqueue(self, msg: protocol.TokenizedRequest) -> None:
         if self.early_aborts.pop(msg.rid, None) is not None:
             self.aborted_before_arrival += 1
             log.info("rid=%s dropped: aborted before it reached the scheduler", msg.rid)
@@ -532,7 +534,7 @@ class Scheduler:
                 msg.rid, 429, f"model {msg.model!r} has {len(model.waiting)} requests queued"
             )
             return
-        ids = P.unpack_ids(msg.input_ids).astype(np.int32)
+        ids = protocol.unpack_ids(msg.input_ids).astype(np.int32)
         if len(ids) == 0:
             self._reject(msg.rid, 400, "empty prompt", "prompt")
             return
@@ -599,7 +601,7 @@ class Scheduler:
         self.kv.release(req, keep=keep)
         self._forget(req)
 
-    def runner_died(self, msg: P.RunnerDied) -> None:
+    def runner_died(self, msg: protocol.RunnerDied) -> None:
         """The launcher saw a runner exit (and restarts it unless it gave up)."""
         runner = self.runners.get(msg.runner_id)
         if runner is None:
@@ -645,7 +647,7 @@ class Scheduler:
     def _update_down_reason(self, model: ModelState, why: str) -> None:
         model.down_reason = None if model.up else why
 
-    def runner_ready(self, runner: RunnerState, msg: P.Ready) -> None:
+    def runner_ready(self, runner: RunnerState, msg: protocol.Ready) -> None:
         """A restarted runner is back: its model serves again."""
         model = self.models[runner.model]
         expected = model.info.kv_share_key
@@ -673,13 +675,13 @@ class Scheduler:
         msg = self.runner_decoder.decode(raw)
         if runner is None and self._pending_runner(runner_id, msg):
             return
-        if runner is not None and isinstance(msg, P.Ready) and not runner.up:
+        if runner is not None and isinstance(msg, protocol.Ready) and not runner.up:
             self.runner_ready(runner, msg)
             return
-        if runner is not None and isinstance(msg, P.Failed):
+        if runner is not None and isinstance(msg, protocol.Failed):
             log.error("runner %s failed to restart: %s", runner_id, msg.error)
             return  # its exit reaches us as RunnerDied; the launcher decides what next
-        if runner is None or not isinstance(msg, P.ForwardResult):
+        if runner is None or not isinstance(msg, protocol.ForwardResult):
             log.warning("unexpected message from runner %s: %s", runner_id, type(msg).__name__)
             return
         batch = runner.inflight
@@ -694,12 +696,12 @@ class Scheduler:
             log.debug("step %s", self.describe_step(batch, msg))
         outputs = self._warmup_outputs(self.apply_result(batch, msg))
         if outputs:
-            self.to_detok.send(P.encode(P.TokenBatch(outputs)))
+            self.to_detok.send(protocol.encode(protocol.TokenBatch(outputs)))
         if self.args.check_invariants:
             self.check()
 
     @staticmethod
-    def describe_step(batch: ScheduledBatch, result: P.ForwardResult) -> str:
+    def describe_step(batch: ScheduledBatch, result: protocol.ForwardResult) -> str:
         """One step's composition and cost (``--log-level debug``), to see where time goes."""
         decodes = [r for r, n in zip(batch.reqs, batch.chunks, strict=True) if n == 1]
         chunks = [(r, n) for r, n in zip(batch.reqs, batch.chunks, strict=True) if n > 1]
@@ -713,10 +715,12 @@ class Scheduler:
             f"threads={result.threads}"
         )
 
-    def apply_result(self, batch: ScheduledBatch, result: P.ForwardResult) -> list[P.RequestOutput]:
+    def apply_result(
+        self, batch: ScheduledBatch, result: protocol.ForwardResult
+    ) -> list[protocol.RequestOutput]:
         """Advance each request of a finished batch; outputs for the detokenizer."""
         assert self.kv is not None
-        outputs: list[P.RequestOutput] = []
+        outputs: list[protocol.RequestOutput] = []
         if result.error is not None:
             log.error(
                 "runner %s batch %d failed (rids %s): %s",
@@ -756,7 +760,7 @@ class Scheduler:
                 finish = "length"
             logprobs = None
             if out.logprob is not None:
-                logprobs = [P.TokenLogprob(out.token_id, out.logprob, out.top_logprobs)]
+                logprobs = [protocol.TokenLogprob(out.token_id, out.logprob, out.top_logprobs)]
             outputs.append(self._output(req, [out.token_id], finish, logprobs=logprobs))
             if finish:
                 log.info(
@@ -773,16 +777,16 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _keep_prompt_logprobs(req: Req, first: int, out: P.SeqOutput) -> None:
+    def _keep_prompt_logprobs(req: Req, first: int, out: protocol.SeqOutput) -> None:
         """A chunk starting at position ``first`` scored the prompt tokens
         after each of its positions (kept by position: a chunk computed again
         after a retraction overwrites the same ones)."""
         tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs or [])
         for k, (lp, top) in enumerate(zip(out.prompt_logprobs or [], tops, strict=True)):
             pos = first + 1 + k
-            req.prompt_logprobs[pos] = P.TokenLogprob(int(req.input_ids[pos]), lp, top)
+            req.prompt_logprobs[pos] = protocol.TokenLogprob(int(req.input_ids[pos]), lp, top)
 
-    def _prompt_logprobs(self, req: Req) -> list[P.TokenLogprob]:
+    def _prompt_logprobs(self, req: Req) -> list[protocol.TokenLogprob]:
         """The prompt's logprobs from the asked start on (the first token's is None)."""
         start = req.params.prompt_logprobs_start
         found = [req.prompt_logprobs.get(pos) for pos in range(start, len(req.input_ids))]
@@ -791,21 +795,21 @@ class Scheduler:
             log.error("rid=%s: %d prompt logprobs missing", req.rid, missing)
         req.prompt_logprobs = {}
         ids = req.input_ids[start:].tolist()
-        return [lp or P.TokenLogprob(t, None) for lp, t in zip(found, ids, strict=True)]
+        return [lp or protocol.TokenLogprob(t, None) for lp, t in zip(found, ids, strict=True)]
 
     def _output(
         self,
         req: Req,
         new: list[int],
         finish: str | None,
-        logprobs: list[P.TokenLogprob] | None = None,
+        logprobs: list[protocol.TokenLogprob] | None = None,
         error: str | None = None,
         status: int = 200,
-    ) -> P.RequestOutput:
+    ) -> protocol.RequestOutput:
         first = not req.announced
         want_prompt = first and req.params.prompt_logprobs_start >= 0 and status == 200
         req.announced = True
-        return P.RequestOutput(
+        return protocol.RequestOutput(
             rid=req.rid,
             model=req.model,
             new_token_ids=new,
@@ -823,11 +827,13 @@ class Scheduler:
         )
 
     # ---- models at run time --------------------------------------------------------------
-    def add_model(self, msg: P.AddModel) -> None:
+    def add_model(self, msg: protocol.AddModel) -> None:
         """Runners for a new instance are starting: it is registered when all are ready."""
         name = msg.model.name
         if name in self.models or name in self.pending:
-            self._tell_launcher(P.ModelAdded(name, error=f"model {name!r} is already loaded"))
+            self._tell_launcher(
+                protocol.ModelAdded(name, error=f"model {name!r} is already loaded")
+            )
             return
         self.pending[name] = PendingModel(msg)
         log.info("model %s: waiting for %d runner(s)", name, msg.model.replicas)
@@ -838,12 +844,12 @@ class Scheduler:
         if pending is None or runner_id not in runner_ids(pending.add.model):
             return False
         name = pending.add.model.name
-        if isinstance(msg, P.Failed):
+        if isinstance(msg, protocol.Failed):
             del self.pending[name]
             error = f"runner {runner_id} failed to load {pending.add.model.source}: {msg.error}"
             log.error("model %s: %s", name, error)
-            self._tell_launcher(P.ModelAdded(name, error=error))
-        elif isinstance(msg, P.Ready):
+            self._tell_launcher(protocol.ModelAdded(name, error=error))
+        elif isinstance(msg, protocol.Ready):
             pending.infos[runner_id] = msg.info
             pending.pids[runner_id] = msg.pid
             log.info("runner %s ready (pid %d, %.1fs load)", runner_id, msg.pid, msg.load_seconds)
@@ -863,10 +869,10 @@ class Scheduler:
             )
         except (StartupError, ValueError) as exc:
             log.error("model %s not added: %s", name, exc)
-            self._tell_launcher(P.ModelAdded(name, error=str(exc)))
+            self._tell_launcher(protocol.ModelAdded(name, error=str(exc)))
             return
         log.info("model %s serving as %s (version %d)", name, add.served, add.version)
-        self._tell_launcher(P.ModelAdded(name, served=served))
+        self._tell_launcher(protocol.ModelAdded(name, served=served))
 
     def remove_model(self, name: str) -> None:
         """Take an instance out: fail what it still has (the front drained it
@@ -874,12 +880,12 @@ class Scheduler:
         writes its KV, stop its runners and drop its cache entries."""
         if self.pending.pop(name, None) is not None:
             log.info("model %s: load cancelled", name)
-            self._tell_launcher(P.ModelRemoved(name))
+            self._tell_launcher(protocol.ModelRemoved(name))
             return
         model = self.models.get(name)
         if model is None or name in self.removing:
             if model is None:
-                self._tell_launcher(P.ModelRemoved(name))
+                self._tell_launcher(protocol.ModelRemoved(name))
             return
         self.removing.add(name)
         why = f"model {model.served.name!r} was unloaded"
@@ -904,27 +910,29 @@ class Scheduler:
             self.removing.discard(name)
             for runner in model.runners:
                 if runner.up:
-                    self._send_runner(runner.runner_id, P.Shutdown())
+                    self._send_runner(runner.runner_id, protocol.Shutdown())
                 del self.runners[runner.runner_id]
                 self.held.pop(runner.runner_id, None)
             del self.models[name]
             self.warmups.pins.drop(name)
             freed = self.cache.unregister_model(name)
             log.info("model %s removed: %d cached tokens freed", name, freed)
-            removed = P.ModelRemoved(name, freed)
-            self.to_detok.send(P.encode(removed))  # after the instance's last outputs
+            removed = protocol.ModelRemoved(name, freed)
+            self.to_detok.send(protocol.encode(removed))  # after the instance's last outputs
             self._tell_launcher(removed)
 
-    def _tell_launcher(self, msg: P.ModelAdded | P.ModelRemoved) -> None:
-        self.to_launcher.send(P.encode(msg))
+    def _tell_launcher(self, msg: protocol.ModelAdded | protocol.ModelRemoved) -> None:
+        self.to_launcher.send(protocol.encode(msg))
 
     # ---- control ------------------------------------------------------------------------
-    def control(self, msg: P.ControlRequest) -> P.ControlReply:
+    def control(self, msg: protocol.ControlRequest) -> protocol.ControlReply:
         assert self.cache is not None
         if msg.op in ("stats", "check"):
-            return P.ControlReply(msg.req_id, True, stats=self.stats(check=msg.op == "check"))
+            return protocol.ControlReply(
+                msg.req_id, True, stats=self.stats(check=msg.op == "check")
+            )
         if msg.op == "dashboard":
-            return P.ControlReply(
+            return protocol.ControlReply(
                 msg.req_id, True, stats=self.stats(), dashboard=dashboard_snapshot(self.cache)
             )
         if msg.op == "flush_cache":
@@ -933,21 +941,23 @@ class Scheduler:
             if self.disk is not None:
                 self.disk.clear()
             log.info("cache flushed: %d tokens freed, %d pins dropped", freed, pins)
-            return P.ControlReply(
+            return protocol.ControlReply(
                 msg.req_id, True, f"flushed {freed} cached tokens ({pins} pins dropped)"
             )
         if msg.op == "invalidate":
             if msg.model not in self.models:
-                return P.ControlReply(msg.req_id, False, f"model {msg.model!r} is not served")
+                return protocol.ControlReply(
+                    msg.req_id, False, f"model {msg.model!r} is not served"
+                )
             self.warmups.pins.drop(msg.model)  # its pinned KV is stale too
             freed = self.cache.invalidate(msg.model)
             log.info("model %s invalidated: %d cached tokens freed", msg.model, freed)
-            return P.ControlReply(
+            return protocol.ControlReply(
                 msg.req_id, True, f"invalidated {msg.model}: freed {freed} tokens"
             )
-        return P.ControlReply(msg.req_id, False, f"unknown control op {msg.op!r}")
+        return protocol.ControlReply(msg.req_id, False, f"unknown control op {msg.op!r}")
 
-    def stats(self, check: bool = False) -> P.SchedulerStats:
+    def stats(self, check: bool = False) -> protocol.SchedulerStats:
         assert self.cache is not None and self.ctx.arena is not None
         cs = self.cache.stats()
         usage = self.cache.allocator.usage()
@@ -956,7 +966,7 @@ class Scheduler:
             c = cs.per_model[m.name]
             pool = usage.pools[self.cache.pool_of(m.name)]
             models.append(
-                P.ModelStatus(
+                protocol.ModelStatus(
                     name=m.name,
                     up=m.up,
                     error=m.down_reason or next((r.error for r in m.runners if r.error), None),
@@ -981,7 +991,7 @@ class Scheduler:
                     pinned_tokens=self.warmups.pins.tokens(m.name),
                 )
             )
-        return P.SchedulerStats(
+        return protocol.SchedulerStats(
             models=models,
             evicted_tokens=cs.evicted_tokens,
             arena_total_bytes=self.ctx.arena.total_bytes,
@@ -1035,7 +1045,7 @@ class Scheduler:
         )
 
     # ---- warm-up and pins (scheduler/warmup.py) -------------------------------------------
-    def warmup(self, msg: P.WarmupRequest) -> None:
+    def warmup(self, msg: protocol.WarmupRequest) -> None:
         """Queue one one-token request per prefix (refused up front when the
         model is unknown or the pins would pass the cap); the front gets one
         ``WarmupReply`` when every prefix is cached."""
@@ -1044,9 +1054,11 @@ class Scheduler:
             self._reply_warmup(refusal)
             return
         for rid, ids in list(self.warmups.start(msg)):
-            self.enqueue(P.TokenizedRequest(rid, msg.model, ids, WARMUP_PARAMS))
+            self.enqueue(protocol.TokenizedRequest(rid, msg.model, ids, WARMUP_PARAMS))
 
-    def _warmup_outputs(self, outputs: list[P.RequestOutput]) -> list[P.RequestOutput]:
+    def _warmup_outputs(
+        self, outputs: list[protocol.RequestOutput]
+    ) -> list[protocol.RequestOutput]:
         """Take warm-ups' outputs out (their token is discarded; a finished
         one is pinned if asked and answered to the front); the rest go on."""
         rest = []
@@ -1057,9 +1069,9 @@ class Scheduler:
                 self._reply_warmup(self.warmups.finished(out))
         return rest
 
-    def _reply_warmup(self, reply: P.WarmupReply | None) -> None:
+    def _reply_warmup(self, reply: protocol.WarmupReply | None) -> None:
         if reply is not None:
-            self.to_front.send(P.encode(reply))
+            self.to_front.send(protocol.encode(reply))
 
     @contextlib.contextmanager
     def _real_requests_first(self, model: ModelState) -> Iterator[None]:
@@ -1091,9 +1103,9 @@ def main(ctx: ProcessContext, zctx: zmq.Context) -> int:
         served = sched.wait_for_runners()
     except StartupError as exc:
         log.error("%s", exc)
-        report(zctx, ctx.endpoints, P.ProcessFailed(ctx.name, os.getpid(), str(exc)))
+        report(zctx, ctx.endpoints, protocol.ProcessFailed(ctx.name, os.getpid(), str(exc)))
         return 1
-    report(zctx, ctx.endpoints, P.ProcessReady(ctx.name, os.getpid(), served))
+    report(zctx, ctx.endpoints, protocol.ProcessReady(ctx.name, os.getpid(), served))
     log.info("serving %s", ", ".join(f"{m.name} x{m.replicas}" for m in served))
     sched.run()
     return 0

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.radix_cache import CacheHandle, RadixCache, common_prefix_tokens
 
-WARMUP_PARAMS = P.SamplingParams(max_new_tokens=1)
+WARMUP_PARAMS = protocol.SamplingParams(max_new_tokens=1)
 _ITEMSIZE = 4  # prefixes travel and are keyed as packed int32
 
 
@@ -127,10 +127,10 @@ class Pins:
 class WarmupJob:
     """One ``WarmupRequest``: its prefixes' results as they finish."""
 
-    msg: P.WarmupRequest
-    items: list[P.WarmedPrefix | None]
+    msg: protocol.WarmupRequest
+    items: list[protocol.WarmedPrefix | None]
     left: int
-    error: P.WarmupReply | None = None
+    error: protocol.WarmupReply | None = None
 
 
 @dataclass
@@ -143,19 +143,23 @@ class Warmups:
     def __contains__(self, rid: str) -> bool:
         return rid in self.jobs
 
-    def refusal(self, msg: P.WarmupRequest, served: Iterable[str]) -> P.WarmupReply | None:
+    def refusal(
+        self, msg: protocol.WarmupRequest, served: Iterable[str]
+    ) -> protocol.WarmupReply | None:
         """A reply refusing the whole warm-up before anything runs, or None."""
         if msg.model not in served:
-            return P.WarmupReply(msg.req_id, 404, f"model {msg.model!r} is not served", "model")
+            return protocol.WarmupReply(
+                msg.req_id, 404, f"model {msg.model!r} is not served", "model"
+            )
         if not msg.prefixes:
-            return P.WarmupReply(msg.req_id, 400, "nothing to warm up", "prompts")
+            return protocol.WarmupReply(msg.req_id, 400, "nothing to warm up", "prompts")
         if msg.pin:
             why = self.pins.over_cap(msg.model, list(msg.prefixes))
             if why is not None:
-                return P.WarmupReply(msg.req_id, 400, why, "pin")
+                return protocol.WarmupReply(msg.req_id, 400, why, "pin")
         return None
 
-    def start(self, msg: P.WarmupRequest) -> Iterator[tuple[str, bytes]]:
+    def start(self, msg: protocol.WarmupRequest) -> Iterator[tuple[str, bytes]]:
         """Register a warm-up; yields (rid, packed ids) of each prefix's request.
         ``pin: false`` releases the prefixes' pins first, so they may be evicted."""
         if not msg.pin:
@@ -169,14 +173,14 @@ class Warmups:
 
     def failed(
         self, rid: str, status: int, message: str, param: str | None = None
-    ) -> P.WarmupReply | None:
+    ) -> protocol.WarmupReply | None:
         """A prefix's request was refused or failed; the job's reply once all are done."""
         job, _ = self.jobs[rid]
         if job.error is None:
-            job.error = P.WarmupReply(job.msg.req_id, status, message, param)
+            job.error = protocol.WarmupReply(job.msg.req_id, status, message, param)
         return self._done(rid)
 
-    def finished(self, out: P.RequestOutput) -> P.WarmupReply | None:
+    def finished(self, out: protocol.RequestOutput) -> protocol.WarmupReply | None:
         """A prefix's request ended (its KV is in the tree now): pin it if
         asked; the job's reply once every prefix is done."""
         if out.error is not None or out.finish_reason in ("error", "abort"):
@@ -185,23 +189,25 @@ class Warmups:
         job, i = self.jobs[out.rid]
         assert self.pins.cache is not None
         prefix = job.msg.prefixes[i]
-        ids = P.unpack_ids(prefix).astype(np.int32)
+        ids = protocol.unpack_ids(prefix).astype(np.int32)
         pinned = 0
         if job.msg.pin:
             pinned, why = self.pins.pin(job.msg.model, prefix, ids)
             if why is not None and job.error is None:
-                job.error = P.WarmupReply(job.msg.req_id, 400, why, "pin")
+                job.error = protocol.WarmupReply(job.msg.req_id, 400, why, "pin")
         cached = self.pins.cache.match(job.msg.model, ids, record=False).length
-        job.items[i] = P.WarmedPrefix(
+        job.items[i] = protocol.WarmedPrefix(
             len(ids), cached, out.prompt_tokens - out.cached_tokens, pinned
         )
         return self._done(out.rid)
 
-    def _done(self, rid: str) -> P.WarmupReply | None:
+    def _done(self, rid: str) -> protocol.WarmupReply | None:
         job, _ = self.jobs.pop(rid)
         job.left -= 1
         if job.left:
             return None
         if job.error is not None:
             return job.error
-        return P.WarmupReply(job.msg.req_id, items=[it for it in job.items if it is not None])
+        return protocol.WarmupReply(
+            job.msg.req_id, items=[it for it in job.items if it is not None]
+        )

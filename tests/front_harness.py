@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import zmq
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
@@ -31,11 +31,13 @@ from radixmux.runtime.server_args import ServerArgs
 
 VOCAB = 1000
 # What a script yields: a message to push to the front, or seconds to wait first.
-Step = P.TextBatch | P.RequestError | float
-Script = Callable[[P.GenerateRequest], Iterator[Step]]
+Step = protocol.TextBatch | protocol.RequestError | float
+Script = Callable[[protocol.GenerateRequest], Iterator[Step]]
 
 
-def served_model(name: str, chat_template: bool = True, context: int = 2048) -> P.ServedModel:
+def served_model(
+    name: str, chat_template: bool = True, context: int = 2048
+) -> protocol.ServedModel:
     info = ModelInfo(
         name=name,
         architecture="LlamaForCausalLM",
@@ -50,16 +52,16 @@ def served_model(name: str, chat_template: bool = True, context: int = 2048) -> 
         dtype="float32",
         device="cpu",
     )
-    return P.ServedModel(name, f"/models/{name}", info)
+    return protocol.ServedModel(name, f"/models/{name}", info)
 
 
-def out(req: P.GenerateRequest, i: int, text: str, **kw: Any) -> P.TextBatch:
+def out(req: protocol.GenerateRequest, i: int, text: str, **kw: Any) -> protocol.TextBatch:
     """One TextOutput for ``req``'s ``i``-th token (token id 100 + i)."""
     prompt = len(req.input_ids) if req.input_ids else len((req.prompt or "x").split())
     lps = None
     if req.params.logprobs:
         top = [(100 + i, -0.25), (7, -2.0)][: req.params.top_logprobs]
-        lps = [P.TokenLogprob(100 + i, -0.25, top)]
+        lps = [protocol.TokenLogprob(100 + i, -0.25, top)]
     fields = dict(
         rid=req.rid,
         text=text,
@@ -70,7 +72,7 @@ def out(req: P.GenerateRequest, i: int, text: str, **kw: Any) -> P.TextBatch:
         logprobs=lps,
     )
     fields.update(kw)
-    return P.TextBatch([P.TextOutput(**fields)])
+    return protocol.TextBatch([protocol.TextOutput(**fields)])
 
 
 def words(delay: float = 0.0) -> Script:
@@ -81,7 +83,7 @@ def words(delay: float = 0.0) -> Script:
     not heard yet, it keeps sending tokens until aborted.
     """
 
-    def script(req: P.GenerateRequest) -> Iterator[Step]:
+    def script(req: protocol.GenerateRequest) -> Iterator[Step]:
         n = req.params.max_new_tokens
         text = ""
         stopped = False
@@ -105,17 +107,17 @@ def words(delay: float = 0.0) -> Script:
 
 
 def fail(status: int, message: str, param: str | None = None) -> Script:
-    def script(req: P.GenerateRequest) -> Iterator[Step]:
-        yield P.RequestError(req.rid, status, message, param)
+    def script(req: protocol.GenerateRequest) -> Iterator[Step]:
+        yield protocol.RequestError(req.rid, status, message, param)
 
     return script
 
 
-def stats(models: list[str], down: dict[str, str] | None = None) -> P.SchedulerStats:
+def stats(models: list[str], down: dict[str, str] | None = None) -> protocol.SchedulerStats:
     down = down or {}
-    return P.SchedulerStats(
+    return protocol.SchedulerStats(
         models=[
-            P.ModelStatus(
+            protocol.ModelStatus(
                 name=m,
                 up=m not in down,
                 state="down" if m in down else "serving",
@@ -154,11 +156,11 @@ class Peers(threading.Thread):
         self.sched = self._sock(zmq.PULL, endpoints.scheduler, bind=True)
         self.front = self._sock(zmq.PUSH, endpoints.front, bind=False)
         self.script: Script = words()
-        self.stats: P.SchedulerStats | None = stats(models)
+        self.stats: protocol.SchedulerStats | None = stats(models)
         self.control_ok = True
-        self.requests: queue.Queue[P.GenerateRequest] = queue.Queue()
-        self.aborts: queue.Queue[P.AbortRequest] = queue.Queue()
-        self.controls: queue.Queue[P.ControlRequest] = queue.Queue()
+        self.requests: queue.Queue[protocol.GenerateRequest] = queue.Queue()
+        self.aborts: queue.Queue[protocol.AbortRequest] = queue.Queue()
+        self.controls: queue.Queue[protocol.ControlRequest] = queue.Queue()
         self.say_ready = threading.Event()  # set: tell the front every process is up
         self._halt = threading.Event()
 
@@ -168,23 +170,23 @@ class Peers(threading.Thread):
         s.bind(endpoint) if bind else s.connect(endpoint)
         return s
 
-    def ready(self, timeout: float = 20.0) -> P.ProcessReady | P.ProcessFailed:
+    def ready(self, timeout: float = 20.0) -> protocol.ProcessReady | protocol.ProcessFailed:
         if not self.launcher.poll(int(timeout * 1000)):
             raise TimeoutError("the front never reported")
-        return msgspec.msgpack.decode(self.launcher.recv(), type=P.LauncherInbox)
+        return msgspec.msgpack.decode(self.launcher.recv(), type=protocol.LauncherInbox)
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.tok, zmq.POLLIN)
         poller.register(self.sched, zmq.POLLIN)
-        launcher_dec = P.decoder(P.LauncherInbox)
-        tok_dec = P.decoder(P.TokenizerInbox)
-        sched_dec = P.decoder(P.SchedulerInbox)
+        launcher_dec = protocol.decoder(protocol.LauncherInbox)
+        tok_dec = protocol.decoder(protocol.TokenizerInbox)
+        sched_dec = protocol.decoder(protocol.SchedulerInbox)
         active: dict[str, tuple[float, Iterator[Step]]] = {}
         told_ready = False
         while not self._halt.is_set():
             if self.say_ready.is_set() and not told_ready:
-                self.front.send(P.encode(P.ServerReady()))
+                self.front.send(protocol.encode(protocol.ServerReady()))
                 told_ready = True
                 poller.register(self.launcher, zmq.POLLIN)  # ready() has read the front's report
             now = time.monotonic()
@@ -192,28 +194,30 @@ class Peers(threading.Thread):
             for sock, _ in poller.poll(max(0, int(wait * 1000))):
                 if sock is self.launcher:
                     cmd = launcher_dec.decode(self.launcher.recv())
-                    if isinstance(cmd, P.ModelCommand):
-                        self.front.send(P.encode(model_command_reply(cmd)))
+                    if isinstance(cmd, protocol.ModelCommand):
+                        self.front.send(protocol.encode(model_command_reply(cmd)))
                     continue
                 if sock is self.tok:
                     req = tok_dec.decode(self.tok.recv())
-                    if isinstance(req, P.TokenizeRequest | P.DetokenizeRequest):
-                        self.front.send(P.encode(tokenizer_reply(req)))
+                    if isinstance(req, protocol.TokenizeRequest | protocol.DetokenizeRequest):
+                        self.front.send(protocol.encode(tokenizer_reply(req)))
                         continue
                     self.requests.put(req)
                     active[req.rid] = (time.monotonic(), self.script(req))
                 else:
                     msg = sched_dec.decode(self.sched.recv())
-                    if isinstance(msg, P.AbortRequest):
+                    if isinstance(msg, protocol.AbortRequest):
                         self.aborts.put(msg)
                         active.pop(msg.rid, None)  # a scheduler stops the request
-                    elif isinstance(msg, P.WarmupRequest):  # every prefix cached at once
-                        self.front.send(P.encode(warmup_reply(msg)))
-                    elif isinstance(msg, P.ControlRequest):
+                    elif isinstance(msg, protocol.WarmupRequest):  # every prefix cached at once
+                        self.front.send(protocol.encode(warmup_reply(msg)))
+                    elif isinstance(msg, protocol.ControlRequest):
                         self.controls.put(msg)
                         if self.stats is not None:  # None: an unresponsive scheduler
-                            reply = P.ControlReply(msg.req_id, self.control_ok, "done", self.stats)
-                            self.front.send(P.encode(reply))
+                            reply = protocol.ControlReply(
+                                msg.req_id, self.control_ok, "done", self.stats
+                            )
+                            self.front.send(protocol.encode(reply))
             for rid, (due, steps) in list(active.items()):
                 if due > time.monotonic():
                     continue
@@ -223,7 +227,7 @@ class Peers(threading.Thread):
                 elif isinstance(step, float):
                     active[rid] = (time.monotonic() + step, steps)
                 else:
-                    self.front.send(P.encode(step))
+                    self.front.send(protocol.encode(step))
 
     def close(self) -> None:
         self._halt.set()
@@ -231,27 +235,29 @@ class Peers(threading.Thread):
         self.ctx.destroy(linger=0)
 
 
-def model_command_reply(cmd: P.ModelCommand) -> P.ModelCommandReply:
+def model_command_reply(cmd: protocol.ModelCommand) -> protocol.ModelCommandReply:
     """The launcher's answer to a model change: it always succeeds here."""
     if cmd.op != "load":
-        return P.ModelCommandReply(cmd.req_id, 200, "unloaded")
+        return protocol.ModelCommandReply(cmd.req_id, 200, "unloaded")
     model = msgspec.structs.replace(served_model(cmd.served), version=cmd.version)
-    return P.ModelCommandReply(cmd.req_id, 200, "loaded", model)
+    return protocol.ModelCommandReply(cmd.req_id, 200, "loaded", model)
 
 
-def warmup_reply(msg: P.WarmupRequest) -> P.WarmupReply:
+def warmup_reply(msg: protocol.WarmupRequest) -> protocol.WarmupReply:
     """A scheduler's answer to a warm-up: each prefix computed, cached, pinned if asked."""
-    sizes = [len(P.unpack_ids(p)) for p in msg.prefixes]
-    items = [P.WarmedPrefix(n, n, n, n if msg.pin else 0) for n in sizes]
-    return P.WarmupReply(msg.req_id, items=items)
+    sizes = [len(protocol.unpack_ids(p)) for p in msg.prefixes]
+    items = [protocol.WarmedPrefix(n, n, n, n if msg.pin else 0) for n in sizes]
+    return protocol.WarmupReply(msg.req_id, items=items)
 
 
-def tokenizer_reply(req: P.TokenizeRequest | P.DetokenizeRequest) -> P.TokenizerReply:
+def tokenizer_reply(
+    req: protocol.TokenizeRequest | protocol.DetokenizeRequest,
+) -> protocol.TokenizerReply:
     """A worker's answer in this harness's toy vocabulary: token 100 + i per word."""
-    if isinstance(req, P.DetokenizeRequest):
-        return P.TokenizerReply(req.req_id, text=" ".join(f"w{t}" for t in req.tokens))
+    if isinstance(req, protocol.DetokenizeRequest):
+        return protocol.TokenizerReply(req.req_id, text=" ".join(f"w{t}" for t in req.tokens))
     text = req.prompt or " ".join(m.content for m in req.messages or [])
-    return P.TokenizerReply(req.req_id, tokens=[100 + i for i, _ in enumerate(text.split())])
+    return protocol.TokenizerReply(req.req_id, tokens=[100 + i for i, _ in enumerate(text.split())])
 
 
 def free_port() -> int:
@@ -263,7 +269,7 @@ def free_port() -> int:
 class RunningFront:
     """A front process and its peers; ``url`` is where it serves HTTP."""
 
-    def __init__(self, served: list[P.ServedModel], **args: Any) -> None:
+    def __init__(self, served: list[protocol.ServedModel], **args: Any) -> None:
         self.dir = make_runtime_dir()
         self.endpoints = Endpoints.in_dir(self.dir)
         self.port = free_port()
@@ -304,14 +310,14 @@ class RunningFront:
 
 @contextlib.contextmanager
 def running_front(
-    served: list[P.ServedModel], announce: bool = True, **args: Any
+    served: list[protocol.ServedModel], announce: bool = True, **args: Any
 ) -> Iterator[RunningFront]:
     """A front whose peers, once it reports ready, tell it the server is up
     (``announce=False``: they never do, so it keeps answering "starting")."""
     front = RunningFront(served, **args)
     try:
         ready = front.peers.ready()
-        assert isinstance(ready, P.ProcessReady), ready
+        assert isinstance(ready, protocol.ProcessReady), ready
         if announce:
             front.peers.say_ready.set()
             front.wait_announced()

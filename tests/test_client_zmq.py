@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.runtime.client import AsyncClient, Client, ClientError
 from tests.front_harness import RunningFront, fail, running_front, served_model, words
 
@@ -47,7 +47,7 @@ def test_generate_ids_and_messages(front: RunningFront, client: Client) -> None:
     assert front.peers.requests.get(timeout=1).input_ids == [5, 6]
     done = client.generate("m", messages=[{"role": "user", "content": "hi"}], max_new_tokens=2)
     assert done.text == "w0 w1 "
-    assert front.peers.requests.get(timeout=1).messages == [P.ChatMessage("user", "hi")]
+    assert front.peers.requests.get(timeout=1).messages == [protocol.ChatMessage("user", "hi")]
 
 
 def test_stream_and_stop_string(front: RunningFront, client: Client) -> None:

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from tiny_models import make_tiny_model_dir
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.detokenizer import STOPPED_TTL_S, Detokenizer, IncrementalText
@@ -94,17 +94,21 @@ def test_skip_special_tokens(tok):
     assert "".join(d for d, _ in stream(tok, ids, skip=False)) == "hi<|im_end|> there"
 
 
-def out(rid: str, ids: list[int], n: int, finish: str | None = None, **kw) -> P.RequestOutput:
-    return P.RequestOutput(rid, "m", ids, 7, n, 3, finish_reason=finish, **kw)
+def out(
+    rid: str, ids: list[int], n: int, finish: str | None = None, **kw
+) -> protocol.RequestOutput:
+    return protocol.RequestOutput(rid, "m", ids, 7, n, 3, finish_reason=finish, **kw)
 
 
 def test_state_ends_with_request(tok):
     detok = Detokenizer({"m": tok})
     ids = tok("x y z END w").input_ids
-    outs = detok.process(P.TokenBatch([out("a", ids[:1], 1, stop=["END"]), out("b", ids[:1], 1)]))
+    outs = detok.process(
+        protocol.TokenBatch([out("a", ids[:1], 1, stop=["END"]), out("b", ids[:1], 1)])
+    )
     assert [o.rid for o in outs] == ["a", "b"] and not detok.stopped
     outs = detok.process(
-        P.TokenBatch([out("a", ids[1:], len(ids)), out("b", ids[1:2], 2, "length")])
+        protocol.TokenBatch([out("a", ids[1:], len(ids)), out("b", ids[1:2], 2, "length")])
     )
     assert (
         list(detok.stopped) == ["a"]
@@ -114,19 +118,21 @@ def test_state_ends_with_request(tok):
     assert outs[1].finish_reason == "length" and outs[1].matched_stop is None
     assert detok.live == {}
     # Later outputs for a stopped request are dropped; its final one clears it.
-    assert detok.process(P.TokenBatch([out("a", [5], 9)])) == []
-    assert detok.process(P.TokenBatch([out("a", [], 9, "abort")])) == []
+    assert detok.process(protocol.TokenBatch([out("a", [5], 9)])) == []
+    assert detok.process(protocol.TokenBatch([out("a", [], 9, "abort")])) == []
     assert not detok.stopped
     # Without a final output, a stopped rid is forgotten after a while.
-    detok.process(P.TokenBatch([out("e", ids, len(ids), stop=["END"])]))
+    detok.process(protocol.TokenBatch([out("e", ids, len(ids), stop=["END"])]))
     assert list(detok.stopped) == ["e"]
     detok.stopped["e"] -= STOPPED_TTL_S + 1
-    assert detok.process(P.TokenBatch([])) == [] and not detok.stopped
+    assert detok.process(protocol.TokenBatch([])) == [] and not detok.stopped
     # Errors pass through and end the state; unknown models fail only their request.
-    outs = detok.process(P.TokenBatch([out("c", [], 0, "error", error="runner died", status=503)]))
+    outs = detok.process(
+        protocol.TokenBatch([out("c", [], 0, "error", error="runner died", status=503)])
+    )
     assert (outs[0].error, outs[0].status, outs[0].finish_reason) == ("runner died", 503, "error")
-    bad = P.RequestOutput("d", "other", [1], 1, 1, 0)
-    outs = detok.process(P.TokenBatch([bad]))
+    bad = protocol.RequestOutput("d", "other", [1], 1, 1, 0)
+    outs = detok.process(protocol.TokenBatch([bad]))
     assert outs[0].status == 500 and outs[0].finish_reason == "error"
     assert detok.live == {}
 
@@ -156,7 +162,7 @@ class Peers:
             "float32",
             "cpu",
         )
-        served = [P.ServedModel("m", str(folder), info)]
+        served = [protocol.ServedModel("m", str(folder), info)]
         args = ServerArgs(models=[ModelArg(str(folder), "m")])
         self.proc = spawn("detokenizer", ProcessContext("detokenizer", args, self.eps, served))
 
@@ -168,15 +174,15 @@ class Peers:
 
     def recv(self, sock: zmq.Socket, union: object, timeout: float = 30.0):
         assert sock.poll(int(timeout * 1000)), "no message"
-        return P.decoder(union).decode(sock.recv())
+        return protocol.decoder(union).decode(sock.recv())
 
 
 @pytest.fixture(scope="module")
 def peers(folder, tmp_path_factory) -> Iterator[Peers]:
     p = Peers(tmp_path_factory.mktemp("detokp"), folder)
     try:
-        ready = p.recv(p.launcher, P.LauncherInbox, timeout=60)
-        assert isinstance(ready, P.ProcessReady) and ready.name == "detokenizer"
+        ready = p.recv(p.launcher, protocol.LauncherInbox, timeout=60)
+        assert isinstance(ready, protocol.ProcessReady) and ready.name == "detokenizer"
         yield p
     finally:
         p.proc.terminate()
@@ -193,26 +199,28 @@ def test_process_streams_and_stops(peers, tok):
     ids = tok(TEXT).input_ids
     stop_ids = tok("one 世界 STOP two").input_ids
     texts: dict[str, str] = {"u": "", "s": ""}
-    logprobs = [P.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)])]
+    logprobs = [protocol.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)])]
     # The front has no tokenizer: the detokenizer names the logprob tokens.
     name = [tok.decode([i], skip_special_tokens=False) for i in ids[:2]]
-    named = [P.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)], name[0], name)]
+    named = [protocol.TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (ids[1], -1.5)], name[0], name)]
     for i in range(max(len(ids), len(stop_ids))):
         outs = []
         if i < len(ids):
             fin = "length" if i == len(ids) - 1 else None
             outs.append(
-                P.RequestOutput("u", "m", [ids[i]], 5, i + 1, 2, fin, logprobs if i == 0 else None)
+                protocol.RequestOutput(
+                    "u", "m", [ids[i]], 5, i + 1, 2, fin, logprobs if i == 0 else None
+                )
             )
         if i < len(stop_ids):
             outs.append(
-                P.RequestOutput(
+                protocol.RequestOutput(
                     "s", "m", [stop_ids[i]], 5, i + 1, 0, stop=["STOP"] if i == 0 else None
                 )
             )
-        peers.push.send(P.encode(P.TokenBatch(outs)))
-        batch = peers.recv(peers.front, P.FrontInbox)
-        assert isinstance(batch, P.TextBatch)
+        peers.push.send(protocol.encode(protocol.TokenBatch(outs)))
+        batch = peers.recv(peers.front, protocol.FrontInbox)
+        assert isinstance(batch, protocol.TextBatch)
         for o in batch.outputs:
             assert "\ufffd" not in o.text
             texts[o.rid] += o.text
@@ -227,8 +235,12 @@ def test_process_streams_and_stops(peers, tok):
 @pytest.mark.timeout(60)
 def test_process_survives_garbage_and_shuts_down(peers, tok):
     peers.push.send(b"\xffgarbage")
-    peers.push.send(P.encode(P.TokenBatch([P.RequestOutput("z", "m", [42], 1, 1, 0, "stop")])))
-    batch = peers.recv(peers.front, P.FrontInbox)
+    peers.push.send(
+        protocol.encode(
+            protocol.TokenBatch([protocol.RequestOutput("z", "m", [42], 1, 1, 0, "stop")])
+        )
+    )
+    batch = peers.recv(peers.front, protocol.FrontInbox)
     assert batch.outputs[0].text == tok.decode([42]) and batch.outputs[0].finish_reason == "stop"
-    peers.push.send(P.encode(P.ShutdownProcess()))
+    peers.push.send(protocol.encode(protocol.ShutdownProcess()))
     assert peers.proc.wait(10) == 0

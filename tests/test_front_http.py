@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixmux import protocol as P
+from radixmux import protocol
 from tests.front_harness import (
     RunningFront,
     chat_and_base_front,
@@ -57,7 +57,7 @@ def sse_events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
 
-def next_abort(front: RunningFront, timeout: float = 5.0) -> P.AbortRequest:
+def next_abort(front: RunningFront, timeout: float = 5.0) -> protocol.AbortRequest:
     return front.peers.aborts.get(timeout=timeout)
 
 
@@ -220,7 +220,10 @@ def test_openai_client(front: RunningFront, http: httpx.Client) -> None:
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
     front.peers.requests.get(timeout=1)
     req = front.peers.requests.get(timeout=1)
-    assert req.messages == [P.ChatMessage("system", "be brief"), P.ChatMessage("user", "hi")]
+    assert req.messages == [
+        protocol.ChatMessage("system", "be brief"),
+        protocol.ChatMessage("user", "hi"),
+    ]
     assert req.params.temperature == 1.0  # OpenAI's default when none is sent
 
     stream = client.chat.completions.create(
@@ -524,10 +527,14 @@ def test_downstream_errors(
 
 
 def test_error_mid_stream(front: RunningFront, http: httpx.Client) -> None:
-    def script(req: P.GenerateRequest):
-        yield P.TextBatch([P.TextOutput(req.rid, "ok ", [100], 1, 1, 0)])
-        yield P.TextBatch(
-            [P.TextOutput(req.rid, "", [], 1, 1, 0, "error", error="runner died", status=503)]
+    def script(req: protocol.GenerateRequest):
+        yield protocol.TextBatch([protocol.TextOutput(req.rid, "ok ", [100], 1, 1, 0)])
+        yield protocol.TextBatch(
+            [
+                protocol.TextOutput(
+                    req.rid, "", [], 1, 1, 0, "error", error="runner died", status=503
+                )
+            ]
         )
 
     front.peers.script = script

@@ -14,11 +14,11 @@ import torch
 import zmq
 from conftest import SlotPool, reference_logits, seq, tiny_model
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 
 ENC = msgspec.msgpack.Encoder()
-DEC = msgspec.msgpack.Decoder(P.RunnerReply)
+DEC = msgspec.msgpack.Decoder(protocol.RunnerReply)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_ready_forward_errors_shutdown(tiny_folder, arena, router):
     proc = start(tiny_folder, arena, endpoint)
     try:
         ident, ready = recv(sock)
-        assert ident == b"tiny0" and isinstance(ready, P.Ready)
+        assert ident == b"tiny0" and isinstance(ready, protocol.Ready)
         assert ready.pid == proc.pid and ready.threads == 1
         info = ready.info
         assert info.layout.num_layers == 3 and info.layout.num_kv_heads == 2
@@ -70,11 +70,11 @@ def test_ready_forward_errors_shutdown(tiny_folder, arena, router):
         assert local.info.kv_share_key == info.kv_share_key
         ids = torch.randint(0, 211, (12,)).tolist()
         slots = SlotPool(arena.spec.num_blocks * 4).take(12)
-        params = P.SamplingParams(logprobs=True, top_logprobs=3, max_new_tokens=4)
-        batch = P.ForwardBatch(7, [seq("a", ids, slots, 0, params=params)])
+        params = protocol.SamplingParams(logprobs=True, top_logprobs=3, max_new_tokens=4)
+        batch = protocol.ForwardBatch(7, [seq("a", ids, slots, 0, params=params)])
         sock.send_multipart([ident, ENC.encode(batch)])
         _, res = recv(sock)
-        assert isinstance(res, P.ForwardResult) and res.error is None and res.batch_id == 7
+        assert isinstance(res, protocol.ForwardResult) and res.error is None and res.batch_id == 7
         ref = reference_logits(local.model, ids)[-1]
         out = res.outputs[0]
         assert out.token_id == int(ref.argmax())
@@ -86,16 +86,18 @@ def test_ready_forward_errors_shutdown(tiny_folder, arena, router):
         sock.send_multipart([ident, b"\x93not msgpack"])
         _, bad = recv(sock)
         assert bad.error and "malformed" in bad.error
-        huge = P.ForwardBatch(8, [seq("b", [1, 2], [10**8, 10**8 + 1], 0)])
+        huge = protocol.ForwardBatch(8, [seq("b", [1, 2], [10**8, 10**8 + 1], 0)])
         sock.send_multipart([ident, ENC.encode(huge)])
         _, bad = recv(sock)
         assert bad.batch_id == 8 and "slot" in bad.error
         # ...and the runner still serves.
-        sock.send_multipart([ident, ENC.encode(P.ForwardBatch(9, [seq("a", ids[-1:], slots, 11)]))])
+        sock.send_multipart(
+            [ident, ENC.encode(protocol.ForwardBatch(9, [seq("a", ids[-1:], slots, 11)]))]
+        )
         _, again = recv(sock)
         assert again.error is None and again.outputs[0].token_id == out.token_id
 
-        sock.send_multipart([ident, ENC.encode(P.Shutdown())])
+        sock.send_multipart([ident, ENC.encode(protocol.Shutdown())])
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
@@ -107,7 +109,7 @@ def test_failed_start_reports(arena, router, tmp_path):
     cfg = RunnerConfig(str(tmp_path / "nowhere"), arena.spec, endpoint, "bad")
     proc = spawn_runner(cfg)
     _, msg = recv(sock)
-    assert isinstance(msg, P.Failed) and "nowhere" in msg.error
+    assert isinstance(msg, protocol.Failed) and "nowhere" in msg.error
     assert proc.wait(timeout=30) == 1
 
 
@@ -127,7 +129,7 @@ def test_exits_when_parent_dies(tiny_folder, arena, router):
     )
     runner_pid = int(middle.stdout.readline())
     _, ready = recv(sock)
-    assert isinstance(ready, P.Ready) and ready.pid == runner_pid
+    assert isinstance(ready, protocol.Ready) and ready.pid == runner_pid
     middle.send_signal(signal.SIGKILL)
     middle.wait()
     deadline = time.monotonic() + 10
@@ -160,11 +162,11 @@ def test_two_runners_share_kv_through_the_arena(tiny_folder, arena, router):
         ids = torch.randint(0, 211, (20,)).tolist()
         slots = SlotPool(arena.spec.num_blocks * 4, seed=8).take(20)
         # A prefills the first 15 tokens; B extends with the last 5 on A's slots.
-        first = P.ForwardBatch(1, [seq("x", ids[:15], slots[:15], 0, sample=False)])
+        first = protocol.ForwardBatch(1, [seq("x", ids[:15], slots[:15], 0, sample=False)])
         sock.send_multipart([b"A", ENC.encode(first)])
         assert recv(sock)[1].error is None
-        lp = P.SamplingParams(logprobs=True)
-        rest = P.ForwardBatch(2, [seq("x", ids[15:], slots, 15, params=lp)])
+        lp = protocol.SamplingParams(logprobs=True)
+        rest = protocol.ForwardBatch(2, [seq("x", ids[15:], slots, 15, params=lp)])
         sock.send_multipart([b"B", ENC.encode(rest)])
         ident, res = recv(sock)
         assert ident == b"B" and res.error is None
@@ -172,7 +174,7 @@ def test_two_runners_share_kv_through_the_arena(tiny_folder, arena, router):
         assert res.outputs[0].token_id == int(ref.argmax())
         assert abs(res.outputs[0].logprob - float(ref.log_softmax(-1).max())) < 1e-4
         for name in (b"A", b"B"):
-            sock.send_multipart([name, ENC.encode(P.Shutdown())])
+            sock.send_multipart([name, ENC.encode(protocol.Shutdown())])
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
     finally:
         for p in procs:

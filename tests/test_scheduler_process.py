@@ -25,7 +25,7 @@ import torch
 import zmq
 from tiny_models import make_tiny_model_dir
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.protocol import ModelArg, SamplingParams
@@ -56,17 +56,19 @@ class Runtime:
     front: zmq.Socket  # errors and control replies
     arena_spec: ArenaSpec
     procs: list[subprocess.Popen] = field(default_factory=list)
-    served: list[P.ServedModel] = field(default_factory=list)
+    served: list[protocol.ServedModel] = field(default_factory=list)
 
     def submit(self, model: str, ids: list[int], max_new: int = 8, **params: object) -> str:
         rid = uuid.uuid4().hex[:8]
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True, **params)
-        self.to_sched.send(P.encode(P.TokenizedRequest(rid, model, P.pack_ids(ids), sp)))
+        self.to_sched.send(
+            protocol.encode(protocol.TokenizedRequest(rid, model, protocol.pack_ids(ids), sp))
+        )
         return rid
 
     def collect(self, rids: set[str], timeout_ms: int = 120_000) -> dict[str, list[int]]:
         """Every token of each request until it finishes."""
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         out: dict[str, list[int]] = {r: [] for r in rids}
         done: set[str] = set()
         while done != rids:
@@ -79,12 +81,12 @@ class Runtime:
                     done.add(o.rid)
         return out
 
-    def control(self, op: str, model: str | None = None) -> P.ControlReply:
+    def control(self, op: str, model: str | None = None) -> protocol.ControlReply:
         req_id = uuid.uuid4().hex
-        self.to_sched.send(P.encode(P.ControlRequest(req_id, op, model)))
+        self.to_sched.send(protocol.encode(protocol.ControlRequest(req_id, op, model)))
         assert self.front.poll(10_000)
-        reply = P.decoder(P.FrontInbox).decode(self.front.recv())
-        assert isinstance(reply, P.ControlReply) and reply.req_id == req_id
+        reply = protocol.decoder(protocol.FrontInbox).decode(self.front.recv())
+        assert isinstance(reply, protocol.ControlReply) and reply.req_id == req_id
         return reply
 
 
@@ -127,12 +129,12 @@ def start_runtime(models: list[ModelArg], **flags: object) -> Iterator[Runtime]:
                 )
                 rt.procs.append(spawn_runner(cfg))
         assert launcher.poll(180_000), "scheduler never reported"
-        msg = P.decoder(P.LauncherInbox).decode(launcher.recv())
-        assert isinstance(msg, P.ProcessReady), msg
+        msg = protocol.decoder(protocol.LauncherInbox).decode(launcher.recv())
+        assert isinstance(msg, protocol.ProcessReady), msg
         rt.served = msg.models
         yield rt
     finally:
-        rt.to_sched.send(P.encode(P.ShutdownProcess()))
+        rt.to_sched.send(protocol.encode(protocol.ShutdownProcess()))
         for proc in rt.procs:
             try:
                 proc.wait(timeout=20)
@@ -251,7 +253,7 @@ def test_fair_share_keeps_a_flooded_arena_open_to_the_other_model(
         flood = [rt.submit("a", [i] * 40, max_new=8) for i in range(1, 11)]
         late = rt.submit("b", [9] * 24, max_new=4)
         order: list[str] = []
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         while len(order) < 11:
             assert rt.from_sched.poll(120_000)
             for o in dec.decode(rt.from_sched.recv()).outputs:
@@ -299,14 +301,14 @@ def test_cores_follow_the_busy_model(tiny_dirs: dict[str, Path], fixed: int) -> 
 def test_abort_and_bad_requests(tiny_dirs: dict[str, Path]) -> None:
     with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")], max_queued_requests=64) as rt:
         long = rt.submit("a", PROMPTS[0], max_new=200)
-        rt.to_sched.send(P.encode(P.AbortRequest(long, "test")))
+        rt.to_sched.send(protocol.encode(protocol.AbortRequest(long, "test")))
         rid = rt.submit("a", PROMPTS[2], max_new=3)
         assert len(rt.collect({rid})[rid]) == 3
         bad = rt.submit("nope", [1, 2])
-        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
-        assert isinstance(err, P.RequestError) and err.rid == bad and err.status == 404
+        err = protocol.decoder(protocol.FrontInbox).decode(rt.front.recv())
+        assert isinstance(err, protocol.RequestError) and err.rid == bad and err.status == 404
         huge = rt.submit("a", [1] * 10, max_new=10**7)
-        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        err = protocol.decoder(protocol.FrontInbox).decode(rt.front.recv())
         assert err.rid == huge and err.status == 400 and err.param == "max_tokens"
         stats = rt.control("stats").stats.models[0]
         assert stats.running == 0 and stats.waiting == 0
@@ -318,9 +320,9 @@ def test_runner_death_fails_only_its_model(tiny_dirs: dict[str, Path]) -> None:
         runner_b = rt.procs[2]
         runner_b.kill()
         runner_b.wait()
-        rt.to_sched.send(P.encode(P.RunnerDied("b#0", runner_b.returncode)))
+        rt.to_sched.send(protocol.encode(protocol.RunnerDied("b#0", runner_b.returncode)))
         rid = rt.submit("b", PROMPTS[2])
-        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
+        err = protocol.decoder(protocol.FrontInbox).decode(rt.front.recv())
         assert err.rid == rid and err.status == 503 and "b#0" in err.message
         ok = rt.submit("a", PROMPTS[2], max_new=2)
         assert len(rt.collect({ok})[ok]) == 2
@@ -330,7 +332,7 @@ def test_runner_death_fails_only_its_model(tiny_dirs: dict[str, Path]) -> None:
     assert not os.path.exists(rt.endpoints.runtime_dir)
 
 
-def _idle_and_clean(rt: Runtime) -> P.SchedulerStats:
+def _idle_and_clean(rt: Runtime) -> protocol.SchedulerStats:
     """The scheduler's independent check on an idle server: no request, no
     lock, no request-owned slot, invariants ok."""
     stats = rt.control("check").stats
@@ -362,12 +364,14 @@ def test_abort_that_overtakes_its_request_drops_it(tiny_dirs: dict[str, Path]) -
     # The front sends aborts straight to the scheduler but requests through a
     # tokenizer worker, so an abort can come first. The request must not run.
     with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")]) as rt:
-        rt.to_sched.send(P.encode(P.AbortRequest("early-1", "client disconnected", early=True)))
+        rt.to_sched.send(
+            protocol.encode(protocol.AbortRequest("early-1", "client disconnected", early=True))
+        )
         sp = SamplingParams(max_new_tokens=50, ignore_eos=True)
-        late = P.TokenizedRequest("early-1", "a", P.pack_ids(PROMPTS[2]), sp)
-        rt.to_sched.send(P.encode(late))
+        late = protocol.TokenizedRequest("early-1", "a", protocol.pack_ids(PROMPTS[2]), sp)
+        rt.to_sched.send(protocol.encode(late))
         ok = rt.submit("a", PROMPTS[3], max_new=3)
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         seen: set[str] = set()
         while ok not in seen or rt.from_sched.poll(500):
             assert rt.from_sched.poll(60_000)
@@ -384,13 +388,15 @@ def test_bad_message_and_bad_row_fail_alone(tiny_dirs: dict[str, Path]) -> None:
     # makes the runner raise fails its row, not its batch-mates.
     with start_runtime([ModelArg(str(tiny_dirs["a"]), "a")]) as rt:
         sp = SamplingParams(max_new_tokens=4)
-        rt.to_sched.send(P.encode(P.TokenizedRequest("torn", "a", b"\x01\x02\x03", sp)))
-        err = P.decoder(P.FrontInbox).decode(rt.front.recv())
-        assert isinstance(err, P.RequestError) and err.rid == "torn" and err.status == 500
+        rt.to_sched.send(
+            protocol.encode(protocol.TokenizedRequest("torn", "a", b"\x01\x02\x03", sp))
+        )
+        err = protocol.decoder(protocol.FrontInbox).decode(rt.front.recv())
+        assert isinstance(err, protocol.RequestError) and err.rid == "torn" and err.status == 500
         assert "Error" not in err.message and "Traceback" not in err.message
         good = rt.submit("a", PROMPTS[0], max_new=6)
         bad = rt.submit("a", PROMPTS[1], max_new=6, temperature=1.0, top_k=10**9)
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         tokens: list[int] = []
         failed = None
         while len(tokens) < 6 or failed is None:
@@ -413,7 +419,7 @@ def test_hung_runner_is_killed_and_a_new_one_serves(tiny_dirs: dict[str, Path]) 
         runner = rt.procs[1]
         os.kill(runner.pid, signal.SIGSTOP)  # hangs mid-batch from here on
         rid = rt.submit("a", PROMPTS[0], max_new=8)
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         assert rt.from_sched.poll(30_000), "a hung runner held its request"
         (o,) = dec.decode(rt.from_sched.recv()).outputs
         assert o.rid == rid and o.status == 503 and "hung" in o.error
@@ -440,7 +446,7 @@ def test_dead_replica_hands_its_requests_to_the_other(tiny_dirs: dict[str, Path]
     expected = [hf_greedy(tiny_dirs["a"], p, 24) for p in prompts]
     with start_runtime(models) as rt:
         rids = [rt.submit("a", p, max_new=24) for p in prompts]
-        dec = P.decoder(P.DetokenizerInbox)
+        dec = protocol.decoder(protocol.DetokenizerInbox)
         out: dict[str, list[int]] = {r: [] for r in rids}
         while sum(map(len, out.values())) < 2 * len(rids):  # both replicas are at work
             assert rt.from_sched.poll(60_000)
@@ -449,7 +455,9 @@ def test_dead_replica_hands_its_requests_to_the_other(tiny_dirs: dict[str, Path]
         runner = rt.procs[1]
         runner.kill()
         runner.wait()
-        rt.to_sched.send(P.encode(P.RunnerDied("a#0", runner.returncode, restarting=False)))
+        rt.to_sched.send(
+            protocol.encode(protocol.RunnerDied("a#0", runner.returncode, restarting=False))
+        )
         done: set[str] = set()
         while done != set(rids):
             assert rt.from_sched.poll(60_000)

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from tiny_models import make_tiny_model_dir
 
-from radixmux import protocol as P
+from radixmux import protocol
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
@@ -27,7 +27,7 @@ from radixmux.runtime.server_args import ServerArgs
 CONTEXT = 64
 
 
-def served_model(name: str, folder: Path, context: int = CONTEXT) -> P.ServedModel:
+def served_model(name: str, folder: Path, context: int = CONTEXT) -> protocol.ServedModel:
     """A ServedModel as the scheduler would announce it for a tiny model folder."""
     from transformers import AutoTokenizer
 
@@ -46,13 +46,13 @@ def served_model(name: str, folder: Path, context: int = CONTEXT) -> P.ServedMod
         dtype="float32",
         device="cpu",
     )
-    return P.ServedModel(name, str(folder), info)
+    return protocol.ServedModel(name, str(folder), info)
 
 
 class Peers:
     """The worker's peers: sockets the test binds, and the worker process."""
 
-    def __init__(self, tmp: Path, served: list[P.ServedModel], **flags: object) -> None:
+    def __init__(self, tmp: Path, served: list[protocol.ServedModel], **flags: object) -> None:
         self.dir = make_runtime_dir(str(tmp / "rt"))
         self.eps = Endpoints.in_dir(self.dir)
         self.zctx = zmq.Context()
@@ -74,19 +74,21 @@ class Peers:
     def recv(self, sock: zmq.Socket, union: object, timeout: float = 30.0) -> object:
         if not sock.poll(int(timeout * 1000)):
             raise TimeoutError("no message")
-        return P.decoder(union).decode(sock.recv())
+        return protocol.decoder(union).decode(sock.recv())
 
-    def send(self, req: P.GenerateRequest) -> P.TokenizedRequest | P.RequestError:
+    def send(
+        self, req: protocol.GenerateRequest
+    ) -> protocol.TokenizedRequest | protocol.RequestError:
         """One request in; whatever comes out (to the scheduler or to the front)."""
-        self.tokenizer.send(P.encode(req))
+        self.tokenizer.send(protocol.encode(req))
         poller = zmq.Poller()
         poller.register(self.scheduler, zmq.POLLIN)
         poller.register(self.front, zmq.POLLIN)
         events = dict(poller.poll(10_000))
         if self.scheduler in events:
-            return P.decoder(P.SchedulerInbox).decode(self.scheduler.recv())
+            return protocol.decoder(protocol.SchedulerInbox).decode(self.scheduler.recv())
         if self.front in events:
-            return P.decoder(P.FrontInbox).decode(self.front.recv())
+            return protocol.decoder(protocol.FrontInbox).decode(self.front.recv())
         raise TimeoutError(f"no answer for {req.rid}")
 
     def close(self) -> int:
@@ -102,13 +104,13 @@ class Peers:
 
 
 @contextlib.contextmanager
-def workers(*setups: tuple[Path, list[P.ServedModel], dict]) -> Iterator[list[Peers]]:
+def workers(*setups: tuple[Path, list[protocol.ServedModel], dict]) -> Iterator[list[Peers]]:
     """Start several workers at once (their start-ups overlap), wait until all are ready."""
     started = [Peers(tmp, served, **flags) for tmp, served, flags in setups]
     try:
         for peers in started:
-            ready = peers.recv(peers.launcher, P.LauncherInbox, timeout=60)
-            assert isinstance(ready, P.ProcessReady), ready
+            ready = peers.recv(peers.launcher, protocol.LauncherInbox, timeout=60)
+            assert isinstance(ready, protocol.ProcessReady), ready
             assert ready.name == "tokenizer-0" and ready.pid == peers.proc.pid
         yield started
     finally:
@@ -160,8 +162,12 @@ def peers(both) -> Peers:
     return both[0]
 
 
-def gen(rid: str, model: str = "chat", max_tokens: int = 8, **kw: object) -> P.GenerateRequest:
-    return P.GenerateRequest(rid, model, P.SamplingParams(max_new_tokens=max_tokens), **kw)
+def gen(
+    rid: str, model: str = "chat", max_tokens: int = 8, **kw: object
+) -> protocol.GenerateRequest:
+    return protocol.GenerateRequest(
+        rid, model, protocol.SamplingParams(max_new_tokens=max_tokens), **kw
+    )
 
 
 @pytest.mark.timeout(60)
@@ -170,8 +176,8 @@ def test_prompt_text_carries_everything(peers, tok):
         "r1", prompt="Hello, world 世界", stop=["\n"], skip_special_tokens=False, arrival=12.5
     )
     out = peers.send(req)
-    assert isinstance(out, P.TokenizedRequest)
-    assert P.unpack_ids(out.input_ids).tolist() == tok("Hello, world 世界").input_ids
+    assert isinstance(out, protocol.TokenizedRequest)
+    assert protocol.unpack_ids(out.input_ids).tolist() == tok("Hello, world 世界").input_ids
     assert (out.rid, out.model, out.stop, out.skip_special_tokens, out.arrival) == (
         "r1",
         "chat",
@@ -185,11 +191,11 @@ def test_prompt_text_carries_everything(peers, tok):
 @pytest.mark.timeout(60)
 def test_input_ids_validated(peers, tok):
     out = peers.send(gen("r2", input_ids=[1, 2, 3]))
-    assert isinstance(out, P.TokenizedRequest)
-    assert P.unpack_ids(out.input_ids).tolist() == [1, 2, 3]
+    assert isinstance(out, protocol.TokenizedRequest)
+    assert protocol.unpack_ids(out.input_ids).tolist() == [1, 2, 3]
     for bad in ([5, len(tok)], [-1]):
         err = peers.send(gen("r3", input_ids=bad))
-        assert isinstance(err, P.RequestError)
+        assert isinstance(err, protocol.RequestError)
         assert (err.status, err.param) == (400, "input_ids")
         assert "input_ids" in err.message and str(bad[-1]) in err.message
 
@@ -197,20 +203,22 @@ def test_input_ids_validated(peers, tok):
 @pytest.mark.timeout(60)
 def test_chat_messages_use_template(peers, tok):
     msgs = [{"role": "user", "content": "hi there"}]
-    out = peers.send(gen("c1", messages=[P.ChatMessage(**m) for m in msgs]))
-    assert isinstance(out, P.TokenizedRequest)
+    out = peers.send(gen("c1", messages=[protocol.ChatMessage(**m) for m in msgs]))
+    assert isinstance(out, protocol.TokenizedRequest)
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n")
-    assert P.unpack_ids(out.input_ids).tolist() == tok(text, add_special_tokens=False).input_ids
+    assert (
+        protocol.unpack_ids(out.input_ids).tolist() == tok(text, add_special_tokens=False).input_ids
+    )
 
 
 @pytest.mark.timeout(60)
 def test_chat_to_base_model_is_400(peers):
-    err = peers.send(gen("c2", model="base", messages=[P.ChatMessage("user", "hi")]))
-    assert isinstance(err, P.RequestError) and err.status == 400
+    err = peers.send(gen("c2", model="base", messages=[protocol.ChatMessage("user", "hi")]))
+    assert isinstance(err, protocol.RequestError) and err.status == 400
     assert "no chat template" in err.message and "--chat-template" in err.message
     # The same model still takes plain prompts.
-    assert isinstance(peers.send(gen("c3", model="base", prompt="hi")), P.TokenizedRequest)
+    assert isinstance(peers.send(gen("c3", model="base", prompt="hi")), protocol.TokenizedRequest)
 
 
 @pytest.mark.timeout(60)
@@ -230,9 +238,9 @@ def test_bad_requests(peers):
 @pytest.mark.timeout(60)
 def test_context_length_check(peers):
     ok = peers.send(gen("l1", input_ids=[1] * 10, max_tokens=CONTEXT - 10))
-    assert isinstance(ok, P.TokenizedRequest)
+    assert isinstance(ok, protocol.TokenizedRequest)
     err = peers.send(gen("l2", input_ids=[1] * 10, max_tokens=CONTEXT - 9))
-    assert isinstance(err, P.RequestError)
+    assert isinstance(err, protocol.RequestError)
     assert (err.status, err.param) == (400, "max_tokens")
     assert f"{CONTEXT + 1}" in err.message and f"{CONTEXT}" in err.message
 
@@ -241,7 +249,7 @@ def test_context_length_check(peers):
 def test_garbage_does_not_kill_worker(peers):
     peers.tokenizer.send(b"\x00not msgpack")
     peers.tokenizer.send(msgspec.msgpack.encode({"type": "generate", "rid": 1}))
-    assert isinstance(peers.send(gen("g1", prompt="still alive")), P.TokenizedRequest)
+    assert isinstance(peers.send(gen("g1", prompt="still alive")), protocol.TokenizedRequest)
     assert peers.proc.poll() is None
 
 
@@ -251,10 +259,10 @@ def test_chat_template_flag_and_clean_exit(both, folders):
 
     tok = AutoTokenizer.from_pretrained(folders["base"])
     p = both[1]
-    out = p.send(gen("t1", model="base", messages=[P.ChatMessage("user", "yo")]))
-    assert isinstance(out, P.TokenizedRequest)
+    out = p.send(gen("t1", model="base", messages=[protocol.ChatMessage("user", "yo")]))
+    assert isinstance(out, protocol.TokenizedRequest)
     expect = tok("[user] yo\n[assistant] ", add_special_tokens=False).input_ids
-    assert P.unpack_ids(out.input_ids).tolist() == expect
+    assert protocol.unpack_ids(out.input_ids).tolist() == expect
     t0 = time.time()
     assert p.close() == 0  # SIGTERM is a clean stop
     assert time.time() - t0 < 5
