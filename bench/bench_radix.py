@@ -58,12 +58,12 @@ GEMMA = KVLayout(num_layers=18, num_kv_heads=1, head_dim=256, dtype="bfloat16") 
 BLOCK_BYTES = 2 << 20  # 2 MiB arena blocks: 91 SmolLM2 or 113 Gemma token slots
 
 # Two weights in one tokenizer group (one of them served by a replica pair that
-# shares a kv_key) and one model in a second tokenizer group.
+# shares a pool) and one model in a second tokenizer group.
 MODELS: tuple[ModelSpec, ...] = (
-    ModelSpec("smol-chat", group="smol-tok", kv_key="smol-chat", layout=SMOL),
-    ModelSpec("smol-chat-r2", group="smol-tok", kv_key="smol-chat", layout=SMOL),
-    ModelSpec("smol-math", group="smol-tok", kv_key="smol-math", layout=SMOL),
-    ModelSpec("gemma", group="gemma-tok", kv_key="gemma", layout=GEMMA),
+    ModelSpec("smol-chat", group="smol-tok", pool="smol-chat", layout=SMOL),
+    ModelSpec("smol-chat-r2", group="smol-tok", pool="smol-chat", layout=SMOL),
+    ModelSpec("smol-math", group="smol-tok", pool="smol-math", layout=SMOL),
+    ModelSpec("gemma", group="gemma-tok", pool="gemma", layout=GEMMA),
 )
 VOCAB = {"smol-tok": 49_152, "gemma-tok": 262_144}
 # A request is for a family; the replica pair is load-balanced per request.

@@ -68,10 +68,10 @@ class StoreLocked(RuntimeError):
     """Another live server uses this directory."""
 
 
-def namespace(kv_key: str, layout: KVLayout, chunk_tokens: int) -> bytes:
+def namespace(pool: str, layout: KVLayout, chunk_tokens: int) -> bytes:
     """Everything that must be equal for two chunks' bytes to be interchangeable."""
     return (
-        f"radixmux-kv/v{FORMAT_VERSION}/{kv_key}/{layout.num_layers}x{layout.num_kv_heads}"
+        f"radixmux-kv/v{FORMAT_VERSION}/{pool}/{layout.num_layers}x{layout.num_kv_heads}"
         f"x{layout.head_dim}/{layout.dtype}/{chunk_tokens}"
     ).encode()
 

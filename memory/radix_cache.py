@@ -40,13 +40,15 @@ EVICTION_REASONS = ("capacity", "invalidation", "flush", "unload")
 class ModelSpec:
     """A served model as the cache sees it.
 
-    ``group`` is the tokenizer fingerprint (compatibility group), ``kv_key`` the
-    weights fingerprint: models with equal ``kv_key`` share KV and a pool.
+    ``group`` is the tokenizer fingerprint (compatibility group), ``pool`` the
+    KV pool key: the weights fingerprint (``ModelInfo.kv_share_key``) and the
+    KV dtype; models with equal ``pool`` share KV (one cache, one pool of
+    arena slots).
     """
 
     name: str
     group: str
-    kv_key: str
+    pool: str
     layout: KVLayout
     priority: float = 1.0
     cost_per_token: float = 1.0
@@ -230,7 +232,7 @@ class RadixCache:
         self._roots: dict[str, Node] = {}
         self._models: dict[str, ModelSpec] = {}
         self._model_cache: dict[str, int] = {}
-        self._kv_cache: dict[str, int] = {}  # kv_key -> current cache id
+        self._pool_cache: dict[str, int] = {}  # pool -> its current cache id
         self._caches: dict[int, _Cache] = {}
         self._next_cache = itertools.count()
         self._counters: dict[str, ModelCounters] = {}
@@ -251,18 +253,16 @@ class RadixCache:
 
     # ---- models ------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> None:
-        """Add a model; one with the ``kv_key`` of another shares its cache."""
+        """Add a model; one with the ``pool`` of another shares its cache."""
         if spec.name in self._models:
             raise ValueError(f"model {spec.name!r} is already registered")
-        geometry = self.allocator.register(
-            spec.kv_key, spec.layout, spec.floor_bytes, spec.cap_bytes
-        )
+        geometry = self.allocator.register(spec.pool, spec.layout, spec.floor_bytes, spec.cap_bytes)
         self._models[spec.name] = spec
         self._roots.setdefault(spec.group, Node(b"", None))
-        cid = self._kv_cache.get(spec.kv_key)
+        cid = self._pool_cache.get(spec.pool)
         if cid is None or self._caches[cid].orphaned:
-            cid = self._new_cache(spec.kv_key, geometry.layout.bytes_per_token)
-            self._kv_cache[spec.kv_key] = cid
+            cid = self._new_cache(spec.pool, geometry.layout.bytes_per_token)
+            self._pool_cache[spec.pool] = cid
         self._caches[cid].attach(spec.name)
         self._model_cache[spec.name] = cid
         self._counters[spec.name] = ModelCounters()
@@ -303,7 +303,7 @@ class RadixCache:
 
     def pool_of(self, model: str) -> str:
         """The allocator pool (KV-share key) that holds this model's slots."""
-        return self.model(model).kv_key
+        return self.model(model).pool
 
     @property
     def models(self) -> list[str]:
@@ -508,7 +508,7 @@ class RadixCache:
         cid = prefix.cache_id if prefix is not None else self._model_cache[model]
         if self._caches[cid].orphaned:
             # The model was invalidated while this request ran: its KV is stale.
-            self.allocator.free(spec.kv_key, slots[owned:])
+            self.allocator.free(spec.pool, slots[owned:])
             return n
         now = self._clock()
         node = self._roots[spec.group]
@@ -535,7 +535,7 @@ class RadixCache:
                 entry.last_access = now
                 dup = slots[max(pos, owned) : pos + klen]
                 if dup.size:
-                    self.allocator.free(spec.kv_key, dup)
+                    self.allocator.free(spec.pool, dup)
                 cached = pos + klen
             node = child
             pos += klen
@@ -757,11 +757,11 @@ class RadixCache:
         old = self._model_cache[model]
         cache = self._caches[old]
         cache.models.discard(model)
-        new = self._new_cache(spec.kv_key, cache.bytes_per_token)
+        new = self._new_cache(spec.pool, cache.bytes_per_token)
         self._caches[new].attach(model)
         self._model_cache[model] = new
-        if self._kv_cache[spec.kv_key] == old and cache.orphaned:
-            self._kv_cache[spec.kv_key] = new
+        if self._pool_cache[spec.pool] == old and cache.orphaned:
+            self._pool_cache[spec.pool] = new
         self._reweigh(old)
         self._reweigh(new)
         return self._drop_all([old], "invalidation") if cache.orphaned else 0

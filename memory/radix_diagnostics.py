@@ -237,7 +237,7 @@ def check_invariants(
         for node in c.leaves:
             entry = node.entries[cid]
             assert entry.lock_ref or id(entry) in offered, "unlocked leaf not evictable"
-    for pool in {s.kv_key for s in cache._models.values()}:
+    for pool in {s.pool for s in cache._models.values()}:
         in_tree = np.concatenate(tree_slots.get(pool, [np.zeros(0, np.int64)]))
         assert len(np.unique(in_tree)) == len(in_tree), f"pool {pool}: slot in tree twice"
         allocated = cache.allocator.allocated_slots(pool)

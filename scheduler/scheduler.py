@@ -194,7 +194,7 @@ class Scheduler:
         self.warmups.pins.cache = self.cache
         specs = [self._model_spec(arg, infos[runner_ids(arg)[0]]) for arg in args.models]
         if args.kv_partition == "static":
-            share = arena.total_bytes // len({s.kv_key for s in specs})
+            share = arena.total_bytes // len({s.pool for s in specs})
             specs = [_fixed_share(s, share, arena.block_bytes) for s in specs]
         served = [
             self._add_model(arg, spec, infos, pids, arg.name)
@@ -217,7 +217,7 @@ class Scheduler:
         return ModelSpec(
             name=arg.name,
             group=info.tokenizer_fingerprint,
-            kv_key=f"{info.kv_share_key}:{info.layout.dtype}",
+            pool=f"{info.kv_share_key}:{info.layout.dtype}",
             layout=info.layout,
             priority=arg.priority,
             cost_per_token=float(info.layout.num_layers),

@@ -60,7 +60,7 @@ LAYOUTS = (
     KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32"),
     KVLayout(num_layers=2, num_kv_heads=1, head_dim=3, dtype="float16"),
 )
-KV_KEYS = ("w0", "weights-1")  # two namespaces over one layout: files of two sizes
+POOLS = ("w0", "weights-1")  # two namespaces over one layout: files of two sizes
 WAIT = 10.0
 # The test sets every file's mtime to a synthetic time (its logical stamp) in
 # 2001, so the order a restart finds is exact and runs replay identically; a
@@ -84,7 +84,7 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Space:
-    kv_key: str
+    pool: str
     ns: bytes
     ns_dir: str
 
@@ -110,9 +110,9 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.view = byte_view(self.arena.bytes, self.geometry)
         self.dir = tempfile.mkdtemp(prefix="radixmux-kvstore-")
         self.spaces = []
-        for kv_key in KV_KEYS:
-            ns = namespace(kv_key, layout, CHUNK)
-            self.spaces.append(Space(kv_key, ns, namespace_dir(ns)))
+        for pool in POOLS:
+            ns = namespace(pool, layout, CHUNK)
+            self.spaces.append(Space(pool, ns, namespace_dir(ns)))
         sizes = [HEADER + len(s.ns) + CHUNK * layout.bytes_per_token for s in self.spaces]
         self.chunk_sizes = sizes
         self.base_capacity = self.capacity = int(cap_chunks * max(sizes))
@@ -276,7 +276,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
     # ---- rules ------------------------------------------------------------------------
     @rule(
         data=st.data(),
-        ns=st.integers(0, len(KV_KEYS) - 1),
+        ns=st.integers(0, len(POOLS) - 1),
         new=st.lists(
             st.lists(st.integers(0, 999), min_size=CHUNK, max_size=CHUNK), min_size=1, max_size=3
         ),
@@ -393,7 +393,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
             ns, tokens = data.draw(st.sampled_from(self.seqs), label="seq")
             first = data.draw(st.integers(0, len(tokens) // CHUNK - 1), label="first")
         else:
-            ns = data.draw(st.integers(0, len(KV_KEYS) - 1), label="ns")
+            ns = data.draw(st.integers(0, len(POOLS) - 1), label="ns")
             tokens = data.draw(st.lists(st.integers(-9, -1), min_size=CHUNK, max_size=CHUNK))
             first = 0  # no put has negative tokens: a key never saved
         self._load_run(data, ns, tokens, first, skip)

@@ -19,10 +19,10 @@ def make_cache(
 ) -> RadixCache:
     cache = RadixCache(KVAllocator(num_blocks, 4096, page_size), eviction_policy=policy)
     for spec in models or (
-        ModelSpec("a", group="g1", kv_key="wa", layout=TINY),
-        ModelSpec("b", group="g1", kv_key="wb", layout=WIDE),
-        ModelSpec("a2", group="g1", kv_key="wa", layout=TINY),  # replica of a
-        ModelSpec("c", group="g2", kv_key="wc", layout=TINY),
+        ModelSpec("a", group="g1", pool="wa", layout=TINY),
+        ModelSpec("b", group="g1", pool="wb", layout=WIDE),
+        ModelSpec("a2", group="g1", pool="wa", layout=TINY),  # replica of a
+        ModelSpec("c", group="g2", pool="wc", layout=TINY),
     ):
         cache.register_model(spec)
     return cache

@@ -34,10 +34,10 @@ from radixmux.memory.radix_diagnostics import check_invariants, dump
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
 WIDE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 32 slots per block
 MODELS = (
-    ModelSpec("m0", group="g1", kv_key="w0", layout=TINY),
-    ModelSpec("m1", group="g1", kv_key="w1", layout=WIDE, priority=2.0),
-    ModelSpec("m0b", group="g1", kv_key="w0", layout=TINY),  # replica of m0
-    ModelSpec("m3", group="g2", kv_key="w3", layout=TINY, cost_per_token=3.0),
+    ModelSpec("m0", group="g1", pool="w0", layout=TINY),
+    ModelSpec("m1", group="g1", pool="w1", layout=WIDE, priority=2.0),
+    ModelSpec("m0b", group="g1", pool="w0", layout=TINY),  # replica of m0
+    ModelSpec("m3", group="g2", pool="w3", layout=TINY, cost_per_token=3.0),
 )
 NAMES = [m.name for m in MODELS]
 GROUP = {m.name: m.group for m in MODELS}
