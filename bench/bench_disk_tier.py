@@ -165,9 +165,9 @@ class Setup:
 
 
 def model_arg(text: str) -> Any:
-    from radixmux.protocol import ModelArg
+    from radixmux.runtime.server_args import parse_model_arg
 
-    return ModelArg.parse(text)
+    return parse_model_arg(text)
 
 
 def model_folder(source: str) -> Path:

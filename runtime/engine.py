@@ -20,7 +20,7 @@ from typing import Any
 
 from radixmux.protocol import ModelArg
 from radixmux.runtime.launcher import Launcher
-from radixmux.runtime.server_args import ServerArgs
+from radixmux.runtime.server_args import ServerArgs, parse_model_arg
 
 MAX_IN_FLIGHT = 64  # concurrent requests an Engine keeps open
 
@@ -31,7 +31,7 @@ def args_from_flags(flags: dict[str, Any]) -> ServerArgs:
     models = flags.pop("model", None) or flags.pop("models", None) or []
     if isinstance(models, (str, ModelArg)):
         models = [models]
-    flags["models"] = [m if isinstance(m, ModelArg) else ModelArg.parse(m) for m in models]
+    flags["models"] = [m if isinstance(m, ModelArg) else parse_model_arg(m) for m in models]
     flags.setdefault("port", 0)  # a free port: the HTTP front runs too
     return ServerArgs(**flags)
 

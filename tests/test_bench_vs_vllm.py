@@ -215,3 +215,54 @@ def test_vllm_cli_takes_every_flag_we_pass() -> None:
     flags = {a for ds in vs_vllm.DATASETS for a in client_args(ds) if a.startswith("--")}
     missing = sorted(f for f in flags if f not in out.stdout)
     assert missing == []
+
+
+@pytest.mark.skipif(not peers.is_installed("vllm"), reason="vLLM peer not installed")
+def test_vllm_bench_client_gets_the_greedy_text_curl_gets(tmp_path: Path) -> None:
+    """vLLM's own benchmark client (``vllm bench serve``, OpenAI completions,
+    streaming) pointed at radixmux: every request succeeds and each generated
+    text equals what a plain non-streamed HTTP request for the same prompt gets."""
+    import json
+
+    import httpx
+    from tiny_models import make_tiny_model_dir
+
+    from radixmux.runtime.engine import Engine
+
+    folder = make_tiny_model_dir(tmp_path / "m", seed=3)
+    prompts = [f"Story {i}: the lighthouse keeper and the {w} sea" for i, w in enumerate("abcdef")]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    engine = Engine(model=[f"{folder},name=m"], kv_cache_bytes=8 << 20, dtype="float32")
+    url = f"http://127.0.0.1:{engine.args.port}"
+    try:
+        args = ["bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions"]
+        args += ["--base-url", url, "--model", "m", "--tokenizer", str(folder)]
+        args += ["--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template"]
+        args += [
+            "--disable-shuffle",
+            "--custom-output-len",
+            "8",
+            "--num-prompts",
+            str(len(prompts)),
+        ]
+        args += ["--max-concurrency", "2", "--ignore-eos", "--temperature", "0"]
+        args += ["--save-result", "--save-detailed", "--result-dir", str(tmp_path)]
+        args += ["--result-filename", "r.json"]
+        env = {**os.environ, **vs_vllm.OFFLINE_ENV}
+        out = subprocess.run(
+            peers.vllm_cli_command(args), capture_output=True, text=True, timeout=600, env=env
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        result = json.loads((tmp_path / "r.json").read_text())
+        assert result["completed"] == len(prompts) and result["failed"] == 0, result["errors"]
+        body = {"model": "m", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        direct = [
+            httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=60).json()[
+                "choices"
+            ][0]["text"]
+            for p in prompts
+        ]
+        assert result["generated_texts"] == direct
+    finally:
+        engine.shutdown()
