@@ -178,8 +178,7 @@ class ModelRunner:
         """Run the batch; return float32 logits ``[len(rows), vocab]`` at each
         listed sequence's last new token (default: every sequence)."""
         decoded = [self._decode(s) for s in seqs]
-        logits, at, _ = self._logits(decoded, list(range(len(seqs))) if rows is None else rows)
-        return logits[at]
+        return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)[0]
 
     def _logits(
         self,
@@ -187,37 +186,33 @@ class ModelRunner:
         rows: list[int],
         groups: Sequence[PrefixGroup] = (),
         every: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, list[int], dict[int, tuple[int, int]]]:
-        """Run the batch; float32 logits at the last new token of each of
-        ``rows`` and at every new token of each of ``every``. Returns them with
-        the row of each ``rows`` entry and each ``every`` sequence's span."""
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the batch; float32 logits ``[len(rows), vocab]`` at each listed
+        sequence's last new token, and for each of ``every`` (prompt logprobs)
+        its logits at every new token."""
         batch, input_ids, positions = self._paged_batch(seqs, groups)
         ends = np.cumsum([len(s.tokens) for s in seqs])
-        keep: list[np.ndarray] = []
-        spans: dict[int, tuple[int, int]] = {}
-        size = 0
-        for i in every:
-            n = len(seqs[i].tokens)
-            keep.append(np.arange(ends[i] - n, ends[i]))
-            spans[i] = (size, size + n)
-            size += n
-        at = []
-        for i in rows:
-            if i in spans:
-                at.append(spans[i][1] - 1)
-            else:
-                keep.append(ends[i : i + 1] - 1)
-                at.append(size)
-                size += 1
-        index = torch.as_tensor(np.concatenate(keep) if keep else [], dtype=torch.int64)
+        if every:
+            spans = [np.arange(ends[i] - len(seqs[i].tokens), ends[i]) for i in every]
+            last = ends[rows] - 1
+            keep = np.concatenate([*spans, last])
+        else:
+            keep = ends[rows] - 1
         with paged_batch(batch):
             out = self.model(
                 input_ids=input_ids[None].to(self.device),
                 position_ids=positions[None].to(self.device),
                 use_cache=False,
-                logits_to_keep=index.to(self.device),
+                logits_to_keep=torch.as_tensor(keep, dtype=torch.int64).to(self.device),
             )
-        return out.logits[0].float().cpu(), at, spans
+        logits = out.logits[0].float().cpu()
+        if not every:
+            return logits, {}
+        by_seq, start = {}, 0
+        for i, span in zip(every, spans, strict=True):
+            by_seq[i] = logits[start : start + len(span)]
+            start += len(span)
+        return logits[start:], by_seq
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardResult:
@@ -269,12 +264,12 @@ class ModelRunner:
         forward ended (``perf_counter``)."""
         rows = [i for i, s in enumerate(inputs) if s.sample]
         scored = [i for i, s in enumerate(inputs) if _scores_prompt(s, seqs[i])]
-        logits, at, spans = self._logits(seqs, rows, groups, scored)
+        logits, prompt_logits = self._logits(seqs, rows, groups, scored)
         t1 = time.perf_counter()
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
-        picked = sample(logits[at], params, outs) if rows else None
-        prompt_lps = {i: _prompt_logprobs(logits, spans[i], inputs[i], seqs[i]) for i in scored}
+        picked = sample(logits, params, outs) if rows else None
+        prompt_lps = {i: _prompt_logprobs(prompt_logits[i], inputs[i], seqs[i]) for i in scored}
         outputs = []
         by_row = {r: j for j, r in enumerate(rows)}
         eos = set(self.info.eos_token_ids)
@@ -309,12 +304,13 @@ def _scores_prompt(inp: SeqInput, seq: _Seq) -> bool:
 
 
 def _prompt_logprobs(
-    logits: torch.Tensor, span: tuple[int, int], inp: SeqInput, seq: _Seq
+    logits: torch.Tensor, inp: SeqInput, seq: _Seq
 ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
     """Each position's logprob of the prompt token after it (the model's raw
-    distribution: no penalties or bias), and the top alternatives if asked."""
+    distribution: no penalties or bias), and the top alternatives if asked;
+    ``logits`` are the chunk's, one row per new token."""
     targets = seq.tokens[1:].tolist() + ([inp.next_token] if inp.next_token >= 0 else [])
-    lp = torch.log_softmax(logits[span[0] : span[0] + len(targets)], dim=-1)
+    lp = torch.log_softmax(logits[: len(targets)], dim=-1)
     chosen = lp.gather(1, torch.as_tensor(targets, dtype=torch.int64)[:, None])[:, 0].tolist()
     k = inp.params.top_logprobs
     if not k:
