@@ -190,16 +190,20 @@ class Detokenizer:
             return out
         name = self._namer(out.model)
 
-        def named(lp: protocol.TokenLogprob) -> protocol.TokenLogprob:
-            tops = [name(t) for t, _ in lp.top] if lp.top is not None else None
-            return msgspec.structs.replace(lp, text=name(lp.token_id), top_text=tops)
+        def named(lps: list[protocol.TokenLogprob] | None) -> list[protocol.TokenLogprob] | None:
+            if not lps:
+                return lps
+            return [
+                msgspec.structs.replace(
+                    lp,
+                    text=name(lp.token_id),
+                    top_text=[name(t) for t, _ in lp.top] if lp.top is not None else None,
+                )
+                for lp in lps
+            ]
 
         return msgspec.structs.replace(
-            out,
-            logprobs=[named(lp) for lp in out.logprobs] if out.logprobs else out.logprobs,
-            prompt_logprobs=[named(lp) for lp in out.prompt_logprobs]
-            if out.prompt_logprobs
-            else out.prompt_logprobs,
+            out, logprobs=named(out.logprobs), prompt_logprobs=named(out.prompt_logprobs)
         )
 
     def _namer(self, model: str) -> Callable[[int], str]:

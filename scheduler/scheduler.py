@@ -781,8 +781,9 @@ class Scheduler:
         """A chunk starting at position ``first`` scored the prompt tokens
         after each of its positions (kept by position: a chunk computed again
         after a retraction overwrites the same ones)."""
-        tops = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs or [])
-        for k, (lp, top) in enumerate(zip(out.prompt_logprobs or [], tops, strict=True)):
+        lps = out.prompt_logprobs or []
+        tops = out.prompt_top_logprobs or [None] * len(lps)
+        for k, (lp, top) in enumerate(zip(lps, tops, strict=True)):
             pos = first + 1 + k
             req.prompt_logprobs[pos] = protocol.TokenLogprob(int(req.input_ids[pos]), lp, top)
 
