@@ -39,7 +39,7 @@ import zmq
 from radixmux import protocol
 from radixmux.runtime.ipc import socket
 from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
-from radixmux.runtime.tokenizer_worker import TableThread, load_tokenizer
+from radixmux.runtime.tokenizer_worker import TableThread, load_missing_tokenizers
 
 log = logging.getLogger("radixmux.detokenizer")
 
@@ -138,9 +138,7 @@ class Detokenizer:
         with self.lock:
             by_folder = {f: self.tokenizers[n] for n, f in self.folders.items()}
         missing = [m for m in table if m.instance not in self.tokenizers]
-        for m in missing:
-            if m.folder not in by_folder:
-                by_folder[m.folder] = load_tokenizer(m.folder)
+        load_missing_tokenizers(missing, by_folder)
         with self.lock:
             for m in missing:
                 self.tokenizers[m.instance] = by_folder[m.folder]

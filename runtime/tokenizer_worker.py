@@ -52,6 +52,15 @@ def load_tokenizer(folder: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def load_missing_tokenizers(models: list[protocol.ServedModel], by_folder: dict[str, Any]) -> None:
+    """Add to ``by_folder`` the tokenizer of each of ``models``' folders it
+    lacks: one load per folder, however many instances (versions, aliases)
+    share it."""
+    for m in models:
+        if m.folder not in by_folder:
+            by_folder[m.folder] = load_tokenizer(m.folder)
+
+
 @dataclass
 class ModelTokenizer:
     """One served model's tokenizer, chat template and limits."""
@@ -182,9 +191,7 @@ def sync_models(
     wanted = {m.instance: m for m in table}
     override = Path(chat_template_file).read_text() if chat_template_file else None
     by_folder = {mt.model.folder: mt.tokenizer for mt in list(models.values())}
-    for m in wanted.values():
-        if m.instance not in models and m.folder not in by_folder:
-            by_folder[m.folder] = load_tokenizer(m.folder)
+    load_missing_tokenizers([m for m in table if m.instance not in models], by_folder)
     for name in [n for n in list(models) if n not in wanted]:
         del models[name]
     for name, m in wanted.items():
