@@ -292,12 +292,17 @@ def resolve_model(served: dict[str, ServedModel], name: str | None) -> ServedMod
         if len(served) == 1:
             return next(iter(served.values()))
         raise APIError(400, f"'model' is required; served models: {served_names(served)}", "model")
+    return served_model(served, name, "model")
+
+
+def served_model(served: dict[str, ServedModel], name: str, param: str) -> ServedModel:
+    """The served model ``name``, or a 404 naming ``param`` and the served ones."""
     model = served.get(name)
     if model is None:
         raise APIError(
             404,
             f"model '{name}' is not served; served models: {served_names(served)}",
-            "model",
+            param,
             "model_not_found",
         )
     return model

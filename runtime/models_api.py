@@ -26,7 +26,7 @@ from starlette.responses import Response
 from radixmux import protocol
 from radixmux.protocol import ModelArg
 from radixmux.runtime import openai_api
-from radixmux.runtime.api_common import APIError, json_response, served_names
+from radixmux.runtime.api_common import APIError, json_response, served_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Body, Endpoint, Handler
 from radixmux.runtime.server_args import DTYPES, check_model_name, default_model_name
@@ -123,11 +123,7 @@ class ModelManager:
 
     # ---- steps ----------------------------------------------------------------------
     def _served(self, name: str) -> protocol.ServedModel:
-        model = self.front.served.get(name)
-        if model is None:
-            served = served_names(self.front.served)
-            raise APIError(404, f"model '{name}' is not served; served models: {served}", "name")
-        return model
+        return served_model(self.front.served, name, "name")
 
     async def _load(self, arg: ModelArg, served: str, version: int) -> protocol.ServedModel:
         reply = await self._command(protocol.ModelCommand(new_rid(), "load", arg, served, version))
