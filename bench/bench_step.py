@@ -57,9 +57,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from radixmux import protocol
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
-from radixmux.model_runners import paged_attention, protocol
+from radixmux.model_runners import paged_attention
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.packed_linear import PackedLinear
@@ -364,6 +365,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="transformers' own RMSNorm / MLP / rotary code (the server's --disable-fused-ops)",
     )
+    p.add_argument(
+        "--no-amx",
+        action="store_true",
+        help="oneDNN for every linear call (no AMX tile kernel for small batches)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/)")
     return p.parse_args(argv)
 
@@ -371,14 +377,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, fuse_ops=not args.no_fused_ops)
+    loaded = load_model(
+        args.model, dtype=args.dtype, fuse_ops=not args.no_fused_ops, amx_linear=not args.no_amx
+    )
     if "cascade" in args.layouts and not cascade_available():
         print("note: no ForwardBatch.prefix_groups in this runtime: the cascade layout is skipped")
     t0 = time.monotonic()
     rows = run(loaded, args, lambda line: print(f"[bench_step] {line}", file=sys.stderr))
     print(
         f"\n{args.model} {args.dtype}, {args.threads} thread(s), "
-        f"fused ops {'off' if args.no_fused_ops else 'on'}, decode step at context "
+        f"fused ops {'off' if args.no_fused_ops else 'on'}, "
+        f"AMX linear {'off' if args.no_amx or args.no_fused_ops else 'on'}, decode step at context "
         f"{args.prefix}+{args.own} (shared: first {args.prefix} slots identical); "
         f"20th-percentile of {args.steps} steps; other = step - weights - logits - attention"
     )

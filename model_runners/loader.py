@@ -85,6 +85,7 @@ def load_model(
     attn_implementation: str | None = None,
     pack_weights: bool = True,
     fuse_ops: bool = True,
+    amx_linear: bool = True,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
@@ -92,8 +93,9 @@ def load_model(
     matters for plain use of ``model``; a ``ModelRunner`` switches it to paged.
     ``pack_weights`` puts CPU linear weights in oneDNN's layout (see
     ``packed_linear.py``) and ``fuse_ops`` swaps in the fused RMSNorm, gated
-    MLP and rotary kernels (``fused_ops.py``); the fingerprints are taken
-    before both, from the weights as stored.
+    MLP and rotary kernels (``fused_ops.py``) and, with ``amx_linear`` too,
+    runs small bfloat16 products on AMX tiles where the CPU has them; the
+    fingerprints are taken before all of it, from the weights as stored.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,5 +118,5 @@ def load_model(
     if fuse_ops and device == "cpu":
         fuse_model(model)
     if pack_weights and device == "cpu":
-        pack_linear_weights(model)
+        pack_linear_weights(model, amx=fuse_ops and amx_linear)
     return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

@@ -8,6 +8,15 @@ at 1-16 rows and 1.1-1.3x at 64-512 rows here, with identical bfloat16
 results. The packed copy replaces the module's weight; a weight the model
 also uses elsewhere (an lm_head tied to the embeddings) stays in place and
 costs its size again.
+
+Where the CPU has AMX (bfloat16 tiles), bfloat16 layers also keep their
+weight in the tile layout of ``kernels/amx_linear.cpp`` and calls of up to
+``AMX_MAX_ROWS`` rows (every decode step, and the mixed steps that prefill
+short chunks) run there: oneDNN spends ~20 us per call at such sizes whatever
+the matrix, the tile kernel 3.5-10 us for SmolLM2's layers at 1-16 rows, with
+the same float accumulation and one rounding (results equal oneDNN's but for
+rare last-bit differences). Larger calls stay on oneDNN, whose blocking wins
+above a few hundred rows. The cost is a second copy of those weights.
 """
 
 from __future__ import annotations
@@ -27,12 +36,18 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # cut into a multiple of it plus a remainder, so at most ROW_GRAIN + (max rows
 # / ROW_GRAIN) shapes occur, and ``warm_up`` builds them all at start.
 ROW_GRAIN = 64
+# Row counts up to which the AMX tile kernel beats oneDNN (measured on SmolLM2's
+# shapes, 2 threads: ahead at every shape up to 256 rows, behind on the MLP's
+# up projection from 512). The output projection's vocabulary-wide matrix
+# streams from memory either way; oneDNN is ahead there from 33 rows.
+AMX_MAX_ROWS = 256
+AMX_MAX_ROWS_HEAD = 32
 
 
 class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, amx_max_rows: int = 0) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -40,9 +55,14 @@ class PackedLinear(nn.Module):
         # The batch-size hint only picks the blocking; any row count works after.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # Calls of at most this many rows use the AMX tile copy (0: none kept).
+        self.amx_max_rows = amx_max_rows if weight.dtype == torch.bfloat16 else 0
+        self.amx = torch.ops.radixmux.amx_pack(weight) if self.amx_max_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+        if rows <= self.amx_max_rows:
+            return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
         cut = rows - rows % ROW_GRAIN
         if rows <= ROW_GRAIN or cut == rows:
             return self._linear(x)
@@ -54,7 +74,8 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        amx = f", amx up to {self.amx_max_rows} rows" if self.amx_max_rows else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{amx}"
 
 
 def _packing_works(dtype: torch.dtype) -> bool:
@@ -67,6 +88,13 @@ def _packing_works(dtype: torch.dtype) -> bool:
         return bool(torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2))
     except (RuntimeError, AttributeError):
         return False
+
+
+def amx_available() -> bool:
+    """Whether the kernel library is built and this process may use AMX tiles."""
+    from radixmux.model_runners import paged_decode
+
+    return paged_decode.load() and bool(torch.ops.radixmux.has_amx_linear())
 
 
 def row_counts(max_rows: int) -> list[int]:
@@ -100,11 +128,14 @@ def warm_up(model: nn.Module, max_rows: int, max_sequences: int | None = None) -
 
 
 @torch.no_grad()
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
     """Swap every CPU float32/bfloat16 ``nn.Linear`` of ``model`` for a
-    :class:`PackedLinear`; returns how many were swapped (0 where unsupported)."""
+    :class:`PackedLinear`; returns how many were swapped (0 where unsupported).
+    ``amx``: also keep bfloat16 weights for the AMX tile kernel, where it runs."""
     if not torch.backends.mkldnn.is_available():
         return 0
+    use_amx = amx and amx_available()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     ok: dict[torch.dtype, bool] = {}
     swapped = 0
     for parent in list(model.modules()):
@@ -119,6 +150,9 @@ def pack_linear_weights(model: nn.Module) -> int:
                 if not ok[dtype]:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
-                setattr(parent, name, PackedLinear(child))
+                rows = (AMX_MAX_ROWS_HEAD if child is head else AMX_MAX_ROWS) if use_amx else 0
+                setattr(parent, name, PackedLinear(child, rows))
                 swapped += 1
+    if use_amx and ok.get(torch.bfloat16):
+        log.info("AMX tile kernel for bfloat16 linear calls of up to %d rows", AMX_MAX_ROWS)
     return swapped

@@ -30,9 +30,11 @@ import torch
 
 log = logging.getLogger("radixmux.kernels")
 
-# One library: the attention kernels and the fused element-wise layers (fused_ops.py).
+# One library: the attention kernels, the fused element-wise layers (fused_ops.py)
+# and the small-batch AMX linear layers (packed_linear.py).
 SOURCES = tuple(
-    Path(__file__).parent / "kernels" / f for f in ("paged_decode.cpp", "fused_ops.cpp")
+    Path(__file__).parent / "kernels" / f
+    for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp")
 )
 HEADERS = (Path(__file__).parent / "kernels" / "to_float.h",)  # part of the build key
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;

@@ -1,0 +1,92 @@
+"""The AMX tile kernel for small-batch bfloat16 linear layers (kernels/amx_linear.cpp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from radixmux.model_runners.packed_linear import (
+    AMX_MAX_ROWS,
+    AMX_MAX_ROWS_HEAD,
+    PackedLinear,
+    amx_available,
+    pack_linear_weights,
+)
+
+pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU (or no compiler)")
+
+
+def _reference(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
+    """The product in float64, rounded once to bfloat16: what a float accumulation gives,
+    up to the order of its sums."""
+    out = x.double() @ lin.weight.double().T
+    if lin.bias is not None:
+        out = out + lin.bias.double()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "bias"),
+    [(576, 192, False), (64, 48, True), (100, 70, True), (33, 17, False), (1536, 576, False)],
+)
+def test_amx_linear_equals_onednn_and_float(k, n, bias):
+    """Every row count a call can make (around the 16- and 32-row tile edges and the
+    256-row block), odd K and N (zero padding), with and without a bias: within
+    bfloat16 rounding of the exact product, and equal to oneDNN's packed result
+    but for rare last-bit differences (both accumulate in float)."""
+    torch.manual_seed(k + n)
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    packed = torch.ops.radixmux.amx_pack(lin.weight.detach())
+    onednn = PackedLinear(lin)  # no AMX copy: oneDNN for every row count
+    assert onednn.amx is None
+    for rows in (1, 2, 15, 16, 17, 31, 32, 33, 64, 255, 256, 257, 300):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        got = torch.ops.radixmux.amx_linear(x, packed, lin.bias, n)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        ref = _reference(x, lin)
+        # One bfloat16 rounding of the result (8 bits of mantissa) plus float sums.
+        assert ((got.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-3).all(), rows
+        same = (got == onednn(x)).float().mean().item()
+        assert same > 0.99, (rows, same)
+
+
+def test_amx_linear_keeps_leading_dims_and_reads_strided_input():
+    lin = torch.nn.Linear(64, 40).to(torch.bfloat16)
+    packed = torch.ops.radixmux.amx_pack(lin.weight.detach())
+    x = torch.randn(1, 5, 128).to(torch.bfloat16)[..., ::2]  # [1, 5, 64], not contiguous
+    got = torch.ops.radixmux.amx_linear(x, packed, lin.bias, 40)
+    assert got.shape == (1, 5, 40)
+    torch.testing.assert_close(got.float(), lin(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_amx_linear_refuses_a_weight_of_another_shape():
+    packed = torch.ops.radixmux.amx_pack(torch.randn(48, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.radixmux.amx_linear(torch.randn(2, 128).to(torch.bfloat16), packed, None, 48)
+
+
+def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
+    """A packed bfloat16 model keeps a tile copy of each layer (a smaller limit for
+    the output projection) and gives the same logits either side of the limit as
+    a model packed without one; float32 and ``amx=False`` keep none."""
+    amx = tiny_model("llama", dtype="bfloat16").model
+    plain = tiny_model("llama", dtype="bfloat16").model
+    pack_linear_weights(amx)
+    pack_linear_weights(plain, amx=False)
+    layers = [m for m in amx.modules() if isinstance(m, PackedLinear)]
+    head = amx.get_output_embeddings()
+    assert all(m.amx is not None for m in layers)
+    assert head.amx_max_rows == AMX_MAX_ROWS_HEAD
+    assert {m.amx_max_rows for m in layers if m is not head} == {AMX_MAX_ROWS}
+    assert all(m.amx is None for m in plain.modules() if isinstance(m, PackedLinear))
+    for tokens in (3, AMX_MAX_ROWS + 9):
+        ids = torch.randint(0, 211, (1, tokens))
+        with torch.inference_mode():
+            a = amx(ids).logits.float()
+            b = plain(ids).logits.float()
+        assert (a - b).abs().max() < 5e-2, tokens
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    f32 = tiny_model("llama", dtype="float32").model
+    pack_linear_weights(f32)
+    assert all(m.amx is None for m in f32.modules() if isinstance(m, PackedLinear))
