@@ -16,12 +16,17 @@ short chunks) run there: oneDNN spends ~20 us per call at such sizes whatever
 the matrix, the tile kernel 3.5-10 us for SmolLM2's layers at 1-16 rows, with
 the same float accumulation and one rounding (results equal oneDNN's but for
 rare last-bit differences). Larger calls stay on oneDNN, whose blocking wins
-above a few hundred rows. The cost is a second copy of those weights.
+above a few hundred rows. The cost is a second copy of those weights, except
+for the output projection: it only ever multiplies the rows of sampled
+sequences, so it keeps the tile copy alone (oneDNN is 10-35% ahead there from
+33 to 64 rows, a fraction of a percent of such a step) rather than a third
+copy of a vocabulary-sized matrix (335 MB for Gemma 3's).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -38,10 +43,10 @@ _DTYPES = (torch.float32, torch.bfloat16)
 ROW_GRAIN = 64
 # Row counts up to which the AMX tile kernel beats oneDNN (measured on SmolLM2's
 # shapes, 2 threads: ahead at every shape up to 256 rows, behind on the MLP's
-# up projection from 512). The output projection's vocabulary-wide matrix
-# streams from memory either way; oneDNN is ahead there from 33 rows.
+# up projection from 512).
 AMX_MAX_ROWS = 256
-AMX_MAX_ROWS_HEAD = 32
+# A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
+AMX_ALL_ROWS = sys.maxsize
 
 
 class PackedLinear(nn.Module):
@@ -52,12 +57,16 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        # The batch-size hint only picks the blocking; any row count works after.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         self.bias = None if linear.bias is None else linear.bias.detach()
         # Calls of at most this many rows use the AMX tile copy (0: none kept).
         self.amx_max_rows = amx_max_rows if weight.dtype == torch.bfloat16 else 0
         self.amx = torch.ops.radixmux.amx_pack(weight) if self.amx_max_rows else None
+        # The batch-size hint only picks the blocking; any row count works after.
+        self.packed = (
+            None
+            if self.amx_max_rows == AMX_ALL_ROWS
+            else torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
@@ -115,7 +124,7 @@ def warm_up(model: nn.Module, max_rows: int, max_sequences: int | None = None) -
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     shapes: dict[tuple[int, int, torch.dtype, bool], PackedLinear] = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) and module.packed is not None:
             key = (module.in_features, module.out_features, module.packed.dtype, module is head)
             shapes.setdefault(key, module)
     calls = 0
@@ -150,7 +159,7 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
                 if not ok[dtype]:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
-                rows = (AMX_MAX_ROWS_HEAD if child is head else AMX_MAX_ROWS) if use_amx else 0
+                rows = (AMX_ALL_ROWS if child is head else AMX_MAX_ROWS) if use_amx else 0
                 setattr(parent, name, PackedLinear(child, rows))
                 swapped += 1
     if use_amx and ok.get(torch.bfloat16):

@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_model
 
 from radixmux.model_runners.packed_linear import (
+    AMX_ALL_ROWS,
     AMX_MAX_ROWS,
-    AMX_MAX_ROWS_HEAD,
     PackedLinear,
     amx_available,
     pack_linear_weights,
@@ -67,9 +67,10 @@ def test_amx_linear_refuses_a_weight_of_another_shape():
 
 
 def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
-    """A packed bfloat16 model keeps a tile copy of each layer (a smaller limit for
-    the output projection) and gives the same logits either side of the limit as
-    a model packed without one; float32 and ``amx=False`` keep none."""
+    """A packed bfloat16 model keeps a tile copy of each layer (the output
+    projection that copy alone, for every row count) and gives the same logits
+    either side of the limit as a model packed without one; float32 and
+    ``amx=False`` keep none."""
     amx = tiny_model("llama", dtype="bfloat16").model
     plain = tiny_model("llama", dtype="bfloat16").model
     pack_linear_weights(amx)
@@ -77,7 +78,7 @@ def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
     layers = [m for m in amx.modules() if isinstance(m, PackedLinear)]
     head = amx.get_output_embeddings()
     assert all(m.amx is not None for m in layers)
-    assert head.amx_max_rows == AMX_MAX_ROWS_HEAD
+    assert head.amx_max_rows == AMX_ALL_ROWS and head.packed is None
     assert {m.amx_max_rows for m in layers if m is not head} == {AMX_MAX_ROWS}
     assert all(m.amx is None for m in plain.modules() if isinstance(m, PackedLinear))
     for tokens in (3, AMX_MAX_ROWS + 9):
