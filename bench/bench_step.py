@@ -324,6 +324,7 @@ def run(
     rng = np.random.default_rng(0)
     rows: list[StepFigures] = []
     with KVArena.create(num_blocks, BLOCK_BYTES) as arena:
+        arena.populate()  # as the server's runner does: no page faults on K/V writes
         runner = ModelRunner(loaded, arena.view(geometry), args.attention_backend)
         if "cascade" in args.layouts and not runner.use_kernel:
             progress("decode kernel not in use: the cascade layout runs as plain shared")

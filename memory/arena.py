@@ -11,6 +11,7 @@ same ``ArenaSpec`` / ``KVArena.attach`` / ``view`` contract once a GPU can test 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import tempfile
 import uuid
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 # Block sizes are kept a multiple of this so every dtype view is aligned.
 BLOCK_ALIGN = 4096
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 class ArenaSpec(msgspec.Struct, frozen=True):
@@ -102,6 +104,23 @@ class KVArena:
         if not os.path.exists(spec.path):
             raise FileNotFoundError(f"KV arena {spec.path} does not exist (was it destroyed?)")
         return cls(spec, owner=False)
+
+    def populate(self) -> bool:
+        """Map every page of the arena into this process now, writable.
+
+        A mapped file's pages are faulted in one at a time on first touch: a
+        runner writing K/V to fresh slots paid a fault per page per (layer,
+        K|V) row group, which measured 45 us per write call at a batch of 16
+        (3 us once touched) and ~7% of such a decode step. Populating costs
+        0.34 s per GiB for the first process (the pages are allocated) and
+        0.09 s for later ones, and commits the arena's memory at start, as
+        peers that allocate their KV cache up front do. False where the kernel
+        cannot (before Linux 5.14): pages then fault in as they are used.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        addr = self.bytes.data_ptr()
+        return libc.madvise(addr, self.spec.total_bytes, MADV_POPULATE_WRITE) == 0
 
     def view(self, geometry: BlockGeometry) -> torch.Tensor:
         """This arena seen with one model's layout.

@@ -108,6 +108,7 @@ def serve(config: RunnerConfig) -> int:
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
         runner = ModelRunner(loaded, arena.view(geometry), config.attention_backend)
         t0 = time.perf_counter()
+        arena.populate()  # no page faults on K/V writes while serving
         if config.max_batch_tokens:
             from radixmux.model_runners.packed_linear import warm_up
 
