@@ -56,7 +56,7 @@ class FuseReport:
         return self.norms + self.mlps + self.rotary_modules
 
 
-def _same_code(fn: Callable[..., Any], reference: Callable[..., Any]) -> bool:
+def same_code(fn: Callable[..., Any], reference: Callable[..., Any]) -> bool:
     """Whether two functions compile to the same instructions, names and constants
     (docstrings aside: copies of one function in two modeling files differ there)."""
 
@@ -95,11 +95,11 @@ def _norm_style(module: nn.Module) -> str | None:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
-    if _same_code(cls.forward, ref["llama_norm"]) and hasattr(module, "variance_epsilon"):
+    if same_code(cls.forward, ref["llama_norm"]) and hasattr(module, "variance_epsilon"):
         return "llama"
     if (
-        _same_code(cls.forward, ref["gemma_norm"])
-        and _same_code(getattr(cls, "_norm", None), ref["gemma_norm_inner"])
+        same_code(cls.forward, ref["gemma_norm"])
+        and same_code(getattr(cls, "_norm", None), ref["gemma_norm_inner"])
         and hasattr(module, "eps")
     ):
         return "gemma"
@@ -117,6 +117,7 @@ def _fuse_norm(module: nn.Module, style: str) -> None:
         return torch.ops.radixmux.rms_norm(x, module.weight, eps, gemma)
 
     module.forward = forward
+    module.radixmux_norm = (eps, gemma)  # read by lean_stack.py
 
 
 # ---- gated MLP --------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def _activation(act: nn.Module) -> int | None:
 
 
 def _mlp_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear, int] | None:
-    if not _same_code(type(module).forward, _references()["mlp"]):
+    if not same_code(type(module).forward, _references()["mlp"]):
         return None
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
     if type(gate) is not nn.Linear or type(up) is not nn.Linear:
@@ -168,6 +169,7 @@ def _fuse_mlp(module: nn.Module, gate: nn.Linear, up: nn.Linear, act: int) -> No
         return module.down_proj(torch.ops.radixmux.act_and_mul(module.gate_up_proj(x), act))
 
     module.forward = forward
+    module.radixmux_act = act  # read by lean_stack.py
 
 
 # ---- rotary embedding -------------------------------------------------------------------
@@ -219,7 +221,7 @@ def _fuse_rotary(modeling: types.ModuleType) -> bool:
         return True  # another model of this module already swapped it
     ref = _references()
     rotate = getattr(modeling, "rotate_half", None)
-    if not (_same_code(current, ref["rotary"]) and _same_code(rotate, ref["rotate_half"])):
+    if not (same_code(current, ref["rotary"]) and same_code(rotate, ref["rotate_half"])):
         return False
     modeling.apply_rotary_pos_emb = _fused_rotary(current)
     return True

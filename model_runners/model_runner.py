@@ -12,6 +12,7 @@ import torch
 
 from radixmux.model_runners import paged_decode
 from radixmux.model_runners.kv_store import KVStore
+from radixmux.model_runners.lean_stack import LeanStack
 from radixmux.model_runners.loader import LoadedModel
 from radixmux.model_runners.paged_attention import (
     ATTN_NAME,
@@ -54,7 +55,11 @@ class ModelRunner:
     """
 
     def __init__(
-        self, loaded: LoadedModel, kv: torch.Tensor, attention_backend: str = "auto"
+        self,
+        loaded: LoadedModel,
+        kv: torch.Tensor,
+        attention_backend: str = "auto",
+        lean: bool = True,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -75,6 +80,9 @@ class ModelRunner:
             cfg = getattr(sub, "config", None)
             if cfg is not None and hasattr(cfg, "_attn_implementation"):
                 cfg._attn_implementation = ATTN_NAME
+        # Llama-code models with fused ops skip transformers' per-module Python
+        # (lean_stack.py; same kernels, same results). lean=False: never.
+        self.lean = LeanStack.build(self.model) if lean else None
 
     def _pick_kernel(self, backend: str) -> bool:
         """Whether decode attention runs in the C++ kernel (else gather + SDPA)."""
@@ -198,14 +206,16 @@ class ModelRunner:
             keep = np.concatenate([*spans, last])
         else:
             keep = ends[rows] - 1
+        ids, pos = input_ids[None].to(self.device), positions[None].to(self.device)
+        keep_at = torch.as_tensor(keep, dtype=torch.int64).to(self.device)
         with paged_batch(batch):
-            out = self.model(
-                input_ids=input_ids[None].to(self.device),
-                position_ids=positions[None].to(self.device),
-                use_cache=False,
-                logits_to_keep=torch.as_tensor(keep, dtype=torch.int64).to(self.device),
-            )
-        logits = out.logits[0].float().cpu()
+            if self.lean is not None:
+                out = self.lean(ids, pos, keep_at)
+            else:
+                out = self.model(
+                    input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_at
+                ).logits
+        logits = out[0].float().cpu()
         if not every:
             return logits, {}
         by_seq, start = {}, 0

@@ -11,16 +11,16 @@ costs its size again.
 
 Where the CPU has AMX (bfloat16 tiles), bfloat16 layers also keep their
 weight in the tile layout of ``kernels/amx_linear.cpp`` and calls of up to
-``AMX_MAX_ROWS`` rows (every decode step, and the mixed steps that prefill
-short chunks) run there: oneDNN spends ~20 us per call at such sizes whatever
-the matrix, the tile kernel 3.5-10 us for SmolLM2's layers at 1-16 rows, with
-the same float accumulation and one rounding (results equal oneDNN's but for
-rare last-bit differences). Larger calls stay on oneDNN, whose blocking wins
-above a few hundred rows. The cost is a second copy of those weights, except
-for the output projection: it only ever multiplies the rows of sampled
-sequences, so it keeps the tile copy alone (oneDNN is 10-35% ahead there from
-33 to 64 rows, a fraction of a percent of such a step) rather than a third
-copy of a vocabulary-sized matrix (335 MB for Gemma 3's).
+``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 512
+tokens; 160 for a gated MLP's wide up projection) run there: oneDNN spends
+~20 us per call at decode sizes whatever the matrix, the tile kernel 3.5-10 us
+for SmolLM2's layers at 1-16 rows, with the same float accumulation and one
+rounding (results equal oneDNN's but for rare last-bit differences). Larger
+calls stay on oneDNN, whose deeper blocking wins there. The cost is a second
+copy of those weights, except for the output projection: it only ever
+multiplies the rows of sampled sequences, so it keeps the tile copy alone
+(oneDNN is 10-35% ahead there from 33 to 64 rows, a fraction of a percent of
+such a step) rather than a third copy of a vocabulary-sized matrix (335 MB for Gemma 3's).
 """
 
 from __future__ import annotations
@@ -41,10 +41,14 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # cut into a multiple of it plus a remainder, so at most ROW_GRAIN + (max rows
 # / ROW_GRAIN) shapes occur, and ``warm_up`` builds them all at start.
 ROW_GRAIN = 64
-# Row counts up to which the AMX tile kernel beats oneDNN (measured on SmolLM2's
-# shapes, 2 threads: ahead at every shape up to 256 rows, behind on the MLP's
-# up projection from 512).
-AMX_MAX_ROWS = 256
+# Row counts up to which the AMX tile kernel beats oneDNN (time ratios measured
+# on SmolLM2's and Gemma 3's shapes, 2 threads): ahead on every shape at up to
+# 512 rows (0.5-0.9x the time, but 1.1x on one), mostly up to 1,024, behind
+# at 2,048 (1.0-1.5x); a wide matrix (a gated MLP's merged gate and up
+# projection, 5-6x as many outputs as inputs) only up to ~160 rows (0.6-0.9x,
+# then 1.2-1.3x from 192).
+AMX_MAX_ROWS = 512
+AMX_MAX_ROWS_WIDE = 160
 # A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
 AMX_ALL_ROWS = sys.maxsize
 
@@ -159,7 +163,11 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
                 if not ok[dtype]:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
-                rows = (AMX_ALL_ROWS if child is head else AMX_MAX_ROWS) if use_amx else 0
+                rows = 0
+                if use_amx:
+                    wide = child.out_features >= 4 * child.in_features
+                    rows = AMX_MAX_ROWS_WIDE if wide else AMX_MAX_ROWS
+                    rows = AMX_ALL_ROWS if child is head else rows
                 setattr(parent, name, PackedLinear(child, rows))
                 swapped += 1
     if use_amx and ok.get(torch.bfloat16):

@@ -9,6 +9,7 @@ from conftest import tiny_model
 from radixmux.model_runners.packed_linear import (
     AMX_ALL_ROWS,
     AMX_MAX_ROWS,
+    AMX_MAX_ROWS_WIDE,
     PackedLinear,
     amx_available,
     pack_linear_weights,
@@ -79,9 +80,12 @@ def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
     head = amx.get_output_embeddings()
     assert all(m.amx is not None for m in layers)
     assert head.amx_max_rows == AMX_ALL_ROWS and head.packed is None
-    assert {m.amx_max_rows for m in layers if m is not head} == {AMX_MAX_ROWS}
+    for m in layers:
+        if m is not head:
+            wide = m.out_features >= 4 * m.in_features
+            assert m.amx_max_rows == (AMX_MAX_ROWS_WIDE if wide else AMX_MAX_ROWS)
     assert all(m.amx is None for m in plain.modules() if isinstance(m, PackedLinear))
-    for tokens in (3, AMX_MAX_ROWS + 9):
+    for tokens in (3, AMX_MAX_ROWS_WIDE + 9, AMX_MAX_ROWS + 9):
         ids = torch.randint(0, 211, (1, tokens))
         with torch.inference_mode():
             a = amx(ids).logits.float()

@@ -1,0 +1,161 @@
+"""A Llama decoder stack run without transformers' per-module Python (CPU).
+
+With the matmuls on AMX tiles and the element-wise chains fused, a decode
+step of SmolLM2 spends a fifth of its time in Python: every layer makes about
+eleven ``nn.Module`` calls (hook checks, keyword plumbing, deprecation
+wrappers, the attention-interface lookup) around a dozen small kernels. For a
+model whose code is *provably* transformers' Llama (the same bytecode, as
+``fused_ops.py`` checks its swaps) with every norm and MLP fused, this runs
+the same kernels in the same order straight from one loop: the results are
+identical to the model's own forward (tested bit for bit), the Python is
+not. Anything else (another architecture, fused ops off, a module that
+differs) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixmux.model_runners import paged_attention
+from radixmux.model_runners.fused_ops import same_code
+from radixmux.model_runners.packed_linear import PackedLinear
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@functools.cache
+def _references() -> dict[str, Any]:
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "causal_lm": llama.LlamaForCausalLM.forward,
+        "model": llama.LlamaModel.forward,
+        "layer": llama.LlamaDecoderLayer.forward,
+        "attention": llama.LlamaAttention.forward,
+    }
+
+
+def _same(fn: Callable[..., Any], name: str) -> bool:
+    # Decorators wrap every forward in look-alike wrappers: compare what they wrap.
+    return same_code(inspect.unwrap(fn), inspect.unwrap(_references()[name]))
+
+
+def _linear(module: nn.Module) -> Linear | None:
+    """The module's own forward, bound (no ``nn.Module.__call__``), if it is a plain
+    or packed linear layer without hooks."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return None
+    if isinstance(module, PackedLinear) or type(module) is nn.Linear:
+        return module.forward
+    return None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's parts, as the loop calls them."""
+
+    attn: nn.Module  # the attention module (the paged attention reads layer_idx from it)
+    in_norm: tuple[torch.Tensor, float, bool]
+    post_norm: tuple[torch.Tensor, float, bool]
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    act: int
+    head_dim: int
+    scaling: float
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float, bool] | None:
+    fused = getattr(module, "radixmux_norm", None)
+    return None if fused is None else (module.weight, *fused)
+
+
+def _layer(layer: nn.Module) -> _Layer | None:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not _same(type(layer).forward, "layer"):
+        return None
+    if not _same(type(attn).forward, "attention") or not hasattr(mlp, "radixmux_act"):
+        return None
+    rotary = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if not hasattr(rotary, "radixmux_eager"):
+        return None  # the modeling module's rotary is not the fused one
+    in_norm, post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+    parts = [_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    parts += [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
+    if in_norm is None or post_norm is None or any(p is None for p in parts):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
+        return None
+    q, k, v, o, gate_up, down = parts
+    return _Layer(
+        attn, in_norm, post_norm, q, k, v, o, gate_up, down, mlp.radixmux_act,
+        attn.head_dim, float(attn.scaling),
+    )  # fmt: skip
+
+
+class LeanStack:
+    """The forward of a fused Llama-code model, as one loop over its layers."""
+
+    def __init__(self, model: nn.Module, layers: list[_Layer], rotary: Callable[..., Any]) -> None:
+        self.model = model
+        self.layers = layers
+        self.rotary = rotary
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary_emb = inner.rotary_emb
+        self.final_norm = _norm(inner.norm)
+        self.lm_head = model.lm_head
+
+    @classmethod
+    def build(cls, model: nn.Module) -> LeanStack | None:
+        """A lean stack for ``model``, or None where its code is not Llama's, fused."""
+        inner = getattr(model, "model", None)
+        if inner is None or not _same(type(model).forward, "causal_lm"):
+            return None
+        if not _same(type(inner).forward, "model") or _norm(inner.norm) is None:
+            return None
+        if len(inner.layers) != inner.config.num_hidden_layers:
+            return None
+        layers = [_layer(layer) for layer in inner.layers]
+        if not layers or any(p is None for p in layers):
+            return None
+        rotary = sys.modules[type(layers[0].attn).__module__].apply_rotary_pos_emb
+        return cls(model, layers, rotary)  # type: ignore[arg-type]
+
+    def __call__(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits ``[1, len(keep), vocab]`` of the packed batch ``input_ids [1, T]``
+        at positions ``keep``, as ``model(..., logits_to_keep=keep).logits``."""
+        rms = torch.ops.radixmux.rms_norm
+        act_and_mul = torch.ops.radixmux.act_and_mul
+        attend = paged_attention.paged_attention_forward
+        h = self.embed(input_ids)
+        cos, sin = self.rotary_emb(h, position_ids=position_ids)
+        tokens = h.shape[1]
+        for lay in self.layers:
+            residual = h
+            x = rms(h, *lay.in_norm)
+            shape = (1, tokens, -1, lay.head_dim)
+            q = lay.q(x).view(shape).transpose(1, 2)
+            k = lay.k(x).view(shape).transpose(1, 2)
+            v = lay.v(x).view(shape).transpose(1, 2)
+            q, k = self.rotary(q, k, cos, sin)
+            o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
+            h = residual + lay.o(o.reshape(1, tokens, -1).contiguous())
+            residual = h
+            x = rms(h, *lay.post_norm)
+            h = residual + lay.down(act_and_mul(lay.gate_up(x), lay.act))
+        h = rms(h, *self.final_norm)
+        return self.lm_head(h[:, keep])
