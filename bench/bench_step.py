@@ -325,7 +325,9 @@ def run(
     rows: list[StepFigures] = []
     with KVArena.create(num_blocks, BLOCK_BYTES) as arena:
         arena.populate()  # as the server's runner does: no page faults on K/V writes
-        runner = ModelRunner(loaded, arena.view(geometry), args.attention_backend)
+        # The lean stack skips the module calls the timing hooks ride on: with it
+        # only the whole step is measured (the parts read 0, "other" the step).
+        runner = ModelRunner(loaded, arena.view(geometry), args.attention_backend, lean=args.lean)
         if "cascade" in args.layouts and not runner.use_kernel:
             progress("decode kernel not in use: the cascade layout runs as plain shared")
         timer = StepTimer(loaded.model)
@@ -367,6 +369,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="transformers' own RMSNorm / MLP / rotary code (the server's --disable-fused-ops)",
     )
     p.add_argument(
+        "--lean",
+        action="store_true",
+        help="the server's lean Llama stack (lean_stack.py): whole step only, no parts",
+    )
+    p.add_argument(
         "--no-amx",
         action="store_true",
         help="oneDNN for every linear call (no AMX tile kernel for small batches)",
@@ -388,7 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\n{args.model} {args.dtype}, {args.threads} thread(s), "
         f"fused ops {'off' if args.no_fused_ops else 'on'}, "
-        f"AMX linear {'off' if args.no_amx or args.no_fused_ops else 'on'}, decode step at context "
+        f"AMX linear {'off' if args.no_amx or args.no_fused_ops else 'on'}, "
+        f"{'lean stack (parts not measured)' if args.lean else 'transformers forward'}, "
+        "decode step at context "
         f"{args.prefix}+{args.own} (shared: first {args.prefix} slots identical); "
         f"20th-percentile of {args.steps} steps; other = step - weights - logits - attention"
     )
