@@ -74,7 +74,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-        if rows <= self.amx_max_rows:
+        if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
         cut = rows - rows % ROW_GRAIN
         if rows <= ROW_GRAIN or cut == rows:

@@ -31,7 +31,6 @@ window) is made here from positions.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -344,19 +343,6 @@ def _extend_by_sdpa(
         n = seq.end - seq.start
         if seq.end - seq.start == seq.k_pos.shape[0]:
             # No cached prefix: the context is exactly this chunk, already in hand.
-            if first == 0 and softcap is None and (window is None or window >= n):
-                # Plain causal attention: SDPA's own causal path (no mask to
-                # build or read) is 1.8x the masked call at 512 tokens.
-                oe = F.scaled_dot_product_attention(
-                    q[seq.start : seq.end].transpose(0, 1)[None],
-                    key[:, :, seq.start : seq.end],
-                    value[:, :, seq.start : seq.end],
-                    is_causal=True,
-                    scale=scaling,
-                    enable_gqa=True,
-                )
-                out[seq.start : seq.end] = oe[0].transpose(0, 1)
-                continue
             ke = key[0, :, seq.start + first : seq.end]  # [KVH, L, D]
             ve = value[0, :, seq.start + first : seq.end]
         else:
@@ -370,21 +356,6 @@ def _extend_by_sdpa(
         oe = _attend(qe, ke[None], ve[None], mask.repeat(group, 1)[None, None], scaling, softcap)
         oe = oe.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[seq.start : seq.end] = oe.reshape(n, heads, head_dim)
-
-
-def _sdpa_on_amx(q: torch.Tensor) -> bool:
-    """Whether torch's CPU flash attention runs this dtype on AMX tiles (oneDNN's
-    brgemm, bfloat16). There it beats the extend kernel's float multiply-adds:
-    1.3-1.7x per layer with 2 threads on 512-token chunks, with or without a
-    cached prefix (``bench_decode_attention.py --parts extend``); on CPUs
-    without AMX the kernel is the one ahead, 2.5-3.6x."""
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and _cpu_has_amx()
-
-
-@functools.cache
-def _cpu_has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # what torch's kernels check
-    return bool(probe and probe())
 
 
 def paged_attention_forward(
@@ -429,9 +400,9 @@ def paged_attention_forward(
             return od.unsqueeze(0), None
         out[batch.dec_rows] = od
 
-    # Extends through the kernel only where its vector tiles run (elsewhere
-    # its scalar loops are slower than SDPA) and SDPA has no AMX tiles.
-    if batch.use_kernel and batch.extends and has_tiled_path(head_dim) and not _sdpa_on_amx(q):
+    # Extends through the kernel only where its vector tiles run: elsewhere
+    # its scalar loops are slower than SDPA.
+    if batch.use_kernel and batch.extends and has_tiled_path(head_dim):
         rows, addr, offsets, q_offsets = batch.ext_flat()
         qe = q.contiguous() if rows is None else q[rows]
         k_rows, v_rows = store.rows(layer)

@@ -95,3 +95,13 @@ def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
     f32 = tiny_model("llama", dtype="float32").model
     pack_linear_weights(f32)
     assert all(m.amx is None for m in f32.modules() if isinstance(m, PackedLinear))
+
+
+def test_a_batch_without_rows_to_project_needs_no_tile_copy():
+    """A forward that samples nothing projects zero rows: a float32 layer (no tile
+    copy) must take oneDNN then too, and a bf16 one returns an empty result."""
+    for dtype in (torch.float32, torch.bfloat16):
+        lin = torch.nn.Linear(64, 48).to(dtype)
+        for rows in (0, AMX_ALL_ROWS):
+            packed = PackedLinear(lin, rows)
+            assert packed(torch.randn(1, 0, 64).to(dtype)).shape == (1, 0, 48)

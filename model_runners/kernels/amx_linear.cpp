@@ -186,7 +186,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 #ifdef RADIXMUX_AMX
   TORCH_CHECK(request_amx(), "amx_linear: the kernel may not use AMX in this process");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "amx_linear: bfloat16 activations and weights");
+              "amx_linear: bfloat16 activations and weights, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2,
               "amx_linear: weights not packed by amx_pack");
   const int64_t k = x.size(-1), n = out_features;
