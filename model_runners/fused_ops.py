@@ -73,7 +73,8 @@ def same_code(fn: Callable[..., Any], reference: Callable[..., Any]) -> bool:
 
 
 @functools.cache
-def _references() -> dict[str, Any]:
+def references() -> dict[str, Any]:
+    """transformers' own code that swapped-in code must equal (here and in lean_stack.py)."""
     from transformers.models.gemma3 import modeling_gemma3 as gemma
     from transformers.models.llama import modeling_llama as llama
 
@@ -84,13 +85,17 @@ def _references() -> dict[str, Any]:
         "mlp": llama.LlamaMLP.forward,
         "rotary": llama.apply_rotary_pos_emb,
         "rotate_half": llama.rotate_half,
+        "causal_lm": llama.LlamaForCausalLM.forward,
+        "model": llama.LlamaModel.forward,
+        "layer": llama.LlamaDecoderLayer.forward,
+        "attention": llama.LlamaAttention.forward,
     }
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------
 def _norm_style(module: nn.Module) -> str | None:
     """``llama``, ``gemma`` or None (not an RMSNorm whose code we know)."""
-    ref = _references()
+    ref = references()
     cls = type(module)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
@@ -139,7 +144,7 @@ def _activation(act: nn.Module) -> int | None:
 
 
 def _mlp_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear, int] | None:
-    if not same_code(type(module).forward, _references()["mlp"]):
+    if not same_code(type(module).forward, references()["mlp"]):
         return None
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
     if type(gate) is not nn.Linear or type(up) is not nn.Linear:
@@ -219,7 +224,7 @@ def _fuse_rotary(modeling: types.ModuleType) -> bool:
         return False
     if hasattr(current, "radixmux_eager"):
         return True  # another model of this module already swapped it
-    ref = _references()
+    ref = references()
     rotate = getattr(modeling, "rotate_half", None)
     if not (same_code(current, ref["rotary"]) and same_code(rotate, ref["rotate_half"])):
         return False

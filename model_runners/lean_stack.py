@@ -14,7 +14,6 @@ differs) keeps transformers' forward.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -25,34 +24,25 @@ import torch
 from torch import nn
 
 from radixmux.model_runners import paged_attention
-from radixmux.model_runners.fused_ops import same_code
+from radixmux.model_runners.fused_ops import references, same_code
 from radixmux.model_runners.packed_linear import PackedLinear
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-@functools.cache
-def _references() -> dict[str, Any]:
-    from transformers.models.llama import modeling_llama as llama
-
-    return {
-        "causal_lm": llama.LlamaForCausalLM.forward,
-        "model": llama.LlamaModel.forward,
-        "layer": llama.LlamaDecoderLayer.forward,
-        "attention": llama.LlamaAttention.forward,
-    }
-
-
 def _same(fn: Callable[..., Any], name: str) -> bool:
     # Decorators wrap every forward in look-alike wrappers: compare what they wrap.
-    return same_code(inspect.unwrap(fn), inspect.unwrap(_references()[name]))
+    return same_code(inspect.unwrap(fn), inspect.unwrap(references()[name]))
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module.forward`` directly would skip a hook of ``module``."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def _linear(module: nn.Module) -> Linear | None:
     """The module's own forward, bound (no ``nn.Module.__call__``), if it is a plain
-    or packed linear layer without hooks."""
-    if module._forward_hooks or module._forward_pre_hooks:
-        return None
+    or packed linear layer."""
     if isinstance(module, PackedLinear) or type(module) is nn.Linear:
         return module.forward
     return None
@@ -90,12 +80,15 @@ def _layer(layer: nn.Module) -> _Layer | None:
     rotary = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
     if not hasattr(rotary, "radixmux_eager"):
         return None  # the modeling module's rotary is not the fused one
-    in_norm, post_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-    parts = [_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    parts += [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
-    if in_norm is None or post_norm is None or any(p is None for p in parts):
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    linears = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [mlp.gate_up_proj, mlp.down_proj]
+    # Every module the loop calls by its forward alone: none may have a hook to skip.
+    if any(_hooked(m) for m in (layer, attn, mlp, *norms, *linears)):
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp)):
+    in_norm, post_norm = (_norm(m) for m in norms)
+    parts = [_linear(m) for m in linears]
+    if in_norm is None or post_norm is None or any(p is None for p in parts):
         return None
     q, k, v, o, gate_up, down = parts
     return _Layer(
@@ -108,7 +101,6 @@ class LeanStack:
     """The forward of a fused Llama-code model, as one loop over its layers."""
 
     def __init__(self, model: nn.Module, layers: list[_Layer], rotary: Callable[..., Any]) -> None:
-        self.model = model
         self.layers = layers
         self.rotary = rotary
         inner = model.model
@@ -122,6 +114,8 @@ class LeanStack:
         """A lean stack for ``model``, or None where its code is not Llama's, fused."""
         inner = getattr(model, "model", None)
         if inner is None or not _same(type(model).forward, "causal_lm"):
+            return None
+        if _hooked(model) or _hooked(inner) or _hooked(inner.norm):  # forwards not called
             return None
         if not _same(type(inner).forward, "model") or _norm(inner.norm) is None:
             return None

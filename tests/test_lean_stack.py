@@ -64,3 +64,11 @@ def test_unfused_or_hooked_llama_keeps_transformers_forward():
     assert LeanStack.build(hooked.model) is not None
     hooked.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
     assert LeanStack.build(hooked.model) is None  # a hook must still run
+    for reach in (
+        lambda m: m.model.layers[0].post_attention_layernorm,
+        lambda m: m.model.norm,
+        lambda m: m.model,
+    ):
+        other = _served("llama", "bfloat16")
+        reach(other.model).register_forward_pre_hook(lambda *a: None)
+        assert LeanStack.build(other.model) is None  # norms and the stack's own forwards too
