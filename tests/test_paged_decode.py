@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from radixmux.model_runners import paged_decode as kernel
+from radixmux.model_runners.packed_linear import amx_available
 
 pytestmark = pytest.mark.skipif(not kernel.load(), reason=f"kernel not built: {kernel.error()}")
 
@@ -275,6 +276,30 @@ def test_extend_matches_reference(dtype, heads, kv_heads, dim, softcap, window, 
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
     err = (got.double() - want).abs().max().item()
     assert err < tol, err
+
+
+@pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU (or no compiler)")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 256), (32, 8, 128)])
+def test_extend_rows_do_not_depend_on_the_chunk(heads, kv_heads, dim):
+    """On AMX a prompt token's attention is the same bits computed with the whole
+    prompt or after any cached prefix (chunks of 1 to 699 new tokens)."""
+    g = torch.Generator().manual_seed(dim)
+    k_rows = torch.randn(4000, kv_heads * dim, generator=g).bfloat16()
+    v_rows = torch.randn(4000, kv_heads * dim, generator=g).bfloat16()
+    length = 700
+    addr = torch.randperm(4000, generator=g)[:length]
+    q = torch.randn(length, heads, dim, generator=g).bfloat16()
+    span = torch.tensor([0, length])
+
+    def extend(cached: int) -> torch.Tensor:
+        new = torch.tensor([0, length - cached])
+        return kernel.paged_extend(
+            q[cached:].contiguous(), k_rows, v_rows, addr, span, new, dim**-0.5, 0, 0
+        )
+
+    whole = extend(0)
+    for cached in (1, 31, 400, 650, 699):
+        assert torch.equal(extend(cached), whole[cached:]), cached
 
 
 def test_extend_rejects_bad_offsets():

@@ -26,12 +26,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define RADIXMUX_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -41,20 +36,8 @@ constexpr int64_t kPairRows = 16; // k pairs per B tile (32 k)
 constexpr int64_t kRowBlock = 256;
 
 #ifdef RADIXMUX_AMX
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out AMX state only to processes that ask (ARCH_REQ_XCOMP_PERM
-// for XTILEDATA); asking again is harmless.
-bool request_amx() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
+using radixmux::request_amx;
+using radixmux::TileConfig;
 
 // rows0 / rows1: activation rows of the two 16-row halves (rows1 may be 0).
 void configure(int rows0, int rows1) {

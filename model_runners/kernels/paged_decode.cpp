@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "to_float.h"
 
 namespace {
@@ -602,6 +603,202 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
 }
 #endif
 
+#ifdef RADIXMUX_AMX
+// ---- many query rows on AMX tiles (bfloat16 K/V and queries) ---------------------------
+// attend_state_tiled's contract and order of work with both products on AMX
+// (tdpbf16ps: bfloat16 pairs into float accumulators, 16 x 16 x 32 per
+// instruction). The scores come out transposed, S^T = K . Q^T, with the K
+// rows gathered into whole tiles and the queries as the same bfloat16 pairs
+// qt [dim / 2, rp], so softmax_tile runs on them unchanged (rows in lanes);
+// its weights go back as pairs P^T [keys / 2, rp] (rounded to bfloat16, as
+// the tiled path and torch's CPU attention round them) and O^T += V^T . P^T
+// accumulates in acc_t [dim, rp], rescaled lane by lane. Key tiles start at
+// fixed offsets from the first key and each output element is a per-row sum
+// in a fixed order, so a row's result does not depend on which other rows
+// share its task (a prompt's tokens come out the same computed whole or over
+// its cached prefix).
+constexpr int64_t kAmxKeys = 128;  // keys per step (a multiple of 32)
+
+// dst[j * ldd + i] = src[i * lds + j] for a 16 x 16 block of 32-bit values.
+inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: a0 b0 a1 b1 | a2 b2 a3 b3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L: rows i..i+3 of column 4L + c
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+    const __m512i u1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i u3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_storeu_si512(dst + (0 + c) * ldd, _mm512_shuffle_i32x4(u0, u1, 0x88));
+    _mm512_storeu_si512(dst + (4 + c) * ldd, _mm512_shuffle_i32x4(u0, u1, 0xDD));
+    _mm512_storeu_si512(dst + (8 + c) * ldd, _mm512_shuffle_i32x4(u2, u3, 0x88));
+    _mm512_storeu_si512(dst + (12 + c) * ldd, _mm512_shuffle_i32x4(u2, u3, 0xDD));
+  }
+}
+
+// Whether this process may use AMX tiles (asked once).
+inline bool amx_ready() { return radixmux::request_amx(); }
+
+// Tiles: 0-3 accumulators, 4-5 A operands, 6-7 B operands (all 16 x 64 bytes).
+template <int NV>
+__attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows, int64_t rp,
+                                                const c10::BFloat16* k_base,
+                                                const c10::BFloat16* v_base, int64_t row_stride,
+                                                const int64_t* addr, int64_t len,
+                                                const int32_t* first, const int32_t* last,
+                                                float scale, float softcap, Scratch& sc, float* m,
+                                                float* s, float* acc) {
+  static_assert(NV % 2 == 0, "head_dim must be a multiple of 32 (one tile's k)");
+  constexpr int64_t dim = NV * 16, KT = kAmxKeys, pairs = KT / 2;
+  const int64_t groups = rp / 16;
+  const int64_t lq = rp * 4;  // bytes per row of qt, st, p2, acc_t
+  sc.kf.resize(static_cast<size_t>(KT * dim / 2 + pairs * rp));  // K rows, then P^T pairs
+  sc.vf.resize(static_cast<size_t>(2 * pairs * dim));            // V pairs, then V^T
+  sc.scores.resize(static_cast<size_t>(KT * rp));
+  sc.row.assign(static_cast<size_t>(dim * rp), 0.f);  // acc_t
+  sc.rowstate.resize(static_cast<size_t>(3 * rp));
+  uint16_t* kb = reinterpret_cast<uint16_t*>(sc.kf.data());  // [KT, dim] bfloat16
+  uint32_t* p2 = reinterpret_cast<uint32_t*>(sc.kf.data() + KT * dim / 2);  // [pairs, rp]
+  uint32_t* v2 = reinterpret_cast<uint32_t*>(sc.vf.data());                 // [pairs, dim]
+  uint32_t* vt = v2 + pairs * dim;  // [dim, pairs]: row d is V^T's 32 keys at d
+  float *st = sc.scores.data(), *acc_t = sc.row.data();
+  float *mr = sc.rowstate.data(), *sr = mr + rp, *rescale = sr + rp;
+  std::fill(mr, mr + rp, -FLT_MAX);
+  std::fill(sr, sr + rp, 0.f);
+  const int32_t first_all = *std::max_element(first, first + rows);
+  const int32_t last_all = *std::min_element(last, last + rows);
+  constexpr int64_t bytes = dim * static_cast<int64_t>(sizeof(c10::BFloat16));
+  prefetch_rows(k_base, addr, row_stride, std::min(KT, len), bytes);
+  prefetch_rows(v_base, addr, row_stride, std::min(KT, len), bytes);
+  radixmux::configure_full_tiles();
+  for (int64_t j0 = 0; j0 < len; j0 += KT) {
+    const int64_t n = std::min(KT, len - j0);
+    if (j0 + KT < len) {
+      const int64_t ahead = std::min(KT, len - j0 - KT);
+      prefetch_rows(k_base, addr + j0 + KT, row_stride, ahead, bytes);
+      prefetch_rows(v_base, addr + j0 + KT, row_stride, ahead, bytes);
+    }
+    // K rows into whole tiles (zero rows past n: their scores are never used).
+    for (int64_t k = 0; k < n; ++k)
+      std::memcpy(kb + k * dim, k_base + addr[j0 + k] * row_stride, bytes);
+    if (n < KT) std::memset(kb + n * dim, 0, (KT - n) * bytes);
+    // S^T [KT, rp] = K . Q^T in 2 x 2 blocks of 16 keys x 16 query rows
+    // (key groups wholly past n skipped).
+    const int64_t key_groups = (n + 15) / 16;
+    for (int64_t kg = 0; kg < key_groups; kg += 2) {
+      const uint16_t* k0 = kb + 16 * kg * dim;
+      float* s0 = st + 16 * kg * rp;
+      for (int64_t g = 0; g < groups; g += 2) {
+        const bool two = g + 1 < groups;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < NV / 2; ++c) {
+          _tile_loadd(4, k0 + 32 * c, dim * 2);
+          _tile_loadd(5, k0 + 16 * dim + 32 * c, dim * 2);
+          _tile_loadd(6, qt + 16 * c * rp + 16 * g, lq);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, qt + 16 * c * rp + 16 * g + 16, lq);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, s0 + 16 * g, lq);
+        _tile_stored(1, s0 + 16 * rp + 16 * g, lq);
+        if (two) {
+          _tile_stored(2, s0 + 16 * g + 16, lq);
+          _tile_stored(3, s0 + 16 * rp + 16 * g + 16, lq);
+        }
+      }
+    }
+    const bool masked = j0 < first_all || j0 + n - 1 > last_all;
+    softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
+    // P^T and V as key pairs (zeros past n: weight 0 on a zero row adds nothing).
+    const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
+    for (int64_t k = 0; k < 16 * chunks; ++k) {
+      if (2 * k < n) {
+        const bool both = 2 * k + 1 < n;
+        pair_weights(st + 2 * k * rp, both ? st + (2 * k + 1) * rp : nullptr, rp, p2 + k * rp);
+        interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
+                            both ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
+                            v2 + k * dim);
+      } else {
+        std::memset(p2 + k * rp, 0, lq);
+        std::memset(v2 + k * dim, 0, dim * 4);
+      }
+    }
+    for (int64_t pb = 0; pb < chunks; ++pb)
+      for (int64_t d = 0; d < dim; d += 16)
+        transpose16(v2 + 16 * pb * dim + d, dim, vt + d * pairs + 16 * pb, pairs);
+    // The accumulators' rescale, skipped for a group whose maxima all held.
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 c = _mm512_loadu_ps(rescale + 16 * g);
+      if (_mm512_cmp_ps_mask(c, _mm512_set1_ps(1.f), _CMP_EQ_OQ) == 0xffff) continue;
+      for (int64_t d = 0; d < dim; ++d) {
+        float* a = acc_t + d * rp + 16 * g;
+        _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), c));
+      }
+    }
+    // O^T [dim, rp] += V^T . P^T in 2 x 2 blocks of 16 dims x 16 rows, the
+    // accumulators in tiles over the step's key chunks.
+    for (int64_t dg = 0; dg < NV; dg += 2) {
+      const uint32_t* a0 = vt + 16 * dg * pairs;
+      for (int64_t g = 0; g < groups; g += 2) {
+        const bool two = g + 1 < groups;
+        float* c0 = acc_t + 16 * dg * rp + 16 * g;
+        float* c1 = c0 + 16 * rp;
+        _tile_loadd(0, c0, lq);
+        _tile_loadd(1, c1, lq);
+        if (two) {
+          _tile_loadd(2, c0 + 16, lq);
+          _tile_loadd(3, c1 + 16, lq);
+        }
+        for (int64_t kc = 0; kc < chunks; ++kc) {
+          _tile_loadd(4, a0 + 16 * kc, pairs * 4);
+          _tile_loadd(5, a0 + 16 * pairs + 16 * kc, pairs * 4);
+          _tile_loadd(6, p2 + 16 * kc * rp + 16 * g, lq);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, p2 + 16 * kc * rp + 16 * g + 16, lq);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c0, lq);
+        _tile_stored(1, c1, lq);
+        if (two) {
+          _tile_stored(2, c0 + 16, lq);
+          _tile_stored(3, c1 + 16, lq);
+        }
+      }
+    }
+  }
+  // acc [rows, dim] = acc_t^T: whole 16-row groups by blocks, the rest by element.
+  const int64_t whole = rows / 16 * 16;
+  for (int64_t r = 0; r < whole; r += 16)
+    for (int64_t d = 0; d < dim; d += 16)
+      transpose16(reinterpret_cast<const uint32_t*>(acc_t) + d * rp + r, rp,
+                  reinterpret_cast<uint32_t*>(acc) + r * dim + d, dim);
+  for (int64_t r = whole; r < rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] = acc_t[d * rp + r];
+  std::copy(mr, mr + rows, m);
+  std::copy(sr, sr + rows, s);
+}
+#endif
+
 // One query row of a task: its head_dim values (unscaled) and the keys it
 // sees, first..last, as indices into the task's key run.
 template <typename Q>
@@ -612,11 +809,13 @@ struct QueryRow {
 
 // Softmax state (as attend_state's) of `rows` query rows from anywhere,
 // row(r) giving row r, over the keys addr[0:len] of one KV head (kh, vh):
-// the tiled path for many rows, the per-key path for few.
+// the tiled path for many rows, the per-key path for few. With `amx_any`
+// (extends) every row count takes the AMX path where it applies, so a
+// prompt token's result does not depend on how many tokens its chunk has.
 template <typename T, typename Q, int NV, typename RowFn>
 void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t row_stride,
                  const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
-                 Scratch& s, float* m, float* sum, float* acc) {
+                 Scratch& s, float* m, float* sum, float* acc, bool amx_any = false) {
 #ifdef __AVX512F__
   // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
   // use); float queries over them take the per-key path rather than add a
@@ -624,14 +823,19 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
   constexpr bool tiled_types = !kBf16Dot || !std::is_same_v<T, c10::BFloat16> ||
                                std::is_same_v<Q, c10::BFloat16>;
   if constexpr (NV > 0 && tiled_types) {
-    if (rows >= kTiledRows) {
+    constexpr bool dp = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                        std::is_same_v<Q, c10::BFloat16>;
+#ifdef RADIXMUX_AMX
+    const bool amx = dp && NV % 2 == 0 && amx_ready();
+#else
+    const bool amx = false;
+#endif
+    if (rows >= kTiledRows || (amx && amx_any)) {
       // Queries transposed, rows in lanes: bfloat16 pairs when both sides are
       // bfloat16 (vdpbf16ps), else floats; padding rows zero and seeing nothing.
       const int64_t rp = (rows + 15) / 16 * 16;
       s.first32.assign(static_cast<size_t>(rp), INT32_MAX);
       s.last32.assign(static_cast<size_t>(rp), -1);
-      constexpr bool dp = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
-                          std::is_same_v<Q, c10::BFloat16>;
       s.qt.assign(static_cast<size_t>((dp ? dim / 2 : dim) * rp), 0.f);
       uint32_t* pairs = reinterpret_cast<uint32_t*>(s.qt.data());  // as wide as a float
       for (int64_t r = 0; r < rows; ++r) {
@@ -648,6 +852,15 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
           }
         }
       }
+#ifdef RADIXMUX_AMX
+      if constexpr (dp && NV % 2 == 0) {
+        if (amx) {
+          attend_state_amx<NV>(pairs, rows, rp, kh, vh, row_stride, addr, len, s.first32.data(),
+                               s.last32.data(), scale, softcap, s, m, sum, acc);
+          return;
+        }
+      }
+#endif
       attend_state_tiled<T, NV, dp>(s.qt.data(), rows, rp, kh, vh, row_stride, addr, len,
                                     s.first32.data(), s.last32.data(), scale, softcap, s, m, sum,
                                     acc);
@@ -1007,7 +1220,8 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       dispatch_dim(dim, [&](auto nv) {
         attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
                                                row_stride, ap + offs[t.seq] + begin,
-                                               end - begin, dim, sc, cap, s, m, sum, acc);
+                                               end - begin, dim, sc, cap, s, m, sum, acc,
+                                               /*amx_any=*/true);
       });
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t token = t.t0 + r / qpk;
