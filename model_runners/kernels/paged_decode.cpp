@@ -470,10 +470,16 @@ inline __m512 exp_nonpositive(__m512 x) {
 // (and soft-cap) the scores, raise each row's running max m over the tile's
 // visible keys (j0 + k in [first[r], last[r]]; every key when !masked),
 // rescale its sum s, leave in rescale[r] the factor its accumulator needs,
-// and turn the scores into weights (exactly 0 for keys a row must not see).
+// and turn the scores into weights (exactly 0 for keys a row must not see):
+// in st as floats, or, given p2, as bfloat16 pairs p2 [pairs, rp] of keys
+// (2k, 2k + 1) for k < pairs (zeros past n), st keeping the scaled scores.
+// Maxima and sums run as four interleaved chains (keys k mod 4): a single
+// chain waits on each add's latency; the order is fixed, so a row's result
+// still depends only on its own scores.
 inline void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0, bool masked,
                          const int32_t* first, const int32_t* last, float scale, float softcap,
-                         float* m, float* s, float* rescale) {
+                         float* m, float* s, float* rescale, uint32_t* p2 = nullptr,
+                         int64_t pairs = 0) {
   if (softcap > 0.f) {  // vectorised through the vector math library's tanh
     const float inner = scale / softcap;
     for (int64_t i = 0; i < n * rp; ++i) st[i] = std::tanh(st[i] * inner) * softcap;
@@ -488,25 +494,41 @@ inline void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0, bool mask
       return _mm512_cmp_epi32_mask(j, f, _MM_CMPINT_NLT) &
              _mm512_cmp_epi32_mask(j, l, _MM_CMPINT_LE);
     };
+    auto score = [&](int64_t k) { return _mm512_mul_ps(_mm512_loadu_ps(st + k * rp + r), sc); };
     const __m512 old_max = _mm512_loadu_ps(m + r);
-    __m512 top = old_max;
+    __m512 tops[4] = {old_max, old_max, old_max, old_max};
     for (int64_t k = 0; k < n; ++k) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + k * rp + r), sc);
-      _mm512_storeu_ps(st + k * rp + r, x);
-      top = _mm512_mask_max_ps(top, seen(k), top, x);
+      __m512& t = tops[k & 3];
+      t = _mm512_mask_max_ps(t, seen(k), t, score(k));
     }
+    const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
     // Both -FLT_MAX (nothing seen yet): factor 1 on a zero sum.
     const __m512 c = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, top), floor));
-    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(s + r), c);
-    for (int64_t k = 0; k < n; ++k) {
-      const __m512 x = _mm512_loadu_ps(st + k * rp + r);
+    __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+    auto weight = [&](int64_t k) {
       const __m512 p = _mm512_maskz_mov_ps(
-          seen(k), exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(x, top), floor)));
-      _mm512_storeu_ps(st + k * rp + r, p);
-      sum = _mm512_add_ps(sum, p);
+          seen(k), exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(score(k), top), floor)));
+      part[k & 3] = _mm512_add_ps(part[k & 3], p);
+      return p;
+    };
+#ifdef __AVX512BF16__
+    if (p2) {
+      const __m512i interleave = _mm512_load_si512(kInterleave16);
+      for (int64_t k = 0; k < pairs; ++k) {
+        const __m512 a = 2 * k < n ? weight(2 * k) : _mm512_setzero_ps();
+        const __m512 b = 2 * k + 1 < n ? weight(2 * k + 1) : _mm512_setzero_ps();
+        const __m512bh both = _mm512_cvtne2ps_pbh(b, a);
+        _mm512_storeu_si512(p2 + k * rp + r, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+      }
+    } else
+#endif
+    {
+      for (int64_t k = 0; k < n; ++k) _mm512_storeu_ps(st + k * rp + r, weight(k));
     }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
     _mm512_storeu_ps(m + r, top);
-    _mm512_storeu_ps(s + r, sum);
+    _mm512_storeu_ps(s + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r), c), sum));
     _mm512_storeu_ps(rescale + r, c);
   }
 }
@@ -723,19 +745,18 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
         }
       }
     }
-    const bool masked = j0 < first_all || j0 + n - 1 > last_all;
-    softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
     // P^T and V as key pairs (zeros past n: weight 0 on a zero row adds nothing).
+    const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
+    softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale, p2,
+                 16 * chunks);
     for (int64_t k = 0; k < 16 * chunks; ++k) {
       if (2 * k < n) {
         const bool both = 2 * k + 1 < n;
-        pair_weights(st + 2 * k * rp, both ? st + (2 * k + 1) * rp : nullptr, rp, p2 + k * rp);
         interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
                             both ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
                             v2 + k * dim);
       } else {
-        std::memset(p2 + k * rp, 0, lq);
         std::memset(v2 + k * dim, 0, dim * 4);
       }
     }
