@@ -132,24 +132,24 @@ class LeanStack:
     ) -> torch.Tensor:
         """Logits ``[1, len(keep), vocab]`` of the packed batch ``input_ids [1, T]``
         at positions ``keep``, as ``model(..., logits_to_keep=keep).logits``."""
-        rms = torch.ops.radixmux.rms_norm
+        # Each residual add and the norm after it are one kernel (the same
+        # roundings as the add's bfloat16 result then the norm); x is always
+        # the normed input of the next part, h the residual stream.
+        add_rms = torch.ops.radixmux.add_rms_norm
         act_and_mul = torch.ops.radixmux.act_and_mul
         attend = paged_attention.paged_attention_forward
         h = self.embed(input_ids)
         cos, sin = self.rotary_emb(h, position_ids=position_ids)
         tokens = h.shape[1]
-        for lay in self.layers:
-            residual = h
-            x = rms(h, *lay.in_norm)
+        x = torch.ops.radixmux.rms_norm(h, *self.layers[0].in_norm)
+        next_norms = [lay.in_norm for lay in self.layers[1:]] + [self.final_norm]
+        for lay, next_norm in zip(self.layers, next_norms, strict=True):
             shape = (1, tokens, -1, lay.head_dim)
             q = lay.q(x).view(shape).transpose(1, 2)
             k = lay.k(x).view(shape).transpose(1, 2)
             v = lay.v(x).view(shape).transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
-            h = residual + lay.o(o.reshape(1, tokens, -1).contiguous())
-            residual = h
-            x = rms(h, *lay.post_norm)
-            h = residual + lay.down(act_and_mul(lay.gate_up(x), lay.act))
-        h = rms(h, *self.final_norm)
-        return self.lm_head(h[:, keep])
+            h, x = add_rms(h, lay.o(o.reshape(1, tokens, -1).contiguous()), *lay.post_norm)
+            h, x = add_rms(h, lay.down(act_and_mul(lay.gate_up(x), lay.act)), *next_norm)
+        return self.lm_head(x[:, keep])

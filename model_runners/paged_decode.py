@@ -36,7 +36,9 @@ SOURCES = tuple(
     Path(__file__).parent / "kernels" / f
     for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp")
 )
-HEADERS = tuple(Path(__file__).parent / "kernels" / f for f in ("to_float.h", "amx.h"))  # build key
+HEADERS = tuple(
+    Path(__file__).parent / "kernels" / f for f in ("to_float.h", "amx.h", "vec_exp.h")
+)  # build key
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

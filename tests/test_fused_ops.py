@@ -61,6 +61,26 @@ def test_rms_norm_llama_and_gemma(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, gemma):
+    x = (torch.randn(1, 29, 576) * 3).to(dtype)
+    delta = torch.randn(1, 29, 576).to(dtype)
+    weight = torch.randn(576).to(dtype)
+    h, y = torch.ops.radixmux.add_rms_norm(x, delta, weight, 1e-5, gemma)
+    assert torch.equal(h, x + delta)
+    assert torch.equal(y, torch.ops.radixmux.rms_norm(x + delta, weight, 1e-5, gemma))
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        torch.ops.radixmux.add_rms_norm(x, delta[:, :3], weight, 1e-5, gemma)
+
+
+@pytest.mark.parametrize("inter", [1536, 37])  # whole vectors; a scalar tail
+def test_silu_and_mul_against_eager(inter):
+    gate_up = (torch.randn(7, 2 * inter) * 4).to(torch.bfloat16)
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    _close(torch.ops.radixmux.act_and_mul(gate_up, 0), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_gated_mlp(dtype, act):
     from transformers import LlamaConfig

@@ -1,5 +1,6 @@
-// Fused element-wise layers of a decoder block: RMSNorm, activation-and-multiply
-// of a gated MLP, and rotary position embedding.
+// Fused element-wise layers of a decoder block: RMSNorm (alone or after the
+// residual add), activation-and-multiply of a gated MLP, and rotary position
+// embedding.
 //
 // transformers writes each of these as a chain of small torch ops (RMSNorm is
 // six: cast, pow, mean, add, rsqrt, mul, mul, cast). On a CPU every op is a
@@ -22,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 // The library builds with -ffast-math, which lets gcc contract a*b + c into one
@@ -30,6 +33,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "to_float.h"
+#include "vec_exp.h"
 
 namespace {
 
@@ -117,6 +121,42 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return y;
 }
 
+// ---- residual add, then RMSNorm ------------------------------------------------------
+// (x + delta).to(T) and its RMSNorm in one pass over each row: eager's
+// ``h = residual + out; norm(h)``, two ops and two passes over the activations.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps, bool gemma) {
+  TORCH_CHECK(x.sizes() == delta.sizes() && x.scalar_type() == delta.scalar_type(),
+              "add_rms_norm: x is ", x.sizes(), " ", x.scalar_type(), ", delta ", delta.sizes(),
+              " ", delta.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && delta.device().is_cpu() && weight.device().is_cpu(),
+              "add_rms_norm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "add_rms_norm: x is ", x.scalar_type(),
+              ", weight ", weight.scalar_type());
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "add_rms_norm: weight of ",
+              weight.numel(), " for rows of ", dim);
+  at::Tensor xc = x.contiguous(), dc = delta.contiguous(), wc = weight.contiguous();
+  at::Tensor sum = at::empty_like(xc), y = at::empty_like(xc);
+  const int64_t rows = dim ? xc.numel() / dim : 0;
+  dispatch(x, "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = xc.data_ptr<T>();
+    const T* dp = dc.data_ptr<T>();
+    const T* wp = wc.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, rows, grain(dim), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t i = r * dim; i < (r + 1) * dim; ++i)
+          sp[i] = store<T>(load(xp[i]) + load(dp[i]));
+        rms_norm_rows<T>(sp, wp, yp, rows, dim, static_cast<float>(eps), gemma, r, r + 1);
+      }
+    });
+  });
+  return {sum, y};
+}
+
 // ---- activation and multiply ----------------------------------------------------------
 // act(gate).to(T) * up, rounded: the eager ``act_fn(gate_proj(x)) * up_proj(x)`` with
 // gate and up side by side in one [rows, 2 * inter] tensor (one fused projection).
@@ -127,6 +167,41 @@ inline float activate(float g, int64_t act) {
   const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2/pi)
   return 0.5f * g * (1.f + std::tanh(inner));
 }
+
+#ifdef __AVX512F__
+// 16 bfloat16s as floats, and floats rounded to bfloat16 (nearest even, as store).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i round16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+}
+inline __m512 to_bf16_and_back(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(round16(v), 16));
+}
+
+// silu(g).to(bf16) * u, rounded, 16 lanes at a time: the scalar loop's exp is
+// a libm call per element (a tenth of a 512-token prefill). The same roundings;
+// exp16 and libm's expf may differ in a float's last bit, which the rounding to
+// bfloat16 almost always hides.
+inline int64_t silu_mul16(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o,
+                          int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = load16(g + i);
+    const __m512 e = radixmux::exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
+                                                   _mm512_set1_ps(88.f)));
+    const __m512 a = to_bf16_and_back(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const __m512i y = round16(_mm512_mul_ps(a, load16(u + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(y));
+  }
+  return i;
+}
+#endif
 
 at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
   TORCH_CHECK(gate_up.device().is_cpu(), "act_and_mul: CPU tensors only");
@@ -148,7 +223,12 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
         const T* g = src + r * width;
         const T* u = g + inter;
         T* o = dst + r * inter;
-        for (int64_t i = 0; i < inter; ++i)
+        int64_t i = 0;
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          if (act == kSilu) i = silu_mul16(g, u, o, inter);
+#endif
+        for (; i < inter; ++i)
           o[i] = store<T>(round_to<T>(activate(load(g[i]), act)) * load(u[i]));
       }
     });
@@ -208,12 +288,14 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
   m.def("act_and_mul(Tensor gate_up, int act) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("act_and_mul", &act_and_mul);
   m.impl("rotary", &rotary);
 }

@@ -39,6 +39,7 @@
 
 #include "amx.h"
 #include "to_float.h"
+#include "vec_exp.h"
 
 namespace {
 
@@ -451,20 +452,8 @@ inline void accumulate_block(const float* pt, int64_t rp, const float* vf, int64
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + ((r0 + i) * NV + v) * 16, a[i][v]);
 }
 
-// e^x for x in [kMinExponent, 0], inline (the vector math library's exp is a
-// call that spills every live vector): x = n ln2 + r with |r| <= ln2 / 2
-// (ln2 in two parts, so r is exact), e^r by its degree-6 Taylor polynomial
-// (relative error 1.2e-7), times 2^n by vscalefps.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
+// e^x for the softmax: x in [kMinExponent, 0] (vec_exp.h).
+inline __m512 exp_nonpositive(__m512 x) { return radixmux::exp16(x); }
 
 // One tile of the online softmax over st [n, rp], 16 rows per vector: scale
 // (and soft-cap) the scores, raise each row's running max m over the tile's
