@@ -170,11 +170,25 @@ def _fuse_mlp(module: nn.Module, gate: nn.Linear, up: nn.Linear, act: int) -> No
     del module.gate_proj, module.up_proj  # their weights now live in gate_up_proj
     module.gate_up_proj = merged
 
+    table = act_table(module.act_fn) if merged.weight.dtype == torch.bfloat16 else None
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return module.down_proj(torch.ops.radixmux.act_and_mul(module.gate_up_proj(x), act))
+        gate_up = module.gate_up_proj(x)
+        return module.down_proj(torch.ops.radixmux.act_and_mul(gate_up, act, table))
 
     module.forward = forward
-    module.radixmux_act = act  # read by lean_stack.py
+    module.radixmux_act = (act, table)  # read by lean_stack.py
+
+
+def act_table(act_fn: nn.Module) -> torch.Tensor:
+    """``act_fn`` of every bfloat16 value, as the int16 bits the kernel indexes by a
+    bf16 input's bits (plus one spare entry for its 32-bit gathers): eager's own
+    function computes it, so a tabled activation is eager's to the bit."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    with torch.no_grad():
+        out = act_fn(every.view(torch.bfloat16)).view(torch.int16)
+    # Index by the unsigned bits: entry b is act(bits b); arange started at -32768.
+    return torch.cat([out.roll(-(1 << 15)), out[:1]]).contiguous()
 
 
 # ---- rotary embedding -------------------------------------------------------------------

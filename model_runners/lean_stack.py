@@ -61,7 +61,7 @@ class _Layer:
     o: Linear
     gate_up: Linear
     down: Linear
-    act: int
+    act: tuple[int, torch.Tensor | None]  # the activation and its bf16 table (fused_ops)
     head_dim: int
     scaling: float
 
@@ -151,5 +151,5 @@ class LeanStack:
             q, k = self.rotary(q, k, cos, sin)
             o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
             h, x = add_rms(h, lay.o(o.reshape(1, tokens, -1).contiguous()), *lay.post_norm)
-            h, x = add_rms(h, lay.down(act_and_mul(lay.gate_up(x), lay.act)), *next_norm)
+            h, x = add_rms(h, lay.down(act_and_mul(lay.gate_up(x), *lay.act)), *next_norm)
         return self.lm_head(x[:, keep])

@@ -16,7 +16,7 @@ import torch
 from conftest import make_runner, reference_logits, seq, tiny_model
 from torch import nn
 
-from radixmux.model_runners import paged_attention, paged_decode
+from radixmux.model_runners import fused_ops, paged_attention, paged_decode
 from radixmux.model_runners.fused_ops import FuseReport, fuse_model, is_fused
 
 pytestmark = pytest.mark.skipif(not paged_decode.load(), reason="kernel library not built")
@@ -73,11 +73,34 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype, gemma):
         torch.ops.radixmux.add_rms_norm(x, delta[:, :3], weight, 1e-5, gemma)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("inter", [1536, 37])  # whole vectors; a scalar tail
-def test_silu_and_mul_against_eager(inter):
-    gate_up = (torch.randn(7, 2 * inter) * 4).to(torch.bfloat16)
-    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    _close(torch.ops.radixmux.act_and_mul(gate_up, 0), want)
+def test_tabled_act_and_mul_is_eager_to_the_bit(act, inter):
+    from transformers.activations import ACT2FN
+
+    act_fn = ACT2FN[act]
+    code = {"silu": fused_ops.SILU, "gelu_pytorch_tanh": fused_ops.GELU_TANH}[act]
+    table = fused_ops.act_table(act_fn)
+    # Every bf16 gate value at least once, at scales where act(g) lands near a tie.
+    gate = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    gate = gate.view(torch.bfloat16).float().nan_to_num(0.0, 0.0, 0.0).to(torch.bfloat16)
+    rows = gate.numel() // inter // 64 * 64
+    gate = gate[: rows * inter].view(rows, inter)
+    gate_up = torch.cat([gate, (torch.randn_like(gate.float()) * 4).to(torch.bfloat16)], -1)
+    # Eager's activation on a whole contiguous tensor (as a model's gate output
+    # is): its vector path for every element. (On a 37-wide strided slice torch
+    # takes a scalar path for each row's last 5, which can round differently.)
+    want = act_fn(gate.reshape(-1)).view(rows, inter) * gate_up[:, inter:]
+    got = torch.ops.radixmux.act_and_mul(gate_up, code, table)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # Untabled (libm's exp): act(g) one bf16 step off near a tie, the product
+    # then up to two steps off; nearly every element equal.
+    normal = torch.randn(7, 2 * inter).to(torch.bfloat16)
+    untabled = torch.ops.radixmux.act_and_mul(normal, code)
+    ulps = _ulps(untabled, act_fn(normal[:, :inter]) * normal[:, inter:])
+    assert int(ulps.max()) <= 2 and float((ulps == 0).float().mean()) > 0.99
+    with pytest.raises(RuntimeError, match="table"):
+        torch.ops.radixmux.act_and_mul(gate_up, code, table[:-1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

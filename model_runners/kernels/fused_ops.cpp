@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -33,7 +34,6 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include "to_float.h"
-#include "vec_exp.h"
 
 namespace {
 
@@ -180,32 +180,36 @@ inline __m512i round16(__m512 v) {
   return _mm512_srli_epi32(
       _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
 }
-inline __m512 to_bf16_and_back(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(round16(v), 16));
-}
 
-// silu(g).to(bf16) * u, rounded, 16 lanes at a time: the scalar loop's exp is
-// a libm call per element (a tenth of a 512-token prefill). The same roundings;
-// exp16 and libm's expf may differ in a float's last bit, which the rounding to
-// bfloat16 almost always hides.
-inline int64_t silu_mul16(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o,
-                          int64_t n) {
+// table[g] * u, rounded, 16 lanes at a time: table holds act(g).to(bf16) for
+// every bfloat16 bit pattern g, computed by eager's own activation (its exp
+// and tanh, whose last float bit decides a bf16 rounding near a tie), so the
+// product is eager's to the bit, without an exp per element. 32-bit gathers
+// at 2-byte steps: the low half of each is the entry (the table has one spare).
+inline int64_t table_act_mul16(const c10::BFloat16* g, const c10::BFloat16* u,
+                               const uint16_t* table, c10::BFloat16* o, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 x = load16(g + i);
-    const __m512 e = radixmux::exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
-                                                   _mm512_set1_ps(88.f)));
-    const __m512 a = to_bf16_and_back(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-    const __m512i y = round16(_mm512_mul_ps(a, load16(u + i)));
+    const __m512i idx =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
+    const __m512i a = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16);
+    const __m512i y = round16(_mm512_mul_ps(_mm512_castsi512_ps(a), load16(u + i)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(y));
   }
   return i;
 }
 #endif
 
-at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
+at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act,
+                       const std::optional<at::Tensor>& table) {
   TORCH_CHECK(gate_up.device().is_cpu(), "act_and_mul: CPU tensors only");
   TORCH_CHECK(act == kSilu || act == kGeluTanh, "act_and_mul: unknown activation ", act);
+  const bool tabled = table.has_value() && gate_up.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(!tabled || (table->scalar_type() == at::kShort && table->is_contiguous() &&
+                          table->numel() == 65537),
+              "act_and_mul: the table must be 65,537 contiguous int16 (every bf16, one spare)");
+  const uint16_t* tp =
+      tabled ? reinterpret_cast<const uint16_t*>(table->data_ptr<int16_t>()) : nullptr;
   const int64_t width = gate_up.size(-1);
   TORCH_CHECK(width % 2 == 0, "act_and_mul: last dimension ", width, " is not even");
   const int64_t inter = width / 2;
@@ -224,10 +228,18 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, int64_t act) {
         const T* u = g + inter;
         T* o = dst + r * inter;
         int64_t i = 0;
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (tp) {
 #ifdef __AVX512F__
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
-          if (act == kSilu) i = silu_mul16(g, u, o, inter);
+            i = table_act_mul16(g, u, tp, o, inter);
 #endif
+            for (; i < inter; ++i) {
+              c10::BFloat16 a;
+              a.x = tp[g[i].x];
+              o[i] = store<T>(load(a) * load(u[i]));
+            }
+          }
+        }
         for (; i < inter; ++i)
           o[i] = store<T>(round_to<T>(activate(load(g[i]), act)) * load(u[i]));
       }
@@ -289,7 +301,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps, bool gemma) -> (Tensor, Tensor)");
-  m.def("act_and_mul(Tensor gate_up, int act) -> Tensor");
+  m.def("act_and_mul(Tensor gate_up, int act, Tensor? table=None) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
