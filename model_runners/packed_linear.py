@@ -11,7 +11,7 @@ costs its size again.
 
 Where the CPU has AMX (bfloat16 tiles), bfloat16 layers also keep their
 weight in the tile layout of ``kernels/amx_linear.cpp`` and calls of up to
-``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 512
+``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 768
 tokens; 160 for a gated MLP's wide up projection) run there: oneDNN spends
 ~20 us per call at decode sizes whatever the matrix, the tile kernel 3.5-10 us
 for SmolLM2's layers at 1-16 rows, with the same float accumulation and one
@@ -38,16 +38,21 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # holding JIT code and buffers. A server's batches come in every row count up
 # to chunked prefill + running requests, which would keep that cache churning
 # and the process growing by hundreds of MB. Above this many rows a call is
-# cut into a multiple of it plus a remainder, so at most ROW_GRAIN + (max rows
-# / ROW_GRAIN) shapes occur, and ``warm_up`` builds them all at start.
+# padded up to a multiple of it, so at most ROW_GRAIN + (max rows / ROW_GRAIN)
+# shapes occur, and ``warm_up`` builds them all at start. (Cutting a call into
+# a multiple plus a remainder instead, as before, cost a second call and a
+# concatenation of the outputs: a 2,048-token prefill with 8 decodes took
+# 795 ms against 459 ms for its two halves apart; padded, 491 ms.)
 ROW_GRAIN = 64
 # Row counts up to which the AMX tile kernel beats oneDNN (time ratios measured
-# on SmolLM2's and Gemma 3's shapes, 2 threads): ahead on every shape at up to
-# 512 rows (0.5-0.9x the time, but 1.1x on one), mostly up to 1,024, behind
-# at 2,048 (1.0-1.5x); a wide matrix (a gated MLP's merged gate and up
-# projection, 5-6x as many outputs as inputs) only up to ~160 rows (0.6-0.9x,
-# then 1.2-1.3x from 192).
-AMX_MAX_ROWS = 512
+# on SmolLM2's and Gemma 3's shapes, 2 threads, oneDNN at its padded row
+# count): ahead on every shape from 160 to 768 rows (0.5-0.8x the time; 0.9-1.0x
+# on SmolLM2's narrow k/v projections), behind from 1,024 (1.1-1.3x); a wide
+# matrix (a gated MLP's merged gate and up projection, 5-6x as many outputs as
+# inputs) only up to ~160 rows (0.9-1.0x, then 1.2-1.5x from 192). A 512-token
+# chunk plus a step's decodes thus stays on the tile kernel (it was cut at
+# 512: a 512-token prefill with 16 decodes took 195 ms against 164 ms apart).
+AMX_MAX_ROWS = 768
 AMX_MAX_ROWS_WIDE = 160
 # A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
 AMX_ALL_ROWS = sys.maxsize
@@ -76,12 +81,13 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
-        cut = rows - rows % ROW_GRAIN
-        if rows <= ROW_GRAIN or cut == rows:
+        if rows <= ROW_GRAIN or rows % ROW_GRAIN == 0:
             return self._linear(x)
-        flat = x.reshape(rows, x.shape[-1])
-        out = torch.cat([self._linear(flat[:cut]), self._linear(flat[cut:])])
-        return out.reshape(*x.shape[:-1], self.out_features)
+        # The pad rows are zeros (not whatever memory held: denormals or NaNs
+        # there would cost time, never the real rows' values).
+        padded = x.new_zeros(padded_rows(rows), x.shape[-1])
+        padded[:rows] = x.reshape(rows, x.shape[-1])
+        return self._linear(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -110,10 +116,15 @@ def amx_available() -> bool:
     return paged_decode.load() and bool(torch.ops.radixmux.has_amx_linear())
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a ``PackedLinear`` call of ``rows`` rows hands oneDNN."""
+    return rows if rows <= ROW_GRAIN else -(-rows // ROW_GRAIN) * ROW_GRAIN
+
+
 def row_counts(max_rows: int) -> list[int]:
     """Every row count a ``PackedLinear`` call makes for inputs of up to ``max_rows`` rows."""
     small = range(1, min(max_rows, ROW_GRAIN) + 1)
-    return [*small, *range(2 * ROW_GRAIN, max_rows + 1, ROW_GRAIN)]
+    return [*small, *range(2 * ROW_GRAIN, padded_rows(max_rows) + 1, ROW_GRAIN)]
 
 
 @torch.inference_mode()

@@ -82,7 +82,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     page_size: int = 1
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048
-    prefill_tokens_during_decode: int = 0
+    prefill_tokens_during_decode: int = 1024
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_fused_ops: bool = False
@@ -194,12 +194,16 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("kv-block-bytes", int, "arena block size (a block belongs to one model at a time)"),
     ("page-size", int, "tokens per KV page: matching and allocation granularity"),
     ("max-running-requests", int, "most requests decoding at once, per model instance"),
-    ("chunked-prefill-size", int, "most prompt tokens one forward pass prefills"),
+    (
+        "chunked-prefill-size",
+        int,
+        "most tokens (prompt chunks and decodes) one forward pass computes",
+    ),
     (
         "prefill-tokens-during-decode",
         int,
-        "most prompt tokens a forward pass that also decodes prefills, bounding the "
-        "inter-token latency of running requests (0: --chunked-prefill-size)",
+        "most tokens (decodes counted) a forward pass that also decodes computes, "
+        "bounding the inter-token latency of running requests (0: --chunked-prefill-size)",
     ),
     ("schedule-conservativeness", float, "reserve KV for future decode tokens (x max_tokens)"),
     ("kv-partition", str, f"{KV_PARTITIONS}: static gives each model a fixed share"),

@@ -6,9 +6,12 @@ A batch mixes, in this order:
    when KV runs out, the running request with the least progress is retracted
    (its KV goes into the cache, it waits again and later resumes where it was);
 2. the next chunk of prompts already being prefilled (chunked prefill), within
-   ``chunked_prefill_size`` tokens per batch, or ``prefill_tokens_during_decode``
-   when the batch also decodes (so a long prompt arriving does not stretch
-   every running request's next token);
+   ``chunked_prefill_size`` tokens per batch *counting the decode tokens* (as
+   vLLM's ``max_num_batched_tokens``: a 2,048-token step with 16 decodes
+   prefills 2,032, so the step's row count stays a multiple of the matmuls'
+   64-row grain), or ``prefill_tokens_during_decode`` tokens (decodes
+   counted too) when the batch decodes, so a long prompt arriving does not
+   stretch every running request's next token;
 3. new requests from the model's waiting queue, in schedule-policy order, while
    the token budget, ``max_running_requests`` and free KV allow. A request that
    shares a not-yet-cached prefix with one admitted in this round waits a round,
@@ -137,6 +140,7 @@ class BatchBuilder:
         budget = self.limits.chunked_prefill_size
         if reqs and self.limits.prefill_tokens_during_decode:
             budget = min(budget, self.limits.prefill_tokens_during_decode)
+        budget -= len(reqs)
         prefilling = [r for r in runner.running if r.pending > 1]
         for req in prefilling:
             n = min(req.pending, budget)

@@ -54,12 +54,24 @@ def test_prefill_shrinks_while_requests_decode() -> None:
     waiting = [first]
     assert run(b, runner, waiting) == [("first", 40)]  # nothing decodes: the full budget
     waiting.append(request("long", list(range(100, 300))))
-    # first now decodes: the long prompt comes in 32-token chunks beside it.
-    assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
-    assert run(b, runner, waiting) == [("first", 1), ("long", 32)]
+    # first now decodes: the long prompt comes in 31-token chunks beside it.
+    assert run(b, runner, waiting) == [("first", 1), ("long", 31)]
+    assert run(b, runner, waiting) == [("first", 1), ("long", 31)]
     check_invariants(
         b.kv.cache, held=b.kv.held_slots(runner.running), locks=[r.handle for r in runner.running]
     )
+
+
+def test_step_budget_counts_the_decode_tokens() -> None:
+    """A step computes at most ``chunked_prefill_size`` tokens, decodes included
+    (vLLM's ``max_num_batched_tokens``), so a full step is exactly that many rows."""
+    b = builder(chunked=64)
+    runner = RunnerState("m#0", "m", state="up")
+    waiting = [request("a", list(range(1, 41))), request("b", list(range(50, 74)))]
+    assert run(b, runner, waiting) == [("a", 40), ("b", 24)]
+    waiting.append(request("long", list(range(100, 300))))
+    assert run(b, runner, waiting) == [("a", 1), ("b", 1), ("long", 62)]
+    assert run(b, runner, waiting) == [("a", 1), ("b", 1), ("long", 62)]
 
 
 def test_decodes_sharing_a_cached_prefix_form_a_group() -> None:

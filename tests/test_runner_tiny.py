@@ -175,8 +175,9 @@ def test_packed_linear_weights_match_plain(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_linear_row_shapes_are_few_and_warmed(dtype):
-    """Any row count is cut into shapes that ``row_counts`` lists (so a warm-up
-    builds every oneDNN primitive serving will use), with the same results."""
+    """Any row count is padded to a shape that ``row_counts`` lists (so a
+    warm-up builds every oneDNN primitive serving will use), with the same
+    results and one oneDNN call."""
     from radixmux.model_runners.packed_linear import PackedLinear, row_counts, warm_up
 
     lin = torch.nn.Linear(32, 48).to(getattr(torch, dtype))
@@ -184,13 +185,15 @@ def test_packed_linear_row_shapes_are_few_and_warmed(dtype):
     seen: list[int] = []
     real = packed._linear
     packed._linear = lambda x: (seen.append(x.shape[0]), real(x))[1]
-    for rows in (1, 63, 64, 65, 130, 200, 576):
-        x = torch.randn(rows, 32).to(lin.weight.dtype)
+    for shape in ((1,), (63,), (64,), (65,), (130,), (200,), (576,), (5, 26)):
+        x = torch.randn(*shape, 32).to(lin.weight.dtype)
         want = lin(x)
         got = packed(x)
-        assert got.shape == want.shape
+        assert got.shape == want.shape and got.is_contiguous()
         assert (got.float() - want.float()).abs().max() < (1e-4 if dtype == "float32" else 3e-2)
+    assert seen == [1, 63, 64, 128, 192, 256, 576, 192]  # one call each, padded up
     assert set(seen) <= set(row_counts(576)) and len(row_counts(576)) == 64 + 8
+    assert row_counts(577)[-1] == 640
     model = torch.nn.Sequential(PackedLinear(lin), torch.nn.ReLU(), PackedLinear(lin))
     assert warm_up(model, 576) == len(row_counts(576))  # one shape, warmed once
 
