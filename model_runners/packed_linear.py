@@ -81,11 +81,12 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
-        if rows <= ROW_GRAIN or rows % ROW_GRAIN == 0:
+        grain = padded_rows(rows)
+        if grain == rows:
             return self._linear(x)
         # The pad rows are zeros (not whatever memory held: denormals or NaNs
         # there would cost time, never the real rows' values).
-        padded = x.new_zeros(padded_rows(rows), x.shape[-1])
+        padded = x.new_zeros(grain, x.shape[-1])
         padded[:rows] = x.reshape(rows, x.shape[-1])
         return self._linear(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
 
