@@ -250,7 +250,9 @@ class Launcher:
             num_runners=num_runners,
             attention_backend=args.attention_backend,
             fuse_ops=not args.disable_fused_ops,
-            max_batch_tokens=args.chunked_prefill_size + args.max_running_requests,
+            # A step's budget counts its decodes (batch_builder): it holds at
+            # most the chunk size, or only decodes when more requests run.
+            max_batch_tokens=max(args.chunked_prefill_size, args.max_running_requests),
             max_batch_sequences=args.max_running_requests,
         )
 
