@@ -20,12 +20,12 @@ def test_step_lines_round_trip_through_the_summary() -> None:
     run(b, runner, waiting)  # a prefilled: it decodes from now on
     waiting.append(request("b", list(range(100, 200))))
     batch = b.schedule_next_batch(runner, waiting)
-    assert batch is not None and sorted(batch.chunks) == [1, 64]
+    assert batch is not None and sorted(batch.chunks) == [1, 63]  # the decode is a row of 64
     line = Scheduler.describe_step(batch, ForwardResult(batch.batch_id, forward_ms=12.5))
     record = logging.makeLogRecord({"msg": "step %s", "args": (line,)}).getMessage()
     (step,) = parse_steps(["2026-12-01 12:00:00 DEBUG scheduler " + record, "unrelated line"])
     assert step.kind == "mixed" and step.decodes == 1 and step.decode_context == 21
-    assert step.chunks == ((64, 0),) and step.forward_ms == 12.5
+    assert step.chunks == ((63, 0),) and step.forward_ms == 12.5
     summary = summarize([step, step])
-    assert summary["mixed"].steps == 2 and summary["all"].prefill_tokens == 128
+    assert summary["mixed"].steps == 2 and summary["all"].prefill_tokens == 126
     assert summary["decode"].steps == 0
