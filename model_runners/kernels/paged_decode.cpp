@@ -485,37 +485,66 @@ inline void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0, bool mask
     };
     auto score = [&](int64_t k) { return _mm512_mul_ps(_mm512_loadu_ps(st + k * rp + r), sc); };
     const __m512 old_max = _mm512_loadu_ps(m + r);
-    __m512 tops[4] = {old_max, old_max, old_max, old_max};
-    for (int64_t k = 0; k < n; ++k) {
-      __m512& t = tops[k & 3];
-      t = _mm512_mask_max_ps(t, seen(k), t, score(k));
+    // Named chains, not an array indexed by k & 3: that one lived on the
+    // stack, each step waiting on a store-to-load forward.
+    __m512 t0 = old_max, t1 = old_max, t2 = old_max, t3 = old_max;
+    auto raise = [&](__m512& t, int64_t k) { t = _mm512_mask_max_ps(t, seen(k), t, score(k)); };
+    int64_t k4 = 0;
+    for (; k4 + 4 <= n; k4 += 4) {
+      raise(t0, k4);
+      raise(t1, k4 + 1);
+      raise(t2, k4 + 2);
+      raise(t3, k4 + 3);
     }
-    const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+    if (k4 < n) raise(t0, k4);
+    if (k4 + 1 < n) raise(t1, k4 + 1);
+    if (k4 + 2 < n) raise(t2, k4 + 2);
+    const __m512 top = _mm512_max_ps(_mm512_max_ps(t0, t1), _mm512_max_ps(t2, t3));
     // Both -FLT_MAX (nothing seen yet): factor 1 on a zero sum.
     const __m512 c = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, top), floor));
-    __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                      _mm512_setzero_ps()};
-    auto weight = [&](int64_t k) {
+    // Key k's weight joins chain k mod 4 (named, as for the maxima).
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    auto weight = [&](int64_t k, __m512& part) {
+      if (k >= n) return _mm512_setzero_ps();
       const __m512 p = _mm512_maskz_mov_ps(
           seen(k), exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(score(k), top), floor)));
-      part[k & 3] = _mm512_add_ps(part[k & 3], p);
+      part = _mm512_add_ps(part, p);
       return p;
     };
 #ifdef __AVX512BF16__
     if (p2) {
       const __m512i interleave = _mm512_load_si512(kInterleave16);
-      for (int64_t k = 0; k < pairs; ++k) {
-        const __m512 a = 2 * k < n ? weight(2 * k) : _mm512_setzero_ps();
-        const __m512 b = 2 * k + 1 < n ? weight(2 * k + 1) : _mm512_setzero_ps();
+      auto store_pair = [&](int64_t k, __m512 a, __m512 b) {
         const __m512bh both = _mm512_cvtne2ps_pbh(b, a);
         _mm512_storeu_si512(p2 + k * rp + r, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+      };
+      // Pair k holds keys 2k and 2k + 1: chains 0 and 1 for even k, 2 and 3 for odd.
+      int64_t k = 0;
+      for (; k + 2 <= pairs; k += 2) {
+        const __m512 a = weight(2 * k, s0), b = weight(2 * k + 1, s1);
+        store_pair(k, a, b);
+        const __m512 c = weight(2 * k + 2, s2), d = weight(2 * k + 3, s3);
+        store_pair(k + 1, c, d);
+      }
+      if (k < pairs) {
+        const __m512 a = weight(2 * k, s0), b = weight(2 * k + 1, s1);
+        store_pair(k, a, b);
       }
     } else
 #endif
     {
-      for (int64_t k = 0; k < n; ++k) _mm512_storeu_ps(st + k * rp + r, weight(k));
+      int64_t k = 0;
+      for (; k + 4 <= n; k += 4) {
+        _mm512_storeu_ps(st + k * rp + r, weight(k, s0));
+        _mm512_storeu_ps(st + (k + 1) * rp + r, weight(k + 1, s1));
+        _mm512_storeu_ps(st + (k + 2) * rp + r, weight(k + 2, s2));
+        _mm512_storeu_ps(st + (k + 3) * rp + r, weight(k + 3, s3));
+      }
+      if (k < n) _mm512_storeu_ps(st + k * rp + r, weight(k, s0));
+      if (k + 1 < n) _mm512_storeu_ps(st + (k + 1) * rp + r, weight(k + 1, s1));
+      if (k + 2 < n) _mm512_storeu_ps(st + (k + 2) * rp + r, weight(k + 2, s2));
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
     _mm512_storeu_ps(m + r, top);
     _mm512_storeu_ps(s + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r), c), sum));
     _mm512_storeu_ps(rescale + r, c);
@@ -915,7 +944,19 @@ inline void merge_state(float& m, float& s, float* acc, float m2, float s2, cons
 template <typename Q>
 inline void write_normalised(const float* acc, float s, int64_t dim, Q* out) {
   const float inv = s > 0.f ? 1.f / s : 0.f;
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<Q>(acc[d] * inv);
+  int64_t d = 0;
+#ifdef __AVX512BF16__
+  // Round to nearest even, as the scalar conversion below (which was a
+  // tenth of a prefill's attention time, element by element).
+  if constexpr (std::is_same_v<Q, c10::BFloat16>) {
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (; d + 16 <= dim; d += 16) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), scale));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)v);
+    }
+  }
+#endif
+  for (; d < dim; ++d) out[d] = static_cast<Q>(acc[d] * inv);
 }
 
 // Calls fn(std::integral_constant<int, NV>) for head_dim = 16 * NV: head
