@@ -28,6 +28,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 // The library builds with -ffast-math, which lets gcc contract a*b + c into one
 // fused multiply-add: one rounding where eager has two. Here every rounding is
 // the point, so this file keeps products and sums apart.
@@ -74,6 +78,35 @@ void dispatch(const at::Tensor& t, const char* what, F&& fn) {
     default: TORCH_CHECK(false, what, ": dtype ", t.scalar_type(), " not supported");
   }
 }
+
+#ifdef __AVX512F__
+// 16 bfloat16s as floats, and floats rounded to bfloat16 (nearest even, as store).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i round16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+}
+
+// The same on the first lanes of `mask` (a row's tail), and round_to in lanes.
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(round16(v)));
+}
+inline __m512 round_to16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(round16(v), 16));
+}
+#endif
 
 // ---- RMSNorm --------------------------------------------------------------------------
 // Llama-style (gemma=false):  w * (x * rsqrt(mean(x^2) + eps)).to(T)   (two roundings)
@@ -169,18 +202,6 @@ inline float activate(float g, int64_t act) {
 }
 
 #ifdef __AVX512F__
-// 16 bfloat16s as floats, and floats rounded to bfloat16 (nearest even, as store).
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512i round16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-}
-
 // table[g] * u, rounded, 16 lanes at a time: table holds act(g).to(bf16) for
 // every bfloat16 bit pattern g, computed by eager's own activation (its exp
 // and tanh, whose last float bit decides a bf16 rounding near a tie), so the
@@ -280,6 +301,25 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
         const T* c = cp + t * dim;
         const T* s = sp + t * dim;
         T* o = op + r * dim;
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          // Negation by the sign bit, as eager's -x (a zero keeps its sign).
+          const __m512 sign = _mm512_set1_ps(-0.f);
+          for (int64_t i = 0; i < half; i += 16) {
+            const __mmask16 m = lanes(half - i);
+            const __m512 lo = load16(xr + i, m), hi = load16(xr + half + i, m);
+            const __m512 c0 = load16(c + i, m), c1 = load16(c + half + i, m);
+            const __m512 s0 = load16(s + i, m), s1 = load16(s + half + i, m);
+            const __m512 a0 = round_to16(_mm512_mul_ps(lo, c0));
+            const __m512 b0 = round_to16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), s0));
+            const __m512 a1 = round_to16(_mm512_mul_ps(hi, c1));
+            const __m512 b1 = round_to16(_mm512_mul_ps(lo, s1));
+            store16(o + i, _mm512_add_ps(a0, b0), m);
+            store16(o + half + i, _mm512_add_ps(a1, b1), m);
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < half; ++i) {
           const float a = round_to<T>(load(xr[i]) * load(c[i]));
           const float bb = round_to<T>(-load(xr[i + half]) * load(s[i]));
