@@ -78,7 +78,10 @@ class ExtendSeq:
 
 
 # (packed rows or None, addr, offsets, q_offsets): every extend, as paged_extend takes them.
-ExtendArgs = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]
+# Rows of the packed batch: a slice where they run in order (a view, no
+# gather or scatter per layer), else their indices.
+Rows = slice | torch.Tensor
+ExtendArgs = tuple[Rows | None, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -167,6 +170,10 @@ class PagedBatch:
     dec_offsets: torch.Tensor  # [Bd + 1]: sequence i owns dec_slots[off[i]:off[i + 1]]
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
+    # Rows the decodes take, as a slice when they are consecutive (the
+    # scheduler puts them first), so a mixed step's attention reads and writes
+    # them as views instead of gathering and scattering every layer.
+    dec_index: Rows | None = None
     use_kernel: bool = False  # attend through the C++ kernel (else gather + SDPA)
     # Decodes sharing a cached prefix (see DecodeGroups); None: no sharing.
     # Read by the C++ kernel only; the gather + SDPA fallback ignores it.
@@ -185,9 +192,11 @@ class PagedBatch:
         if self._ext_flat is None:
             ext = self.extends
             dev = self.write_addr.device
-            rows = None
+            rows: Rows | None = None
             if self.dec_rows.numel():
                 rows = torch.cat([torch.arange(e.start, e.end, device=dev) for e in ext])
+                if all(a.end == b.start for a, b in zip(ext, ext[1:], strict=False)):
+                    rows = slice(ext[0].start, ext[-1].end)
             lens = torch.tensor([0] + [e.addr.shape[-1] for e in ext], device=dev)
             news = torch.tensor([0] + [e.end - e.start for e in ext], device=dev)
             addr = torch.cat([e.addr for e in ext])
@@ -390,7 +399,8 @@ def paged_attention_forward(
     out = torch.empty_like(q) if batch.dec_rows.numel() and batch.extends else None
 
     if batch.dec_rows.numel():
-        qd = q if out is None else q[batch.dec_rows]
+        dec = batch.dec_rows if batch.dec_index is None else batch.dec_index
+        qd = q if out is None else q[dec]
         if batch.use_kernel:
             od = _decode_by_kernel(batch, layer, qd.contiguous(), scale, sliding_window, softcap)
         else:
@@ -398,13 +408,13 @@ def paged_attention_forward(
             od = _decode_by_gather(batch, layer, qd, kv_heads, scaling, sliding_window, softcap)
         if out is None:
             return od.unsqueeze(0), None
-        out[batch.dec_rows] = od
+        out[dec] = od
 
     # Extends through the kernel only where its vector tiles run: elsewhere
     # its scalar loops are slower than SDPA.
     if batch.use_kernel and batch.extends and has_tiled_path(head_dim):
         rows, addr, offsets, q_offsets = batch.ext_flat()
-        qe = q.contiguous() if rows is None else q[rows]
+        qe = (q if rows is None else q[rows]).contiguous()
         k_rows, v_rows = store.rows(layer)
         oe = paged_extend(
             qe, k_rows, v_rows, addr, offsets, q_offsets, scale, softcap, sliding_window
