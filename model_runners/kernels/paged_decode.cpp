@@ -980,9 +980,10 @@ inline void dispatch_dim(int64_t dim, F&& fn) {
 // of its first member's context: a sequence's own context, a group's shared
 // prefix, or a group member's own suffix. A job is cut into *pieces* along
 // its keys so that every core has work even with one sequence or one group;
-// a task is one (piece, KV head). Pieces write softmax states that a second
-// pass merges per sequence, except a sequence alone in one piece, which
-// writes its output directly (the common ungrouped case costs no merge).
+// a task is one (piece, KV head), and a thread runs a piece's tasks
+// together. Pieces write softmax states that a second pass merges per
+// sequence, except a sequence alone in one piece, which writes its output
+// directly (the common ungrouped case costs no merge).
 struct Job {
   int64_t member0, members;  // its sequences: member_list[member0 : member0 + members]
   int64_t begin, end;        // the key run, as indices into member0's context
@@ -998,7 +999,7 @@ struct Source {  // where one sequence finds part of its softmax
 // Per-key cost of reading one K and one V row from memory, in units of one
 // query row's arithmetic on that key: it weighs jobs when cutting them.
 constexpr int64_t kKeyCost = 8;
-// Pieces aim at this many tasks per thread (balance under noisy neighbours)...
+// Pieces aim at this many per thread (balance under noisy neighbours)...
 constexpr int64_t kTasksPerThread = 4;
 // ...but are never shorter than this many keys (each piece costs a merge)...
 constexpr int64_t kMinPiece = 32;
@@ -1072,7 +1073,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t total = 0;
   for (const Job& j : jobs) total += (j.end - j.begin) * (j.members * qpk + kKeyCost);
-  const int64_t target = std::max<int64_t>(1, total * kv_heads / (kTasksPerThread * threads));
+  const int64_t target = std::max<int64_t>(1, total / (kTasksPerThread * threads));
   std::vector<Piece> pieces;
   std::vector<int64_t> first_piece(jobs.size() + 1);
   int64_t state_size = 0;
@@ -1147,14 +1148,14 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // ---- tasks -------------------------------------------------------------------------
   // Costliest first, then any thread takes the next: a core slowed by other
   // work simply takes fewer.
-  const int64_t num_tasks = static_cast<int64_t>(pieces.size()) * kv_heads;
-  auto cost = [&](int64_t t) {
-    const Piece& p = pieces[t / kv_heads];
+  const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  auto cost = [&](int64_t i) {
+    const Piece& p = pieces[i];
     return (p.end - p.begin) * (jobs[p.job].members * qpk + kKeyCost);
   };
-  std::vector<int64_t> order(num_tasks);
-  for (int64_t t = 0; t < num_tasks; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(),
+  std::vector<int64_t> piece_order(num_pieces);
+  for (int64_t i = 0; i < num_pieces; ++i) piece_order[i] = i;
+  std::stable_sort(piece_order.begin(), piece_order.end(),
                    [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
 
   auto run_task = [&](int64_t task, Scratch& s) {
@@ -1193,10 +1194,14 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     for (const int64_t i : users[piece])
       if (awaiting[i * kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i, h, s);
   };
+  // A thread takes a piece's KV heads together: a K or V row holds every
+  // head, so the first head's reads bring the others' bytes into this core's
+  // L2 (a head per thread made both cores pull every line from memory).
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch s;
-    for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) run_task(order[i], s);
+    for (int64_t i; (i = next.fetch_add(1)) < num_pieces;)
+      for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[i] * kv_heads + h, s);
   });
 }
 
