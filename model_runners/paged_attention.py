@@ -31,6 +31,7 @@ window) is made here from positions.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -194,9 +195,10 @@ class PagedBatch:
             dev = self.write_addr.device
             rows: Rows | None = None
             if self.dec_rows.numel():
-                rows = torch.cat([torch.arange(e.start, e.end, device=dev) for e in ext])
-                if all(a.end == b.start for a, b in zip(ext, ext[1:], strict=False)):
+                if all(a.end == b.start for a, b in itertools.pairwise(ext)):
                     rows = slice(ext[0].start, ext[-1].end)
+                else:
+                    rows = torch.cat([torch.arange(e.start, e.end, device=dev) for e in ext])
             lens = torch.tensor([0] + [e.addr.shape[-1] for e in ext], device=dev)
             news = torch.tensor([0] + [e.end - e.start for e in ext], device=dev)
             addr = torch.cat([e.addr for e in ext])

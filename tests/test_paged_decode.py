@@ -261,8 +261,9 @@ def test_extend_matches_reference(dtype, heads, kv_heads, dim, softcap, window, 
     k_rows = torch.randn(num_rows, row + 32, generator=g).to(dtype)[:, :row]
     v_rows = torch.randn(num_rows, row + 32, generator=g).to(dtype)[:, :row]
     # (cached, new) per chunk: fresh prompts, cached prefixes, one-token and
-    # odd-sized chunks, all in one call; contexts are shuffled slots.
-    chunks = [(0, 300), (448, 64), (17, 2), (0, 1), (130, 97), (1000, 5)]
+    # odd-sized chunks, and chunks after long prefixes (which take the wider
+    # tasks), all in one call; contexts are shuffled slots.
+    chunks = [(0, 300), (448, 64), (17, 2), (0, 1), (130, 97), (1000, 5), (600, 150)]
     lens = [c + n for c, n in chunks]
     addr = torch.cat([torch.randperm(num_rows, generator=g)[:n] for n in lens])
     offsets = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])

@@ -1210,6 +1210,11 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
 // head): enough rows to fill the vector lanes and amortise each key tile,
 // few enough that the causal diagonal wastes little of a tile.
 constexpr int64_t kExtendRows = 96;
+// A chunk whose tokens see at least this many earlier keys takes twice the
+// rows per task: there the diagonal is a small part of each row's keys, and
+// each key tile's gather and V transpose serve twice the rows (100 new
+// tokens over 1,000 cached: 6-13% faster; from scratch, 96 rows stay 3% ahead).
+constexpr int64_t kLongContext = 512;
 
 // Causal attention of each extend's new tokens over its whole context,
 // read in place: sequence e's context is addr[offsets[e]:offsets[e + 1]]
@@ -1233,7 +1238,7 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   const int64_t* offs = offsets.data_ptr<int64_t>();
   const int64_t* qoffs = q_offsets.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t block = std::max<int64_t>(1, kExtendRows / qpk);
+  const int64_t short_block = std::max<int64_t>(1, kExtendRows / qpk);
 
   struct Task {
     int64_t seq, head, t0, t1, cost;
@@ -1243,6 +1248,7 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   auto oldest = [&](int64_t c) { return window > 0 ? std::max<int64_t>(0, c - window + 1) : 0; };
   for (int64_t e = 0; e < seqs; ++e) {
     const int64_t n = qoffs[e + 1] - qoffs[e], cached = offs[e + 1] - offs[e] - n;
+    const int64_t block = cached - oldest(cached) >= kLongContext ? 2 * short_block : short_block;
     for (int64_t t0 = 0; t0 < n; t0 += block) {
       const int64_t t1 = std::min(n, t0 + block);
       const int64_t keys = cached + t1 - oldest(cached + t0);
