@@ -15,8 +15,9 @@ the cascade kernel (``paged_decode_cascade``, once per group).
 write included) for prefill chunks, the SDPA path (gather the cached prefix,
 one masked SDPA per chunk) against the kernel (``paged_extend``, all chunks
 in one call, prefixes read in place, causal half only): 512 new tokens with
-0 and with 448 cached, 64 new after 448 cached, and four chunks of 128 new
-tokens after 448 cached in one call.
+0 and with 448 cached, 64 new after 448 cached, four chunks of 128 new
+tokens after 448 cached in one call, and four of 100 new after 1,000 cached
+(vLLM's prefix_repetition suffixes).
 
 Each pair of paths is timed interleaved, call by call, so both see the same
 load from other processes on these shared cores; each figure is the
@@ -164,6 +165,8 @@ EXTEND_CASES = {  # name: (cached, new) per chunk, all chunks in one call
     "448 cached + 512 new": [(448, 512)],
     "448 cached + 64 new": [(448, 64)],
     "4 x (448 cached + 128 new)": [(448, 128)] * 4,
+    # vLLM's prefix_repetition suffixes: 100 new tokens after a cached 1,000.
+    "4 x (1000 cached + 100 new)": [(1000, 100)] * 4,
 }
 
 
