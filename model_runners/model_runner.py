@@ -157,9 +157,6 @@ class ModelRunner:
             store=store,
             write_addr=store.address(t(new_slots)),
             dec_rows=t(row0[dec]),
-            dec_index=slice(int(row0[dec[0]]), int(row0[dec[-1]]) + 1)
-            if dec and row0[dec[-1]] - row0[dec[0]] == len(dec) - 1
-            else None,
             dec_slots=t(dec_slots),
             dec_offsets=t(dec_offsets),
             dec_q_pos=t(positions[row0[dec]]),

@@ -171,10 +171,6 @@ class PagedBatch:
     dec_offsets: torch.Tensor  # [Bd + 1]: sequence i owns dec_slots[off[i]:off[i + 1]]
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
-    # Rows the decodes take, as a slice when they are consecutive (the
-    # scheduler puts them first), so a mixed step's attention reads and writes
-    # them as views instead of gathering and scattering every layer.
-    dec_index: Rows | None = None
     use_kernel: bool = False  # attend through the C++ kernel (else gather + SDPA)
     # Decodes sharing a cached prefix (see DecodeGroups); None: no sharing.
     # Read by the C++ kernel only; the gather + SDPA fallback ignores it.
@@ -183,6 +179,17 @@ class PagedBatch:
     _dec_grid: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
     _dec_flat: torch.Tensor | None = field(default=None, init=False)
     _ext_flat: ExtendArgs | None = field(default=None, init=False)
+    _dec_index: Rows | None = field(default=None, init=False)
+
+    def dec_index(self) -> Rows:
+        """The decodes' packed rows: a slice when they are consecutive (the
+        scheduler puts them first), so a mixed step's attention reads and
+        writes them as views instead of gathering and scattering every layer."""
+        if self._dec_index is None:
+            rows = self.dec_rows  # increasing: the batch's single-token sequences in order
+            first, last = int(rows[0]), int(rows[-1])
+            self._dec_index = slice(first, last + 1) if last - first == len(rows) - 1 else rows
+        return self._dec_index
 
     def ext_flat(self) -> ExtendArgs:
         """(packed rows, addr, offsets, q_offsets) of every extend, as ``paged_extend`` takes.
@@ -401,7 +408,7 @@ def paged_attention_forward(
     out = torch.empty_like(q) if batch.dec_rows.numel() and batch.extends else None
 
     if batch.dec_rows.numel():
-        dec = batch.dec_rows if batch.dec_index is None else batch.dec_index
+        dec = batch.dec_index()
         qd = q if out is None else q[dec]
         if batch.use_kernel:
             od = _decode_by_kernel(batch, layer, qd.contiguous(), scale, sliding_window, softcap)

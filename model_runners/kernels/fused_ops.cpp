@@ -80,11 +80,7 @@ void dispatch(const at::Tensor& t, const char* what, F&& fn) {
 }
 
 #ifdef __AVX512F__
-// 16 bfloat16s as floats, and floats rounded to bfloat16 (nearest even, as store).
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// Floats rounded to bfloat16 (nearest even, as store), as 32-bit lanes.
 inline __m512i round16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -92,11 +88,12 @@ inline __m512i round16(__m512 v) {
       _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
 }
 
-// The same on the first lanes of `mask` (a row's tail), and round_to in lanes.
+// 16 bfloat16s as floats (the lanes of `mask` only: a row's tail; others 0),
+// stored rounded, and round_to in lanes.
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1);
 }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {
+inline __m512 load16(const c10::BFloat16* p, __mmask16 mask = 0xffff) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
