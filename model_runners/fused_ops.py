@@ -231,6 +231,26 @@ def _fused_rotary(eager: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
+def plain_function(fn: Any) -> Any:
+    """The function under transformers' hub-kernel wrapper, else ``fn`` itself.
+
+    With the ``kernels`` package installed (a dependency of transformers from 5.2x),
+    ``@use_kernel_forward_from_hub`` turns a module-level function into an instance
+    of an ``nn.Module`` class whose ``forward`` calls the original through a closure.
+    Comparing code needs the original; where the wrapper's shape is not the one
+    known here, ``fn`` comes back and the comparison fails, so nothing is swapped.
+    """
+    if not isinstance(fn, nn.Module):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or not forward.__closure__:
+        return fn
+    cells = dict(zip(code.co_freevars, forward.__closure__, strict=True))
+    inner = cells["func"].cell_contents if "func" in cells else None
+    return inner if callable(inner) and hasattr(inner, "__code__") else fn
+
+
 def _fuse_rotary(modeling: types.ModuleType) -> bool:
     """Swap ``modeling.apply_rotary_pos_emb`` (once per process) if it is Llama's."""
     current = getattr(modeling, "apply_rotary_pos_emb", None)
@@ -240,7 +260,8 @@ def _fuse_rotary(modeling: types.ModuleType) -> bool:
         return True  # another model of this module already swapped it
     ref = references()
     rotate = getattr(modeling, "rotate_half", None)
-    if not (same_code(current, ref["rotary"]) and same_code(rotate, ref["rotate_half"])):
+    plain, want = plain_function(current), plain_function(ref["rotary"])
+    if not (same_code(plain, want) and same_code(rotate, ref["rotate_half"])):
         return False
     modeling.apply_rotary_pos_emb = _fused_rotary(current)
     return True

@@ -25,6 +25,7 @@ such a step) rather than a third copy of a vocabulary-sized matrix (335 MB for G
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -98,7 +99,8 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed{amx}"
 
 
-def _packing_works(dtype: torch.dtype) -> bool:
+@functools.cache
+def packing_works(dtype: torch.dtype) -> bool:
     """Whether this CPU and torch build pack and run ``dtype`` correctly."""
     try:
         lin = nn.Linear(32, 48).to(dtype)
@@ -171,7 +173,7 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
             if dtype not in _DTYPES:
                 continue
             if dtype not in ok:
-                ok[dtype] = _packing_works(dtype)
+                ok[dtype] = packing_works(dtype)
                 if not ok[dtype]:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:

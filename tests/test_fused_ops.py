@@ -150,6 +150,23 @@ def test_rotary_is_bit_exact(dtype, tokens):
     assert torch.equal(out_q, want_q)
 
 
+def test_plain_function_sees_through_the_hub_kernel_wrapper():
+    """transformers with ``kernels`` wraps module-level functions in an nn.Module;
+    code comparison must reach the function inside, and a plain one is itself."""
+    from transformers.integrations import use_kernel_forward_from_hub
+
+    def double(x):
+        return x * 2
+
+    wrapped = use_kernel_forward_from_hub("radixmux_test_double")(double)
+    assert fused_ops.plain_function(double) is double
+    assert fused_ops.plain_function(nn.Identity()) is not double
+    if isinstance(wrapped, nn.Module):  # the wrapper exists in this transformers
+        assert fused_ops.plain_function(wrapped) is double
+        assert fused_ops.same_code(fused_ops.plain_function(wrapped), double)
+        assert not fused_ops.same_code(wrapped, double)
+
+
 def test_only_known_code_is_swapped():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
