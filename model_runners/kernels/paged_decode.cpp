@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -80,20 +80,24 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#endif
 
-// q.k for every query head of the group against one K row, 16 lanes at a time.
-template <typename T, int NV>
-inline void row_scores(const float* qf, const T* k, int64_t group, float* out, int64_t stride) {
-  __m512 kv[NV];
-  for (int c = 0; c < NV; ++c) kv[c] = load16(k + 16 * c);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = qf + g * NV * 16;
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-    for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], acc);
-    out[g * stride] = _mm512_reduce_add_ps(acc);
-  }
-}
-
+// ---- the per-key path's vectors: 16 floats with AVX-512, 8 with AVX2 -----------------------
+// The per-key helpers below are written once over these; without either ISA
+// the scalar loops after them run (auto-vectorised at best: on an AVX2 CPU
+// that left decode attention at a third of the memory bandwidth).
+#if defined(__AVX512F__)
+#define RADIXMUX_KEY_VECTORS 1
+using vfloat = __m512;
+constexpr int kLanes = 16;
+template <typename T>
+inline vfloat vload(const T* p) { return load16(p); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
 // The four lane sums of a, b, c, d in one vector: one reduction tree for four
 // dot products instead of four.
 inline __m128 fold128(__m512 x) {
@@ -101,63 +105,112 @@ inline __m128 fold128(__m512 x) {
   const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), hi);
   return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
   const __m128 ab = _mm_hadd_ps(fold128(a), fold128(b));
   const __m128 cd = _mm_hadd_ps(fold128(c), fold128(d));
   return _mm_hadd_ps(ab, cd);
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXMUX_KEY_VECTORS 1
+using vfloat = __m256;
+constexpr int kLanes = 8;
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vfloat vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vfloat vload(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline float vsum(vfloat v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_hadd_ps(x, x);
+  return _mm_cvtss_f32(_mm_hadd_ps(y, y));
+}
+inline __m128 vsum4(vfloat a, vfloat b, vfloat c, vfloat d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
 
-// Scores of four K rows at once (head_dim <= 64: the rows stay in registers);
-// out[g * stride + 0..3] are adjacent in the [group, len] score table.
+#ifdef RADIXMUX_KEY_VECTORS
+// A head of NV * 16 floats is kVecs<NV> vectors.
+template <int NV>
+constexpr int kVecs = NV * 16 / kLanes;
+
+// q.k for every query head of the group against one K row.
+template <typename T, int NV>
+inline void row_scores(const float* qf, const T* k, int64_t group, float* out, int64_t stride) {
+  constexpr int W = kVecs<NV>;
+  vfloat kv[W];
+  for (int c = 0; c < W; ++c) kv[c] = vload(k + kLanes * c);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * NV * 16;
+    vfloat acc = vmul(vload(qg), kv[0]);
+    for (int c = 1; c < W; ++c) acc = vfma(vload(qg + kLanes * c), kv[c], acc);
+    out[g * stride] = vsum(acc);
+  }
+}
+
+// Scores of four K rows at once (head_dim <= 64: the rows stay in registers
+// with AVX-512; AVX2's sixteen spill some, to L1); out[g * stride + 0..3] are
+// adjacent in the [group, len] score table.
 template <typename T, int NV>
 inline void four_row_scores(const float* qf, const T* const* rows, int64_t group, float* out,
                             int64_t stride) {
-  __m512 kv[4][NV];
+  constexpr int W = kVecs<NV>;
+  vfloat kv[4][W];
   for (int t = 0; t < 4; ++t)
-    for (int c = 0; c < NV; ++c) kv[t][c] = load16(rows[t] + 16 * c);
+    for (int c = 0; c < W; ++c) kv[t][c] = vload(rows[t] + kLanes * c);
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = qf + g * NV * 16;
-    __m512 acc[4];
-    for (int t = 0; t < 4; ++t) acc[t] = _mm512_setzero_ps();
-    for (int c = 0; c < NV; ++c) {
-      const __m512 qc = _mm512_loadu_ps(qg + 16 * c);
-      for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(qc, kv[t][c], acc[t]);
+    vfloat acc[4];
+    for (int t = 0; t < 4; ++t) acc[t] = vzero();
+    for (int c = 0; c < W; ++c) {
+      const vfloat qc = vload(qg + kLanes * c);
+      for (int t = 0; t < 4; ++t) acc[t] = vfma(qc, kv[t][c], acc[t]);
     }
-    _mm_storeu_ps(out + g * stride, sum4(acc[0], acc[1], acc[2], acc[3]));
+    _mm_storeu_ps(out + g * stride, vsum4(acc[0], acc[1], acc[2], acc[3]));
   }
 }
 
 // acc[g] += p[g] * v for every query head of the group.
 template <typename T, int NV>
 inline void row_accumulate(const T* v, const float* p, int64_t stride, int64_t group, float* acc) {
-  __m512 vv[NV];
-  for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+  constexpr int W = kVecs<NV>;
+  vfloat vv[W];
+  for (int c = 0; c < W; ++c) vv[c] = vload(v + kLanes * c);
   for (int64_t g = 0; g < group; ++g) {
-    const __m512 pg = _mm512_set1_ps(p[g * stride]);
+    const vfloat pg = vset1(p[g * stride]);
     float* ag = acc + g * NV * 16;
-    for (int c = 0; c < NV; ++c)
-      _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(pg, vv[c], _mm512_loadu_ps(ag + 16 * c)));
+    for (int c = 0; c < W; ++c) vstore(ag + kLanes * c, vfma(pg, vv[c], vload(ag + kLanes * c)));
   }
 }
 
-// acc[g] += sum_t p[g][t] * v_t over four V rows at once (head_dim <= 64: the
-// rows stay in registers), so each accumulator row is loaded and stored once
-// per four keys instead of once per key; p[g * stride + 0..3] are adjacent.
+// acc[g] += sum_t p[g][t] * v_t over four V rows at once, so each accumulator
+// row is loaded and stored once per four keys instead of once per key;
+// p[g * stride + 0..3] are adjacent.
 template <typename T, int NV>
 inline void four_row_accumulate(const T* const* rows, const float* p, int64_t stride,
                                 int64_t group, float* acc) {
-  __m512 vv[4][NV];
+  constexpr int W = kVecs<NV>;
+  vfloat vv[4][W];
   for (int t = 0; t < 4; ++t)
-    for (int c = 0; c < NV; ++c) vv[t][c] = load16(rows[t] + 16 * c);
+    for (int c = 0; c < W; ++c) vv[t][c] = vload(rows[t] + kLanes * c);
   for (int64_t g = 0; g < group; ++g) {
     const float* pg = p + g * stride;
-    __m512 pt[4];
-    for (int t = 0; t < 4; ++t) pt[t] = _mm512_set1_ps(pg[t]);
+    vfloat pt[4];
+    for (int t = 0; t < 4; ++t) pt[t] = vset1(pg[t]);
     float* ag = acc + g * NV * 16;
-    for (int c = 0; c < NV; ++c) {
-      __m512 a = _mm512_loadu_ps(ag + 16 * c);
-      for (int t = 0; t < 4; ++t) a = _mm512_fmadd_ps(pt[t], vv[t][c], a);
-      _mm512_storeu_ps(ag + 16 * c, a);
+    for (int c = 0; c < W; ++c) {
+      vfloat a = vload(ag + kLanes * c);
+      for (int t = 0; t < 4; ++t) a = vfma(pt[t], vv[t][c], a);
+      vstore(ag + kLanes * c, a);
     }
   }
 }
@@ -215,7 +268,7 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
   float* row = sc.row.data();  // scratch row (scalar path)
   const int64_t slice_bytes = dim * static_cast<int64_t>(sizeof(T));
   int64_t j = 0;
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
   if constexpr (NV > 0 && NV <= 4) {
     for (; j + 4 <= len; j += 4) {
       for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
@@ -228,7 +281,7 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
 #endif
   for (; j < len; ++j) {
     if (j + kPrefetch < len) prefetch_slice(k_base + addr[j + kPrefetch] * row_stride, slice_bytes);
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
     if constexpr (NV > 0) {
       row_scores<T, NV>(qf, k_base + addr[j] * row_stride, rows, scores + j, len);
     } else
@@ -259,7 +312,7 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
   }
   std::fill(acc, acc + rows * dim, 0.f);
   j = 0;
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
   if constexpr (NV > 0 && NV <= 4) {
     for (; j + 4 <= len; j += 4) {
       for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
@@ -272,7 +325,7 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
 #endif
   for (; j < len; ++j) {
     if (j + kPrefetch < len) prefetch_slice(v_base + addr[j + kPrefetch] * row_stride, slice_bytes);
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
     if constexpr (NV > 0) {
       row_accumulate<T, NV>(v_base + addr[j] * row_stride, scores + j, len, rows, acc);
     } else
