@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -57,6 +58,40 @@ AMX_MAX_ROWS = 768
 AMX_MAX_ROWS_WIDE = 160
 # A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
 AMX_ALL_ROWS = sys.maxsize
+# Without AMX, the same kernel's AVX512-BF16 dot products (one weight pass per
+# four rows) against oneDNN (bench/bench_linear.py, SmolLM2's shapes, 2 threads,
+# a 2-core AMD EPYC with AVX512-BF16 and no AMX): 0.2-0.5x oneDNN's time at 1
+# row, 0.5-0.8x at 16, 0.8-1.0x at 128; from 256 rows both run at the cores'
+# bfloat16 peak and oneDNN is 0-24% ahead but on the wide gate_up (0.89x at
+# 256). The output projection keeps the kernel's copy alone: 0.5-0.97x up to
+# 128 rows, 0.95-1.13x above, where it rarely goes (one row per sampled
+# sequence), for no vocabulary-sized second copy.
+DOT_MAX_ROWS = 128
+DOT_MAX_ROWS_WIDE = 256
+DOT_HEAD_ROWS = AMX_ALL_ROWS
+
+
+@dataclass(frozen=True)
+class SmallKernelLimits:
+    """Row counts up to which bfloat16 calls take the small-batch kernel
+    (``kernels/amx_linear.cpp``) instead of oneDNN."""
+
+    kind: str  # "AMX tiles" or "AVX512-BF16 dot products"
+    rows: int
+    rows_wide: int  # a gated MLP's merged gate and up projection
+    head_rows: int  # the output projection (AMX_ALL_ROWS: no oneDNN copy)
+
+    def for_layer(self, linear: nn.Linear, is_head: bool) -> int:
+        """The limit of one layer."""
+        if is_head:
+            return self.head_rows
+        return self.rows_wide if linear.out_features >= 4 * linear.in_features else self.rows
+
+
+AMX_LIMITS = SmallKernelLimits("AMX tiles", AMX_MAX_ROWS, AMX_MAX_ROWS_WIDE, AMX_ALL_ROWS)
+DOT_LIMITS = SmallKernelLimits(
+    "AVX512-BF16 dot products", DOT_MAX_ROWS, DOT_MAX_ROWS_WIDE, DOT_HEAD_ROWS
+)
 
 
 class PackedLinear(nn.Module):
@@ -119,6 +154,18 @@ def amx_available() -> bool:
     return paged_decode.load() and bool(torch.ops.radixmux.has_amx_linear())
 
 
+def small_kernel_limits() -> SmallKernelLimits | None:
+    """The small-batch kernel's limits on this CPU: AMX tiles, else AVX512-BF16
+    dot products, else None (oneDNN for every call)."""
+    from radixmux.model_runners import paged_decode
+
+    if amx_available():
+        return AMX_LIMITS
+    if paged_decode.load() and bool(torch.ops.radixmux.has_dpbf16_linear()):
+        return DOT_LIMITS
+    return None
+
+
 def padded_rows(rows: int) -> int:
     """The row count a ``PackedLinear`` call of ``rows`` rows hands oneDNN."""
     return rows if rows <= ROW_GRAIN else -(-rows // ROW_GRAIN) * ROW_GRAIN
@@ -158,10 +205,11 @@ def warm_up(model: nn.Module, max_rows: int, max_sequences: int | None = None) -
 def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
     """Swap every CPU float32/bfloat16 ``nn.Linear`` of ``model`` for a
     :class:`PackedLinear`; returns how many were swapped (0 where unsupported).
-    ``amx``: also keep bfloat16 weights for the AMX tile kernel, where it runs."""
+    ``amx``: also keep bfloat16 weights for the small-batch kernel (AMX tiles,
+    else AVX512-BF16 dot products), where it runs."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    use_amx = amx and amx_available()
+    limits = small_kernel_limits() if amx else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     ok: dict[torch.dtype, bool] = {}
     swapped = 0
@@ -177,13 +225,13 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
                 if not ok[dtype]:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
-                rows = 0
-                if use_amx:
-                    wide = child.out_features >= 4 * child.in_features
-                    rows = AMX_MAX_ROWS_WIDE if wide else AMX_MAX_ROWS
-                    rows = AMX_ALL_ROWS if child is head else rows
+                rows = limits.for_layer(child, child is head) if limits else 0
                 setattr(parent, name, PackedLinear(child, rows))
                 swapped += 1
-    if use_amx and ok.get(torch.bfloat16):
-        log.info("AMX tile kernel for bfloat16 linear calls of up to %d rows", AMX_MAX_ROWS)
+    if limits and ok.get(torch.bfloat16):
+        log.info(
+            "small-batch kernel (%s) for bfloat16 linear calls of up to %d rows",
+            limits.kind,
+            limits.rows,
+        )
     return swapped

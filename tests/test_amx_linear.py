@@ -1,4 +1,5 @@
-"""The AMX tile kernel for small-batch bfloat16 linear layers (kernels/amx_linear.cpp)."""
+"""The small-batch bfloat16 linear kernel (kernels/amx_linear.cpp): AMX tiles, or
+AVX512-BF16 dot products where the CPU has no AMX."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ from conftest import tiny_model
 
 from radixmux.model_runners.packed_linear import (
     AMX_ALL_ROWS,
-    AMX_MAX_ROWS,
-    AMX_MAX_ROWS_WIDE,
+    AMX_LIMITS,
+    DOT_LIMITS,
     PackedLinear,
     amx_available,
     pack_linear_weights,
+    small_kernel_limits,
 )
 
-pytestmark = pytest.mark.skipif(not amx_available(), reason="no AMX on this CPU (or no compiler)")
+LIMITS = small_kernel_limits()
+pytestmark = pytest.mark.skipif(
+    LIMITS is None, reason="neither AMX nor AVX512-BF16 on this CPU (or no compiler)"
+)
 
 
 def _reference(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
@@ -67,10 +72,14 @@ def test_amx_linear_refuses_a_weight_of_another_shape():
         torch.ops.radixmux.amx_linear(torch.randn(2, 128).to(torch.bfloat16), packed, None, 48)
 
 
-def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
-    """A packed bfloat16 model keeps a tile copy of each layer (the output
-    projection that copy alone, for every row count) and gives the same logits
-    either side of the limit as a model packed without one; float32 and
+def test_limits_follow_the_cpu():
+    assert LIMITS is (AMX_LIMITS if amx_available() else DOT_LIMITS)
+
+
+def test_packed_linear_takes_the_kernel_up_to_its_row_limit():
+    """A packed bfloat16 model keeps a kernel copy of each layer (with AMX, the
+    output projection that copy alone, for every row count) and gives the same
+    logits either side of the limit as a model packed without one; float32 and
     ``amx=False`` keep none."""
     amx = tiny_model("llama", dtype="bfloat16").model
     plain = tiny_model("llama", dtype="bfloat16").model
@@ -79,13 +88,14 @@ def test_packed_linear_takes_the_tile_kernel_up_to_its_row_limit():
     layers = [m for m in amx.modules() if isinstance(m, PackedLinear)]
     head = amx.get_output_embeddings()
     assert all(m.amx is not None for m in layers)
-    assert head.amx_max_rows == AMX_ALL_ROWS and head.packed is None
+    assert head.amx_max_rows == LIMITS.head_rows
+    assert (head.packed is None) == (LIMITS.head_rows == AMX_ALL_ROWS)
     for m in layers:
         if m is not head:
             wide = m.out_features >= 4 * m.in_features
-            assert m.amx_max_rows == (AMX_MAX_ROWS_WIDE if wide else AMX_MAX_ROWS)
+            assert m.amx_max_rows == (LIMITS.rows_wide if wide else LIMITS.rows)
     assert all(m.amx is None for m in plain.modules() if isinstance(m, PackedLinear))
-    for tokens in (3, AMX_MAX_ROWS_WIDE + 9, AMX_MAX_ROWS + 9):
+    for tokens in (3, LIMITS.rows_wide + 9, LIMITS.rows + 9):
         ids = torch.randint(0, 211, (1, tokens))
         with torch.inference_mode():
             a = amx(ids).logits.float()

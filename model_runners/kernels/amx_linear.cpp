@@ -1,4 +1,5 @@
-// Linear layers of small batches on AMX tiles (bfloat16).
+// Linear layers of small batches in bfloat16: on AMX tiles, or with AVX512-BF16
+// dot products (vdpbf16ps) where the CPU has no AMX.
 //
 // A decode step multiplies a few rows of activations by every weight matrix of
 // the model. oneDNN's packed matmul (packed_linear.py) costs about 20 us per
@@ -28,12 +29,94 @@
 
 #include "amx.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kBlockN = 16;   // outputs per B tile
 constexpr int64_t kPairRows = 16; // k pairs per B tile (32 k)
 // Rows of activations kept in L2 while every weight panel passes over them.
 constexpr int64_t kRowBlock = 256;
+
+#ifdef __AVX512BF16__
+// 16 float outputs plus bias, rounded to bfloat16 into the first `cols` of `out`.
+inline void store_row(__m512 v, const float* bias, uint16_t* out, int64_t cols) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// ---- AVX512-BF16 dot products: the same packed weights without AMX ----------------------
+// One 64-byte vector of the packed layout is a k pair of 16 outputs, exactly
+// vdpbf16ps's operand: each activation row's k pair is broadcast against it,
+// which is tdpbf16ps's arithmetic one row at a time. R rows share each weight
+// load (R x NB accumulators in registers), so a decode step streams every
+// weight once whatever its batch; oneDNN's fixed ~20 us per call is what this
+// path saves, and its deeper blocking wins again at larger row counts
+// (packed_linear.py picks by rows).
+template <int R, int NB>
+void dot_tile(const uint16_t* x, int64_t kp, const uint16_t* w, const float* bias, uint16_t* y,
+              int64_t n, int64_t n0) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t w_block = kp * 32;  // elements per packed N-block
+  const int32_t* xr = reinterpret_cast<const int32_t*>(x);
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * w_block + p * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[r * kp + p]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t c0 = n0 + b * kBlockN;
+    const int64_t cols = std::min<int64_t>(kBlockN, n - c0);
+    for (int r = 0; r < R; ++r) store_row(acc[r][b], bias ? bias + c0 : nullptr, y + r * n + c0, cols);
+  }
+}
+
+template <int NB>
+void dot_rows(int64_t rows, const uint16_t* x, int64_t kp, const uint16_t* w, const float* bias,
+              uint16_t* y, int64_t n, int64_t n0) {
+  switch (rows) {
+    case 1: return dot_tile<1, NB>(x, kp, w, bias, y, n, n0);
+    case 2: return dot_tile<2, NB>(x, kp, w, bias, y, n, n0);
+    case 3: return dot_tile<3, NB>(x, kp, w, bias, y, n, n0);
+    default: return dot_tile<4, NB>(x, kp, w, bias, y, n, n0);
+  }
+}
+
+constexpr int64_t kDotRows = 4;    // activation rows per pass over a panel
+constexpr int64_t kDotBlocks = 4;  // N-blocks per panel (16 accumulators at 4 rows)
+
+void dot_gemm(const uint16_t* x, int64_t m_rows, int64_t kp, const uint16_t* w, int64_t n_blocks,
+              const float* bias, uint16_t* y, int64_t n, int64_t threads) {
+  const int64_t panels = (n_blocks + kDotBlocks - 1) / kDotBlocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t nb = p * kDotBlocks;
+    const uint16_t* wp = w + nb * kp * 32;
+    // A panel (4 x kp x 64 bytes: 72 KB for k = 576) stays in L2 while every
+    // row block passes over it.
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kDotRows) {
+      const int64_t rows = std::min(kDotRows, m_rows - m0);
+      const uint16_t* xm = x + m0 * kp * 2;
+      uint16_t* ym = y + m0 * n;
+      if (nb + kDotBlocks <= n_blocks) {
+        dot_rows<kDotBlocks>(rows, xm, kp, wp, bias, ym, n, nb * kBlockN);
+      } else {
+        for (int64_t b = nb; b < n_blocks; ++b)
+          dot_rows<1>(rows, xm, kp, w + b * kp * 32, bias, ym, n, b * kBlockN);
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
 
 #ifdef RADIXMUX_AMX
 using radixmux::request_amx;
@@ -53,13 +136,7 @@ void configure(int rows0, int rows1) {
 // rows of `out` (row stride `ld`), the first `cols` columns.
 void store_block(const float* acc, const float* bias, int64_t rows, uint16_t* out, int64_t ld,
                  int64_t cols) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int64_t m = 0; m < rows; ++m) {
-    __m512 v = _mm512_add_ps(_mm512_load_ps(acc + m * 16), b);
-    __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
-    _mm256_mask_storeu_epi16(out + m * ld, mask, r);
-  }
+  for (int64_t m = 0; m < rows; ++m) store_row(_mm512_load_ps(acc + m * 16), bias, out + m * ld, cols);
 }
 
 void amx_gemm(const uint16_t* x, int64_t m_rows, int64_t kp, const uint16_t* w, int64_t n_blocks,
@@ -164,10 +241,20 @@ at::Tensor amx_pack(const at::Tensor& weight) {
   return out;
 }
 
+bool has_dpbf16_linear() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x @ unpacked(packed).T (+ bias) in bfloat16: on AMX tiles where this process
+// may use them, else with AVX512-BF16 dot products (same pairs, same float
+// accumulation, one rounding).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-#ifdef RADIXMUX_AMX
-  TORCH_CHECK(request_amx(), "amx_linear: the kernel may not use AMX in this process");
+#ifdef __AVX512BF16__
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear: bfloat16 activations and weights, got ", x.scalar_type(), " and ",
               packed.scalar_type());
@@ -199,13 +286,20 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   // One thread for a small product: waking the others costs more than it saves.
   const int64_t work = n_blocks * kp * 64 * ((m + 15) / 16);
   const int64_t threads = work > (1 << 17) ? std::max<int64_t>(1, at::get_num_threads()) : 1;
-  amx_gemm(reinterpret_cast<const uint16_t*>(x2.data_ptr()), m, kp,
-           reinterpret_cast<const uint16_t*>(packed.data_ptr()), n_blocks,
-           bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-           reinterpret_cast<uint16_t*>(y.data_ptr()), n, threads);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+#ifdef RADIXMUX_AMX
+  if (request_amx()) {
+    amx_gemm(xp, m, kp, wp, n_blocks, bp, yp, n, threads);
+    return y;
+  }
+#endif
+  dot_gemm(xp, m, kp, wp, n_blocks, bp, yp, n, threads);
   return y;
 #else
-  TORCH_CHECK(false, "amx_linear: this build has no AMX path (see has_amx_linear)");
+  TORCH_CHECK(false, "amx_linear: this build has neither AMX nor AVX512-BF16 (see has_dpbf16_linear)");
 #endif
 }
 
@@ -213,6 +307,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 
 TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("has_amx_linear() -> bool", &has_amx_linear);
+  m.def("has_dpbf16_linear() -> bool", &has_dpbf16_linear);
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
