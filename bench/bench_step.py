@@ -376,7 +376,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--no-amx",
         action="store_true",
-        help="oneDNN for every linear call (no AMX tile kernel for small batches)",
+        help="oneDNN for every linear call (no small-batch kernel: AMX tiles or AVX512-BF16)",
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/)")
     return p.parse_args(argv)
