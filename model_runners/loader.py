@@ -94,7 +94,8 @@ def load_model(
     ``pack_weights`` puts CPU linear weights in oneDNN's layout (see
     ``packed_linear.py``) and ``fuse_ops`` swaps in the fused RMSNorm, gated
     MLP and rotary kernels (``fused_ops.py``) and, with ``amx_linear`` too,
-    runs small bfloat16 products on AMX tiles where the CPU has them; the
+    runs small bfloat16 products on the small-batch kernel (AMX tiles, or
+    AVX512-BF16 dot products) where the CPU has one; the
     fingerprints are taken before all of it, from the weights as stored.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
