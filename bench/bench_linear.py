@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from radixmux.model_runners import paged_decode
-from radixmux.model_runners.packed_linear import PackedLinear
+from radixmux.model_runners.packed_linear import PackedLinear, small_kernel_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, in_features, out_features): SmolLM2-135M's layers (gate and up merged).
@@ -56,13 +55,11 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not paged_decode.load() or not (
-        torch.ops.radixmux.has_amx_linear() or torch.ops.radixmux.has_dpbf16_linear()
-    ):
+    limits = small_kernel_limits()
+    if limits is None:
         sys.exit("no small-batch kernel on this CPU (needs AMX or AVX512-BF16) or no compiler")
-    kind = "AMX" if torch.ops.radixmux.has_amx_linear() else "AVX512-BF16"
     print(
-        f"bfloat16 linear, {torch.get_num_threads()} threads, oneDNN vs {kind} kernel, us per call"
+        f"bfloat16 linear, {torch.get_num_threads()} threads, oneDNN vs {limits.kind}, us per call"
     )
     print(f"{'shape':>18} {'rows':>5} {'oneDNN':>9} {'kernel':>9} {'ratio':>6}")
     results = []
@@ -96,7 +93,7 @@ def main() -> None:
     print(f"kernel/oneDNN time, median over all rows: {statistics.median(wins):.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"kernel": kind, "threads": torch.get_num_threads(), "results": results})
+        json.dumps({"kernel": limits.kind, "threads": torch.get_num_threads(), "results": results})
     )
     print(f"wrote {args.out}")
 

@@ -41,11 +41,17 @@ constexpr int64_t kPairRows = 16; // k pairs per B tile (32 k)
 constexpr int64_t kRowBlock = 256;
 
 #ifdef __AVX512BF16__
-// 16 float outputs plus bias, rounded to bfloat16 into the first `cols` of `out`.
-inline void store_row(__m512 v, const float* bias, uint16_t* out, int64_t cols) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
-  _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+inline __mmask16 col_mask(int64_t cols) { return static_cast<__mmask16>((1u << cols) - 1); }
+
+// The bias of one block of 16 outputs (zeros past `cols`, or without a bias).
+inline __m512 bias_block(const float* bias, int64_t cols) {
+  return bias ? _mm512_maskz_loadu_ps(col_mask(cols), bias) : _mm512_setzero_ps();
+}
+
+// 16 float outputs plus their bias block, rounded to bfloat16 into the first
+// `cols` of `out`.
+inline void store_row(__m512 v, __m512 bias, uint16_t* out, int64_t cols) {
+  _mm256_mask_storeu_epi16(out, col_mask(cols), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, bias)));
 }
 
 // ---- AVX512-BF16 dot products: the same packed weights without AMX ----------------------
@@ -76,7 +82,8 @@ void dot_tile(const uint16_t* x, int64_t kp, const uint16_t* w, const float* bia
   for (int b = 0; b < NB; ++b) {
     const int64_t c0 = n0 + b * kBlockN;
     const int64_t cols = std::min<int64_t>(kBlockN, n - c0);
-    for (int r = 0; r < R; ++r) store_row(acc[r][b], bias ? bias + c0 : nullptr, y + r * n + c0, cols);
+    const __m512 bv = bias_block(bias ? bias + c0 : nullptr, cols);
+    for (int r = 0; r < R; ++r) store_row(acc[r][b], bv, y + r * n + c0, cols);
   }
 }
 
@@ -136,7 +143,8 @@ void configure(int rows0, int rows1) {
 // rows of `out` (row stride `ld`), the first `cols` columns.
 void store_block(const float* acc, const float* bias, int64_t rows, uint16_t* out, int64_t ld,
                  int64_t cols) {
-  for (int64_t m = 0; m < rows; ++m) store_row(_mm512_load_ps(acc + m * 16), bias, out + m * ld, cols);
+  const __m512 b = bias_block(bias, cols);
+  for (int64_t m = 0; m < rows; ++m) store_row(_mm512_load_ps(acc + m * 16), b, out + m * ld, cols);
 }
 
 void amx_gemm(const uint16_t* x, int64_t m_rows, int64_t kp, const uint16_t* w, int64_t n_blocks,
