@@ -223,7 +223,7 @@ class SoakConfig:
     runner_timeout_s: float  # 0: do not pass --runner-timeout (servers before issue 9)
     server_args: tuple[str, ...]
     profile: Profile
-    dtype: str = ""  # the models' dtype ("": the server's default)
+    dtype: str = "float32"  # the models' dtype ("": the server's default)
 
     @property
     def load_s(self) -> float:
@@ -1981,9 +1981,10 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
-        help="the models' dtype (default: float32 for the real models, the server's for --tiny): "
-        "the greedy probe holds the correctness contract, which is float32's; in bfloat16 a "
-        "prefix prefilled in other chunks rounds differently and near-ties can flip (README)",
+        help="the models' dtype (default float32): the greedy probe holds the correctness "
+        "contract, which is float32's; in bfloat16 a prefix prefilled in other chunks, or a "
+        "decode in another cascade group, rounds differently and near-ties flip (README), "
+        "the more often in the tiny random-weight models",
     )
     a = p.parse_args(argv)
     profile = TINY if a.tiny else REAL
@@ -1998,7 +1999,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         runner_timeout_s=a.runner_timeout,
         server_args=tuple(a.server_args.split()),
         profile=profile,
-        dtype=a.dtype or ("" if a.tiny else "float32"),
+        dtype=a.dtype or "float32",
     )
 
 
