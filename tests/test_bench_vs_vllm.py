@@ -162,6 +162,18 @@ def test_client_arguments() -> None:
     assert "--ignore-eos" in args and "--save-result" in args
     assert "--random-input-len" not in args
     assert "--random-input-len" in client_args("random")
+    # Extra shapes run vLLM's random dataset under their own row name.
+    extra = client_args("random_long_out")
+    assert extra[extra.index("--dataset-name") + 1] == "random"
+    assert extra[extra.index("--random-range-ratio") + 1] == "0.5"
+    assert extra.count("--dataset-name") == 1
+
+
+def test_default_grid_is_the_issues_and_runs_off_the_table_are_sized() -> None:
+    assert vs_vllm.parse_args([]).datasets == ["prefix_repetition", "random"]
+    ds = vs_vllm.DATASETS["random_long_out"]
+    assert ds.num_prompts(16, quick=False) == ds.prompts[16]
+    assert ds.num_prompts(64, quick=False) == 256 and ds.num_prompts(64, quick=True) == 64
 
 
 def test_grid_sizes_and_seeds() -> None:
