@@ -11,7 +11,7 @@ costs its size again.
 
 Where the CPU has AMX (bfloat16 tiles), bfloat16 layers also keep their
 weight in the tile layout of ``kernels/amx_linear.cpp`` and calls of up to
-``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 768
+``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 2,048
 tokens; 160 for a gated MLP's wide up projection) run there: oneDNN spends
 ~20 us per call at decode sizes whatever the matrix, the tile kernel 3.5-10 us
 for SmolLM2's layers at 1-16 rows, with the same float accumulation and one
@@ -49,15 +49,16 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # concatenation of the outputs: a 2,048-token prefill with 8 decodes took
 # 795 ms against 459 ms for its two halves apart; padded, 491 ms.)
 ROW_GRAIN = 64
-# Row counts up to which the AMX tile kernel beats oneDNN (time ratios measured
-# on SmolLM2's and Gemma 3's shapes, 2 threads, oneDNN at its padded row
-# count): ahead on every shape from 160 to 768 rows (0.5-0.8x the time; 0.9-1.0x
-# on SmolLM2's narrow k/v projections), behind from 1,024 (1.1-1.3x); a wide
-# matrix (a gated MLP's merged gate and up projection, 5-6x as many outputs as
-# inputs) only up to ~160 rows (0.9-1.0x, then 1.2-1.5x from 192). A 512-token
-# chunk plus a step's decodes thus stays on the tile kernel (it was cut at
-# 512: a 512-token prefill with 16 decodes took 195 ms against 164 ms apart).
-AMX_MAX_ROWS = 768
+# Row counts up to which the AMX tile kernel beats oneDNN (2 threads, oneDNN at
+# its padded row count). Since the kernel splits large calls by rows (the
+# activations then stay in the core that wrote them, amx_linear.cpp), it is
+# ahead of oneDNN on SmolLM2's narrow shapes up to 2,048 rows in the model
+# (whole steps, interleaved: 8 decodes + a 1,024-token chunk 308 -> 247 ms,
+# 16 + 1,500 430 -> 395, 16 + 2,032 a tie); before that split it was behind
+# from 1,024 rows and the limit was 768. A wide matrix (a gated MLP's merged
+# gate and up projection, 5-6x as many outputs as inputs) only up to ~160 rows
+# (0.9-1.0x, then 1.1-1.3x from 192).
+AMX_MAX_ROWS = 2048
 AMX_MAX_ROWS_WIDE = 160
 # A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
 AMX_ALL_ROWS = sys.maxsize

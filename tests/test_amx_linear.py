@@ -57,6 +57,22 @@ def test_amx_linear_equals_onednn_and_float(k, n, bias):
         assert same > 0.99, (rows, same)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 192), (576, 576), (1536, 576), (576, 3072)])
+def test_each_row_equals_that_row_alone_however_the_call_is_split(k, n):
+    """A row's result never depends on its batch-mates: large calls split the rows
+    between threads, small ones the outputs, one row runs alone, and every way
+    gives the same bits (what keeps a sequence's greedy tokens from depending on
+    what shares its step)."""
+    torch.manual_seed(n)
+    lin = torch.nn.Linear(k, n, bias=True).to(torch.bfloat16)
+    packed = torch.ops.radixmux.amx_pack(lin.weight.detach())
+    x = torch.randn(527, k).to(torch.bfloat16)
+    whole = torch.ops.radixmux.amx_linear(x, packed, lin.bias, n)
+    for lo, hi in ((0, 1), (17, 18), (526, 527), (0, 64), (100, 300), (263, 527)):
+        part = torch.ops.radixmux.amx_linear(x[lo:hi], packed, lin.bias, n)
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+
+
 def test_amx_linear_keeps_leading_dims_and_reads_strided_input():
     lin = torch.nn.Linear(64, 40).to(torch.bfloat16)
     packed = torch.ops.radixmux.amx_pack(lin.weight.detach())
