@@ -99,7 +99,7 @@ class Dataset:
         return [
             "--dataset-name",
             self.client_name or self.name,
-            *(a for k, v in self.params.items() for a in (f"--{k}", f"{v:g}")),
+            *(a for k, v in self.params.items() for a in (f"--{k}", str(v))),
         ]
 
     def num_prompts(self, concurrency: int, quick: bool) -> int:

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -232,22 +233,19 @@ void amx_gemm(const AmxBlocks& g, int64_t m_rows, int64_t threads, bool split_ro
   {
     alignas(64) float acc[4][256];
     int cur[2] = {-1, -1};
-    int64_t lo = 0, hi = m_rows;
-    if (split_rows) {  // whole 16-row tiles per thread
-      const int64_t per = ((m_rows + omp_get_num_threads() - 1) / omp_get_num_threads() + 15) / 16 * 16;
-      lo = std::min(m_rows, omp_get_thread_num() * per);
-      hi = std::min(m_rows, lo + per);
-    }
+    // This thread's rows [lo, hi) (whole 16-row tiles) and output pairs [plo, phi).
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    auto share = [&](int64_t total, int64_t grain) {
+      const int64_t per = ((total + nt - 1) / nt + grain - 1) / grain * grain;
+      const int64_t begin = std::min(total, t * per);
+      return std::pair<int64_t, int64_t>{begin, std::min(total, begin + per)};
+    };
+    const auto [lo, hi] = split_rows ? share(m_rows, 16) : std::pair<int64_t, int64_t>{0, m_rows};
+    const auto [plo, phi] = split_rows ? std::pair<int64_t, int64_t>{0, pairs} : share(pairs, 1);
     for (int64_t mb = lo; mb < hi; mb += kRowBlock) {
       const int64_t mend = std::min(mb + kRowBlock, hi);
-      if (split_rows) {
-        for (int64_t p = 0; p < pairs; ++p)
-          for (int64_t m0 = mb; m0 < mend; m0 += 32) g.run(2 * p, m0, mend, cur, acc);
-      } else {
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; ++p)
-          for (int64_t m0 = mb; m0 < mend; m0 += 32) g.run(2 * p, m0, mend, cur, acc);
-      }
+      for (int64_t p = plo; p < phi; ++p)
+        for (int64_t m0 = mb; m0 < mend; m0 += 32) g.run(2 * p, m0, mend, cur, acc);
     }
     if (cur[0] >= 0) _tile_release();
   }
