@@ -80,6 +80,20 @@ def unpack_ids(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4").astype(np.int64)
 
 
+# A logit bias entry on the wire: token id and the value added to its logit.
+BIAS_RECORD = np.dtype([("id", "<i4"), ("value", "<f4")])
+
+
+def pack_bias(pairs: list[tuple[int, float]]) -> bytes:
+    """``SamplingParams.logit_bias`` as packed (int32 id, float32 value) records."""
+    return np.array([(int(t), float(v)) for t, v in pairs], dtype=BIAS_RECORD).tobytes()
+
+
+def unpack_bias(data: bytes) -> np.ndarray:
+    """Packed logit bias records back to a structured array (fields ``id``, ``value``)."""
+    return np.frombuffer(data, dtype=BIAS_RECORD)
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick a sequence's next token. Defaults mean greedy, no penalties.
 
@@ -132,6 +146,14 @@ class SeqInput(msgspec.Struct, frozen=True):
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     output_ids: bytes = b""
     next_token: int = -1
+    # The scheduler packs the request's stop token ids and logit bias here and
+    # leaves them out of ``params``: as lists they would be decoded item by
+    # item on every step. The lists in ``params``, if any, count too.
+    stop_ids: bytes = b""
+    logit_bias: bytes = b""
+    # Tokens generated so far. ``output_ids`` holds them only when penalties
+    # count them (-1: as many as ``output_ids`` holds).
+    num_output: int = -1
 
 
 class PrefixGroup(msgspec.Struct, frozen=True):
@@ -407,8 +429,10 @@ class TokenizerReply(msgspec.Struct, tag="tokenizer_reply", frozen=True):
 # ---- control --------------------------------------------------------------------
 class ControlRequest(msgspec.Struct, tag="control", frozen=True):
     """Operations the front asks of the scheduler: ``stats``, ``check`` (stats
-    with the invariant check run now), ``flush_cache``, ``invalidate``
-    (``model`` required), ``dashboard`` (stats plus a ``DashboardSnapshot``)."""
+    with the invariant check run now, unless nothing changed since the last
+    one or it ran under a second ago: rate-limited, the reply says its age),
+    ``flush_cache``, ``invalidate`` (``model`` required), ``dashboard`` (stats
+    plus a ``DashboardSnapshot``)."""
 
     req_id: str
     op: str
@@ -482,9 +506,12 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     steps: int
     retractions: int = 0
     prompt_tokens_computed: int = 0  # prompt tokens prefilled (not served from the cache)
-    # "ok", or what the invariant check found (with --check-invariants, or
-    # when asked for with op "check").
+    # "ok", or what the last invariant check found (run after every step with
+    # --check-invariants, and on op "check" at most once a second); None: never run.
     invariants: str | None = None
+    invariants_age_s: float | None = None  # seconds since that check ran
+    invariants_current: bool = False  # nothing changed since it ran: it holds now
+    invariant_checks: int = 0  # checks run so far
     locks_held: int = 0  # lock references on the tree (0 on an idle server)
     request_owned_slots: int = 0  # KV slots requests hold outside the tree
     aborted_before_arrival: int = 0  # requests dropped: their abort came first

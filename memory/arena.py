@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
+import re
+import stat
 import tempfile
 import uuid
 from typing import TYPE_CHECKING
@@ -20,9 +23,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixmux.memory.layout import BlockGeometry
+from radixmux.os_process import Owner
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("radixmux.arena")
 
 # torch is imported where a tensor is made: the processes that only pass an
 # ArenaSpec along (front, tokenizer workers, detokenizer) then start without it.
@@ -50,19 +56,42 @@ def default_arena_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+# An arena's file name: who made it (``Owner.token``: pid, start time, host
+# key), then a random part. Only names of exactly this shape are ours.
+ARENA_PREFIX = "radixmux-kv-"
+_ARENA_NAME = re.compile(rf"{ARENA_PREFIX}(?P<owner>{Owner.PATTERN})-[0-9a-f]{{8}}")
+
+
+def arena_file_name() -> str:
+    """A new arena file name, owned by this process."""
+    return f"{ARENA_PREFIX}{Owner.this_process().token}-{uuid.uuid4().hex[:8]}"
+
+
 def remove_stale_arenas(directory: str | None = None) -> list[str]:
-    """Delete arena files whose creating process is gone (killed with SIGKILL,
-    say), so shared memory does not fill up across crashes. Returns them."""
+    """Delete arena files whose creating process is gone (a launcher killed
+    with SIGKILL, say), so shared memory does not fill up across crashes.
+
+    Only a regular file of this user with an arena's exact name, whose owner
+    is provably dead (``Owner.is_dead``: a reused pid or a file of another pid
+    namespace sharing this directory is left alone), is removed; nothing is
+    followed. Returns the names removed.
+    """
     directory = directory or default_arena_dir()
     removed = []
-    for name in os.listdir(directory):
-        if not name.startswith("radixmux-kv-"):
-            continue
-        pid = name.split("-")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            m = _ARENA_NAME.fullmatch(entry.name)
+            if m is None:
+                continue
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+                st = entry.stat(follow_symlinks=False)
+                owner = Owner.parse(m["owner"])
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                if owner is not None and owner.is_dead():
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+                    log.info("removed the arena %s of dead process %d", entry.path, owner.pid)
     return removed
 
 
@@ -90,7 +119,7 @@ class KVArena:
             raise ValueError(f"block_bytes must be a positive multiple of {BLOCK_ALIGN}")
         directory = directory or default_arena_dir()
         remove_stale_arenas(directory)
-        path = os.path.join(directory, f"radixmux-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path = os.path.join(directory, arena_file_name())
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, num_blocks * block_bytes)

@@ -16,10 +16,21 @@ the arena's block geometry). A file is written under a temporary name and
 renamed, so a crash leaves no half file under a real name; a reader still
 checks everything and drops a file that disagrees.
 
+The store owns only what it made. The directory is marked at creation
+(``radixmux-kv-store``, with the layout's version); a non-empty directory
+without the mark is refused (``NotAStore``), unless every entry in it is one a
+store of the unmarked earlier layout makes, which is adopted. Inside, its
+files live in ``v<FORMAT_VERSION>/<namespace dir>/<key>.kv``; the start-up
+scan, a flush and eviction delete only regular files with a chunk's (or a
+chunk's temporary's) name in a directory with a namespace's name, and leave
+everything else in place. No symbolic link under the directory is followed:
+every level is opened with ``O_NOFOLLOW`` relative to its parent's
+descriptor, and scans look with ``lstat``.
+
 ``DiskKVStore`` is the index (which keys exist, their sizes, recency) and is
 owned by one thread, the scheduler's loop; reading and writing the files is
-done by ``kv_transfer`` on its I/O thread with the functions below, which
-touch nothing but the file they are given.
+done by ``kv_transfer`` on its I/O thread through ``StoreFiles``, whose
+operations touch nothing but the file they are given.
 """
 
 from __future__ import annotations
@@ -28,17 +39,26 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
-import shutil
+import re
+import secrets
+import stat
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import xxhash
 
 from radixmux.memory.layout import KVLayout
 
+log = logging.getLogger("radixmux.scheduler")
+
 FORMAT_VERSION = 1
+# The directory layout the mark names: lock, mark, v<FORMAT_VERSION>/<ns>/<key>.kv.
+STORE_VERSION = 1
 # write_back: save KV when it is evicted; write_through: as soon as it is cached.
 WRITE_POLICIES = ("write_back", "write_through")
 MAGIC = b"RMXKVCHK"
@@ -47,8 +67,27 @@ MAGIC = b"RMXKVCHK"
 _HEADER = struct.Struct("<8sIIQQI32s")
 SUFFIX = ".kv"
 LOCK_NAME = "radixmux.lock"
+MARK_NAME = "radixmux-kv-store"
+_MARK_TEXT = re.compile(rb"radixmux-kv-store (\d+)\n")
 # Disk errors that mean "this directory cannot take more": the tier turns off.
 FATAL_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM}
+
+# The names the store makes; nothing else is ever deleted.
+_NS_DIR = re.compile(r"[0-9a-f]{16}")
+_CHUNK = re.compile(r"[0-9a-f]{64}\.kv")
+# A temporary: "<name>.<random hex>.tmp" (before the random names: "<name>.<pid>.tmp").
+_CHUNK_TEMPORARY = re.compile(r"[0-9a-f]{64}\.kv\.[0-9a-f]+\.tmp")
+_MARK_TEMPORARY = re.compile(r"radixmux-kv-store\.[0-9a-f]+\.tmp")
+
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+# O_NONBLOCK: a FIFO planted under a chunk's name must not hang the I/O thread
+# in open(); a regular file ignores it.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW
+# O_EXCL: a name that exists (a link there included) is never opened.
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)  # O_NOFOLLOW met a link, or not a directory
+_REFUSE_HINT = "point --kv-disk-dir at an empty or new directory"
 
 
 def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None:
@@ -64,8 +103,18 @@ def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None
         )
 
 
-class StoreLocked(RuntimeError):
+class StoreRefused(RuntimeError):
+    """The directory cannot be this server's store: a start-up error, not a tier
+    quietly off (the message names the directory and what to do)."""
+
+
+class StoreLocked(StoreRefused):
     """Another live server uses this directory."""
+
+
+class NotAStore(StoreRefused):
+    """The directory holds things radixmux did not make (or a link where the
+    store's own parts should be)."""
 
 
 def namespace(pool: str, layout: KVLayout, chunk_tokens: int) -> bytes:
@@ -97,57 +146,186 @@ def checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def write_chunk(path: str, key: bytes, ns: bytes, n_tokens: int, payload: memoryview) -> int:
-    """Write one chunk file atomically (temporary name, then rename); returns its size."""
-    header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, n_tokens, payload.nbytes, checksum(payload), len(ns), key
-    )
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk file: its key and its namespace's directory."""
+
+    key: bytes
+    ns_dir: str
+
+    @property
+    def name(self) -> str:
+        return self.key.hex() + SUFFIX
+
+
+@dataclass
+class _Scan:
+    found: list[tuple[float, ChunkRef, int]] = field(default_factory=list)  # mtime, ref, size
+    temporaries: int = 0  # writes a crash interrupted (deleted)
+    left_alone: int = 0  # entries not ours (links, other files and directories)
+    examples: list[str] = field(default_factory=list)  # a few of them, for the log
+
+    def leave(self, name: str) -> None:
+        self.left_alone += 1
+        if len(self.examples) < 5:
+            self.examples.append(name)
+
+
+class StoreFiles:
+    """The chunk files under the store's ``v<FORMAT_VERSION>`` directory.
+
+    Holds that directory open and does everything relative to its descriptor,
+    each level opened with ``O_NOFOLLOW``: a symbolic link anywhere under it
+    is never read, written or deleted through, and a rename of the store's
+    path after start changes nothing. Used by the I/O thread; the loop uses it
+    only at start (the scan) when no I/O thread runs yet.
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.root = path
+
+    def path(self, ref: ChunkRef) -> str:
+        """The file's path, for messages (never opened by path)."""
+        return os.path.join(self.root, ref.ns_dir, ref.name)
+
+    @contextlib.contextmanager
+    def _namespace(self, ns_dir: str, create: bool = False) -> Iterator[int]:
+        """A namespace directory's descriptor (made first with ``create``)."""
         try:
-            f = open(tmp, "wb")  # noqa: SIM115 (closed by the with below)
+            fd = _open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
         except FileNotFoundError:
-            # The namespace's first chunk, or its directory was deleted (a flush)
+            if not create:
+                raise
+            # The namespace's first chunk, or a flush removed its directory
             # after the save was queued.
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            f = open(tmp, "wb")  # noqa: SIM115
-        with f:
-            f.write(header)
-            f.write(ns)
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return _HEADER.size + len(ns) + payload.nbytes
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(ns_dir, 0o700, dir_fd=self.fd)
+            fd = _open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
+    def write(self, ref: ChunkRef, ns: bytes, n_tokens: int, payload: memoryview) -> int:
+        """Write one chunk file atomically (a fresh temporary, then a rename);
+        returns its size."""
+        header = _HEADER.pack(
+            MAGIC, FORMAT_VERSION, n_tokens, payload.nbytes, checksum(payload), len(ns), ref.key
+        )
+        with self._namespace(ref.ns_dir, create=True) as d:
+            fd, tmp = _create_temporary(d, ref.name, self.path(ref))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(header)
+                    f.write(ns)
+                    f.write(payload)
+                # rename(2) replaces the directory entry at the destination and
+                # resolves no link in it: a link there would itself be replaced,
+                # its target never touched. Such a link is not ours, so it is
+                # left alone: the chunk is not saved.
+                _expect_file_or_nothing(d, ref.name, self.path(ref))
+                os.replace(tmp, ref.name, src_dir_fd=d, dst_dir_fd=d)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=d)  # made by O_EXCL above: ours
+                raise
+        return _HEADER.size + len(ns) + payload.nbytes
 
-def read_chunk(path: str, key: bytes, ns: bytes, n_tokens: int, out: memoryview) -> str | None:
-    """Read a chunk's payload into ``out`` (exactly its size). Returns None when
-    the file is sound, else why it is not (missing, truncated, another key,
-    namespace or size, bad checksum): the caller drops it and recomputes."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_HEADER.size)
-            if len(head) != _HEADER.size:
-                return "truncated header"
-            magic, version, tokens, size, digest, ns_len, file_key = _HEADER.unpack(head)
-            if magic != MAGIC or version != FORMAT_VERSION:
-                return "not a chunk file of this format version"
-            if file_key != key or tokens != n_tokens or size != out.nbytes:
-                return "key or size differs from the index"
-            if f.read(ns_len) != ns:
-                return "namespace differs"
-            if f.readinto(out) != size or f.read(1):
-                return "truncated or oversized payload"
-    except FileNotFoundError:
-        return "file missing"
-    except OSError as exc:
-        return f"unreadable: {exc}"
-    if checksum(out) != digest:
-        return "checksum mismatch"
-    return None
+    def read(
+        self, ref: ChunkRef, ns: bytes, n_tokens: int, out: memoryview, touch: bool = False
+    ) -> str | None:
+        """Read a chunk's payload into ``out`` (exactly its size). Returns None
+        when the file is sound, else why it is not (missing, a link, truncated,
+        another key, namespace or size, bad checksum): the caller drops it and
+        recomputes. ``touch`` marks a sound file used (its mtime is its recency
+        across restarts)."""
+        try:
+            with self._namespace(ref.ns_dir) as d:
+                fd = os.open(ref.name, _READ_FLAGS, dir_fd=d)
+        except FileNotFoundError:
+            return "file missing"
+        except OSError as exc:
+            if exc.errno in _LINK_ERRNOS:
+                return "a symbolic link or not a file (not followed)"
+            return f"unreadable: {exc}"
+        try:
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return "not a regular file"
+                why = _read_into(f, ref.key, ns, n_tokens, out)
+                if why is None and touch:
+                    os.utime(fd)
+                return why
+        except OSError as exc:
+            return f"unreadable: {exc}"
+
+    def remove(self, ref: ChunkRef) -> bool:
+        """Delete a chunk's file; anything else under its name (a link, a
+        directory) stays. Returns whether a file went."""
+        try:
+            with self._namespace(ref.ns_dir) as d:
+                if not stat.S_ISREG(os.stat(ref.name, dir_fd=d, follow_symlinks=False).st_mode):
+                    return False
+                os.unlink(ref.name, dir_fd=d)
+                return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno in _LINK_ERRNOS:  # the namespace directory is a link: not ours
+                return False
+            raise
+
+    def clear(self) -> int:
+        """Delete every chunk file (and temporary) in every namespace directory,
+        then the directories left empty; everything else stays. Best effort: a
+        name that cannot go is left. Returns how many files went."""
+        removed = 0
+        for entry in os.scandir(self.fd):
+            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+                continue
+            with contextlib.suppress(OSError), self._namespace(entry.name) as d:
+                for name in _ours(d):
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=d)
+                        removed += 1
+            with contextlib.suppress(OSError):  # not empty: something not ours is in it
+                os.rmdir(entry.name, dir_fd=self.fd)
+        return removed
+
+    def scan(self) -> _Scan:
+        """The chunk files a previous server left; interrupted writes are deleted."""
+        out = _Scan()
+        for entry in os.scandir(self.fd):
+            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+                out.leave(entry.name)
+                continue
+            try:
+                d = _open_dir(self.fd, entry.name, os.path.join(self.root, entry.name))
+            except OSError:  # replaced by a link since the listing
+                out.leave(entry.name)
+                continue
+            try:
+                for e in os.scandir(d):
+                    regular = e.is_file(follow_symlinks=False)
+                    if regular and _CHUNK.fullmatch(e.name):
+                        st = e.stat(follow_symlinks=False)
+                        ref = ChunkRef(bytes.fromhex(e.name[: -len(SUFFIX)]), entry.name)
+                        out.found.append((st.st_mtime, ref, st.st_size))
+                    elif regular and _CHUNK_TEMPORARY.fullmatch(e.name):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(e.name, dir_fd=d)
+                        out.temporaries += 1
+                    else:
+                        out.leave(f"{entry.name}/{e.name}")
+            finally:
+                os.close(d)
+        return out
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
@@ -159,9 +337,12 @@ class _Meta:
 class DiskKVStore:
     """The index of one store directory: which chunks exist, LRU order, capacity.
 
-    Single-threaded (the scheduler loop). Holding an exclusive ``flock`` on
-    the directory for the store's life keeps a second server from corrupting
-    it; ``StoreLocked`` names the other server's pid.
+    Single-threaded (the scheduler loop). Opening a directory claims it (see
+    the module's docstring: ``NotAStore`` when it is not the store's to take);
+    holding an exclusive ``flock`` on it for the store's life keeps a second
+    server from corrupting it (``StoreLocked`` names the other server's pid).
+    The path given is resolved once, as given (a link in it is the user's
+    choice); nothing under it is followed.
     """
 
     def __init__(self, directory: str, capacity_bytes: int) -> None:
@@ -170,47 +351,68 @@ class DiskKVStore:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.capacity_bytes = capacity_bytes
         self.root = os.path.join(self.directory, f"v{FORMAT_VERSION}")
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        self._lock_fd = _lock_directory(self.directory)
+        self._lock_fd: int | None = None
+        self.files: StoreFiles | None = None
         self._index: OrderedDict[bytes, _Meta] = OrderedDict()
         self.size_bytes = 0
-        self.dropped_at_start = self._scan()
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        top = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _claim(top, self.directory)
+            self._lock_fd = _lock_directory(top, self.directory)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.basename(self.root), 0o700, dir_fd=top)
+            try:
+                fd = _open_dir(top, os.path.basename(self.root), self.root)
+            except OSError as exc:
+                if exc.errno in _LINK_ERRNOS:
+                    raise NotAStore(
+                        f"{self.root} is a symbolic link or not a directory, and radixmux "
+                        f"follows no link in its store: remove it, or {_REFUSE_HINT}"
+                    ) from None
+                raise
+            self.files = StoreFiles(fd, self.root)
+            self.dropped_at_start = self._scan()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(top)
 
     def _scan(self) -> int:
         """Index the files a previous server left, oldest first; drop temporaries."""
-        found: list[tuple[float, bytes, _Meta]] = []
-        dropped = 0
-        for ns_entry in os.scandir(self.root):
-            if not ns_entry.is_dir():
-                continue
-            for entry in os.scandir(ns_entry.path):
-                key = _key_of(entry.name)
-                if key is None:  # a write a crash interrupted, or not ours
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
-                    dropped += 1
-                    continue
-                st = entry.stat()
-                found.append((st.st_mtime, key, _Meta(ns_entry.name, st.st_size)))
-        for _, key, meta in sorted(found, key=lambda f: f[0]):
-            self._index[key] = meta
-            self.size_bytes += meta.size
+        assert self.files is not None
+        found = self.files.scan()
+        if found.left_alone:
+            log.warning(
+                "disk store %s: left alone %d entries it did not make (never read, "
+                "written or deleted), e.g. %s",
+                self.root,
+                found.left_alone,
+                ", ".join(found.examples),
+            )
+        self.left_alone = found.left_alone
+        for _, ref, size in sorted(found.found, key=lambda f: f[0]):
+            self._index[ref.key] = _Meta(ref.ns_dir, size)
+            self.size_bytes += size
         # A restart with a smaller --kv-disk-bytes: the oldest go now.
         victims = self._trim()
-        remove_paths(victims)
-        return dropped + len(victims)
+        for ref in victims:
+            self.files.remove(ref)
+        return found.temporaries + len(victims)
 
-    def _trim(self) -> list[str]:
+    def _trim(self) -> list[ChunkRef]:
         """Forget least recently used chunks until the store fits its capacity
-        (one chunk larger than all of it stays); returns their paths."""
+        (one chunk larger than all of it stays); returns them."""
         victims = []
         while self.size_bytes > self.capacity_bytes and len(self._index) > 1:
             victim, meta = self._index.popitem(last=False)
             self.size_bytes -= meta.size
-            victims.append(self.path(meta.ns_dir, victim))
+            victims.append(ChunkRef(victim, meta.ns_dir))
         return victims
 
     def path(self, ns_dir: str, key: bytes) -> str:
+        """A chunk file's path (for messages and tests; files are opened by ``files``)."""
         return os.path.join(self.root, ns_dir, key.hex() + SUFFIX)
 
     def __contains__(self, key: bytes) -> bool:
@@ -224,8 +426,8 @@ class DiskKVStore:
         if key in self._index:
             self._index.move_to_end(key)
 
-    def added(self, key: bytes, ns_dir: str, size: int) -> list[str]:
-        """Record a written chunk; returns the files to delete to stay in capacity
+    def added(self, key: bytes, ns_dir: str, size: int) -> list[ChunkRef]:
+        """Record a written chunk; returns the chunks to delete to stay in capacity
         (least recently used first; the caller deletes them off the loop)."""
         old = self._index.pop(key, None)
         if old is not None:
@@ -242,43 +444,205 @@ class DiskKVStore:
         self.size_bytes -= meta.size
         return self.path(meta.ns_dir, key)
 
-    def clear(self) -> list[str]:
-        """Forget every chunk; returns the namespace directories to delete."""
+    def clear(self) -> None:
+        """Forget every chunk (the caller has the I/O thread delete the files:
+        ``StoreFiles.clear``)."""
         self._index.clear()
         self.size_bytes = 0
-        return [e.path for e in os.scandir(self.root) if e.is_dir()]
 
-    def close(self) -> None:
-        """Release the directory lock."""
+    def close(self, keep_files: bool = False) -> None:
+        """Release the directory lock and the store's directory (``keep_files``:
+        not the directory, which a stuck I/O thread still uses)."""
+        if self.files is not None and not keep_files:
+            self.files.close()
+        self.files = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
 
-def remove_paths(paths: list[str]) -> None:
-    """Delete files or directories, ignoring ones already gone."""
-    for path in paths:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
-def _key_of(name: str) -> bytes | None:
-    """The key a chunk file's name holds (None: not a chunk file name)."""
-    stem = name[: -len(SUFFIX)]
-    if not name.endswith(SUFFIX) or len(stem) != 64:
-        return None
+def _open_dir(parent: int, name: str, path: str) -> int:
+    """``name`` under ``parent`` as a directory descriptor, never through a link
+    (OSError ELOOP/ENOTDIR when it is one, or not a directory)."""
     try:
-        return bytes.fromhex(stem)
-    except ValueError:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            raise OSError(
+                exc.errno, "a symbolic link or not a directory (not followed)", path
+            ) from None
+        raise
+
+
+def _ours(dir_fd: int) -> list[str]:
+    """The names in a namespace directory the store made: regular files named
+    as a chunk or a chunk's temporary."""
+    return [
+        e.name
+        for e in os.scandir(dir_fd)
+        if e.is_file(follow_symlinks=False)
+        and (_CHUNK.fullmatch(e.name) or _CHUNK_TEMPORARY.fullmatch(e.name))
+    ]
+
+
+def _temporary_name(name: str) -> str:
+    """A name no one can guess ahead, so no one can plant anything under it."""
+    return f"{name}.{secrets.token_hex(8)}.tmp"
+
+
+def _create_temporary(dir_fd: int, name: str, path: str) -> tuple[int, str]:
+    """A new file beside ``name``, made with O_EXCL (a name taken, by anything
+    at all, is passed over, never opened); returns its descriptor and name."""
+    for _ in range(8):
+        tmp = _temporary_name(name)
+        try:
+            return os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dir_fd), tmp
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, "no free temporary name", path)
+
+
+def _expect_file_or_nothing(dir_fd: int, name: str, path: str) -> None:
+    """Raise unless ``name`` is absent or a regular file (one the rename may replace)."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EEXIST, "a link or another non-file is in the way (left alone)", path)
+
+
+def _read_into(f: BinaryIO, key: bytes, ns: bytes, n_tokens: int, out: memoryview) -> str | None:
+    """Check an open chunk file against what the index expects and read its
+    payload into ``out``; None when sound, else why not."""
+    head = f.read(_HEADER.size)
+    if len(head) != _HEADER.size:
+        return "truncated header"
+    magic, version, tokens, size, digest, ns_len, file_key = _HEADER.unpack(head)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return "not a chunk file of this format version"
+    if file_key != key or tokens != n_tokens or size != out.nbytes:
+        return "key or size differs from the index"
+    # The length first: a file's header must not size an allocation.
+    if ns_len != len(ns) or f.read(ns_len) != ns:
+        return "namespace differs"
+    if f.readinto(out) != size or f.read(1):
+        return "truncated or oversized payload"
+    if checksum(out) != digest:
+        return "checksum mismatch"
+    return None
+
+
+# ---- claiming the directory ------------------------------------------------------------
+def _claim(top: int, directory: str) -> None:
+    """Make sure ``directory`` (open as ``top``) is a store: marked, or empty
+    or holding only what an unmarked store of the earlier layout makes (then
+    marked now). Raises NotAStore otherwise."""
+    version = _read_mark(top, directory)
+    if version is not None:
+        if version != STORE_VERSION:
+            raise NotAStore(
+                f"--kv-disk-dir {directory} is a store of another radixmux version "
+                f"(layout {version}; this one reads layout {STORE_VERSION}): "
+                f"run that version on it, or {_REFUSE_HINT}"
+            )
+        return
+    names = sorted(os.listdir(top))
+    if names and not _made_by_a_store(top, names):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise NotAStore(
+            f"--kv-disk-dir {directory} is not empty ({len(names)} entries: {shown}) and is "
+            f"not a radixmux KV store (it has no {MARK_NAME} mark). The disk tier deletes "
+            f"files in its directory, so it takes only one it made: {_REFUSE_HINT}"
+        )
+    _write_mark(top, directory)
+    if names:
+        log.info("disk store %s: an unmarked store of the earlier layout, adopted", directory)
+
+
+def _read_mark(top: int, directory: str) -> int | None:
+    """The store layout version the mark names; None when there is no mark."""
+    path = os.path.join(directory, MARK_NAME)
+    try:
+        fd = os.open(MARK_NAME, _READ_FLAGS, dir_fd=top)
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            raise NotAStore(
+                f"{path} is a symbolic link, not a store's mark: {_REFUSE_HINT}"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    match = _MARK_TEXT.fullmatch(text)
+    if match is None:
+        raise NotAStore(f"{path} is not a mark radixmux wrote: {_REFUSE_HINT}")
+    return int(match.group(1))
 
 
-def _lock_directory(directory: str) -> int:
+def _write_mark(top: int, directory: str) -> None:
+    """Write the mark atomically (and durably: a mark lost to a crash would
+    leave a store its next start refuses)."""
+    path = os.path.join(directory, MARK_NAME)
+    fd, tmp = _create_temporary(top, MARK_NAME, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"%s %d\n" % (MARK_NAME.encode(), STORE_VERSION))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, MARK_NAME, src_dir_fd=top, dst_dir_fd=top)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=top)
+        raise
+    with contextlib.suppress(OSError):  # some filesystems cannot sync a directory
+        os.fsync(top)
+
+
+def _made_by_a_store(top: int, names: list[str]) -> bool:
+    """Whether every entry is one an unmarked store (the layout before the mark)
+    makes: its lock, a mark's temporary, and ``v1`` holding only namespace
+    directories of chunk files and their temporaries, none of them a link."""
+    for name in names:
+        mode = os.stat(name, dir_fd=top, follow_symlinks=False).st_mode
+        if name == LOCK_NAME or _MARK_TEMPORARY.fullmatch(name):
+            if not stat.S_ISREG(mode):
+                return False
+        elif name != f"v{FORMAT_VERSION}" or not stat.S_ISDIR(mode):
+            return False
+    if f"v{FORMAT_VERSION}" not in names:
+        return True
+    root = _open_dir(top, f"v{FORMAT_VERSION}", "")
+    try:
+        for entry in os.scandir(root):
+            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+                return False
+            d = _open_dir(root, entry.name, "")
+            try:
+                if len(_ours(d)) != len(os.listdir(d)):
+                    return False
+            finally:
+                os.close(d)
+    finally:
+        os.close(root)
+    return True
+
+
+def _lock_directory(top: int, directory: str) -> int:
     path = os.path.join(directory, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
+        fd = os.open(LOCK_NAME, flags, 0o600, dir_fd=top)
+    except OSError as exc:
+        if exc.errno in _LINK_ERRNOS:
+            raise NotAStore(
+                f"{path} is a symbolic link, not a store's lock: {_REFUSE_HINT}"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAStore(f"{path} is not a regular file, not a store's lock: {_REFUSE_HINT}")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -12,6 +12,9 @@ The arena is seen as bytes (``[blocks, layers, 2, slots_per_block, row]``
 with ``row = kv_heads x head_dim x itemsize``), so any KV dtype copies the
 same way and no tensor dtype crosses into numpy. On a CUDA arena the same jobs
 would stage through pinned host memory; the job interface does not change.
+
+Files are reached only through the store's ``StoreFiles`` (relative to the
+store's directory, no link followed) and only chunk files are deleted.
 """
 
 from __future__ import annotations
@@ -26,16 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from radixmux.memory.kv_disk_store import FATAL_ERRNOS, read_chunk, remove_paths, write_chunk
+from radixmux.memory.kv_disk_store import FATAL_ERRNOS, ChunkRef, StoreFiles
 from radixmux.memory.layout import BlockGeometry
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    """One chunk file: its key and where it lives."""
-
-    key: bytes
-    path: str
 
 
 @dataclass
@@ -66,11 +61,20 @@ class LoadJob:
 
 @dataclass
 class DeleteJob:
-    paths: list[str]
+    """Delete chunk files (capacity victims); anything else under their names stays."""
+
+    chunks: list[ChunkRef]
     job_id: int = 0
 
 
-Job = SaveJob | LoadJob | DeleteJob
+@dataclass
+class ClearJob:
+    """Delete every chunk file of the store (a flush); nothing else."""
+
+    job_id: int = 0
+
+
+Job = SaveJob | LoadJob | DeleteJob | ClearJob
 
 
 @dataclass
@@ -145,9 +149,10 @@ def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
 
 
 class KVTransfer:
-    """A FIFO of save / load / delete jobs run on one I/O thread."""
+    """A FIFO of save / load / delete jobs on one store's files, run on one I/O thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: StoreFiles) -> None:
+        self.files = files
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -195,12 +200,19 @@ class KVTransfer:
                 continue
         return out
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Stop the thread after the jobs queued; returns whether it ended.
+        A thread still stuck on a disk keeps its descriptors (the pipe, the
+        store's directory): closed, their numbers could be reused by files it
+        would then write to."""
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            return False
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        return True
 
     # ---- the I/O thread ----------------------------------------------------------
     def _run(self) -> None:
@@ -211,8 +223,11 @@ class KVTransfer:
                     self._save(job, result)
                 elif isinstance(job, LoadJob):
                     self._load(job, result)
+                elif isinstance(job, DeleteJob):
+                    for chunk in job.chunks:
+                        self.files.remove(chunk)
                 else:
-                    remove_paths(job.paths)
+                    self.files.clear()
             except Exception as exc:  # never lose a job's answer: the loop waits on it
                 result.fatal = result.fatal or f"{type(exc).__name__}: {exc}"
             self._done.put(result)
@@ -228,10 +243,10 @@ class KVTransfer:
             gather(job.view, job.slots[i * c : (i + 1) * c], out=rows)
             payload = memoryview(rows.numpy()).cast("B")
             try:
-                size = write_chunk(chunk.path, chunk.key, job.ns, c, payload)
+                size = self.files.write(chunk, job.ns, c, payload)
             except OSError as exc:
                 if exc.errno in FATAL_ERRNOS:
-                    result.fatal = f"{chunk.path}: {exc.strerror}"
+                    result.fatal = f"{self.files.path(chunk)}: {exc.strerror}"
                     return
                 result.bad.append((chunk.key, str(exc)))
                 continue
@@ -243,14 +258,14 @@ class KVTransfer:
         done = 0  # slots filled so far
         rows = self._rows(job.view, c)
         for i, chunk in enumerate(job.chunks):
-            why = read_chunk(chunk.path, chunk.key, job.ns, c, memoryview(rows.numpy()).cast("B"))
+            # touch: a sound file's mtime is its recency across a restart.
+            out = memoryview(rows.numpy()).cast("B")
+            why = self.files.read(chunk, job.ns, c, out, touch=True)
             if why is not None:
                 result.bad.append((chunk.key, why))
                 with contextlib.suppress(OSError):
-                    os.unlink(chunk.path)
+                    self.files.remove(chunk)  # a chunk file only: a link there stays
                 break
-            with contextlib.suppress(OSError):
-                os.utime(chunk.path)  # recency survives a restart
             first = job.skip if i == 0 else 0
             scatter(job.view, job.slots[done : done + c - first], rows[first:])
             done += c - first

@@ -2,8 +2,10 @@
 
 * The tokenizer fingerprint groups models whose token ids mean the same text
   (same vocab, merges, special tokens, normaliser): they may share radix paths.
-* The weights fingerprint is the KV-share key: models with identical weights
-  (replicas, aliases) produce identical K/V, so they may share arena entries.
+* The KV-share key: models with identical weights *and* an identical
+  normalised config (replicas, aliases, copies of one folder) produce
+  identical K/V, so they may share arena entries and disk-tier chunks (the
+  scheduler's pool key and the disk store's namespace are derived from it).
 """
 
 from __future__ import annotations
@@ -51,4 +53,121 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# Config fields that provably cannot change K/V, left out of the KV-share key.
+# A deny-list, not an allow-list: K/V depend on everything the attention and
+# the layers below it read (rope theta and scaling, norm epsilon, head dims,
+# windows, soft-capping, query scaling, partial rotary factor, ...) and each
+# architecture adds its own names; a field nobody listed must count, so a new
+# one is in the key by default. Only provenance, dtype (the weights are hashed
+# after the cast and the pool key adds the dtype), output and cache switches,
+# generation settings and tokenizer-side ids are out: they differ between
+# copies or aliases of one model without changing a single K/V byte.
+_NOT_KV = frozenset(
+    {
+        # where and by what the config was written
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        # which class a pipeline would pick (unset until a model is saved):
+        # the class that runs is in the key itself
+        "architectures",
+        # the load dtype: in the weights fingerprint and the pool key already
+        "dtype",
+        "torch_dtype",
+        "use_bfloat16",
+        # the attention kernel transformers would pick: the runner replaces it
+        "attn_implementation",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_attn_implementation_internal",
+        # what a forward returns, not what it computes
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "torchscript",
+        "tf_legacy_loss",
+        # generation settings (transformers 4 kept them in the model config)
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        # token ids and labels: which ids stop or pad, not what a token's K/V is
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "finetuning_task",
+        "id2label",
+        "label2id",
+        "problem_type",
+    }
+)
+
+
+def _normalized(value: Any, is_config: bool = False) -> Any:
+    """``value`` with harmless fields dropped (from a config or a nested
+    sub-config: a dict with a ``model_type``) and integral floats made ints,
+    so ``10000`` and ``10000.0`` hash alike. Other nested dicts (rope
+    parameters, quantisation) are kept whole: their keys are not config fields."""
+    if isinstance(value, dict):
+        is_config = is_config or "model_type" in value
+        return {
+            str(k): _normalized(v)
+            for k, v in value.items()
+            if not (is_config and k in _NOT_KV)
+        }
+    if isinstance(value, (list, tuple)):
+        return [_normalized(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def kv_config(config: Any) -> dict[str, Any]:
+    """The part of a transformers config that can change K/V (see ``_NOT_KV``):
+    the full ``to_dict()`` (defaults included, so a config.json that spells a
+    default out matches one that leaves it implicit), harmless fields dropped."""
+    return _normalized(config.to_dict(), is_config=True)
+
+
+def kv_share_key(model: torch.nn.Module) -> str:
+    """The KV-share key: the weights fingerprint, the model class and the
+    KV-relevant config (``kv_config``). A config-only change (rope theta
+    edited in config.json, say) gives a new key, so a reload never reuses K/V
+    the old config computed; replicas, aliases and copies of one folder keep
+    one key and share their cache."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"weights\0" + weights_fingerprint(model).encode())
+    h.update(b"\0class\0" + f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    h.update(b"\0config\0" + _canonical(kv_config(model.config)))
     return h.hexdigest()

@@ -11,7 +11,7 @@ import torch
 
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
-from radixmux.model_runners.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from radixmux.model_runners.fingerprint import kv_share_key, tokenizer_fingerprint
 from radixmux.model_runners.fused_ops import fuse_model
 from radixmux.model_runners.info import eos_ids, sliding_windows
 from radixmux.model_runners.packed_linear import pack_linear_weights
@@ -70,7 +70,7 @@ def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> 
         vocab_size=int(config.vocab_size),
         eos_token_ids=eos_ids(config, getattr(model, "generation_config", None), tokenizer),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else "",
-        kv_share_key=weights_fingerprint(model),
+        kv_share_key=kv_share_key(model),
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         dtype=dtype,
         device=device,

@@ -29,6 +29,8 @@ from radixmux.protocol import (
     PrefixGroup,
     SeqInput,
     SeqOutput,
+    pack_bias,
+    unpack_bias,
     unpack_ids,
 )
 
@@ -44,7 +46,10 @@ class _Seq:
     tokens: np.ndarray
     slots: np.ndarray
     start_pos: int
-    output_ids: np.ndarray
+    output_ids: np.ndarray  # what penalties count (empty when none is set)
+    num_output: int  # tokens generated so far
+    stop_ids: np.ndarray  # stop token ids (int64)
+    bias: np.ndarray  # logit bias records (protocol.BIAS_RECORD)
 
 
 class ModelRunner:
@@ -114,7 +119,18 @@ class ModelRunner:
             raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")
         if len(np.unique(slots)) != len(slots):
             raise BatchError(f"{seq.rid}: repeated slot ids")
-        return _Seq(tokens, slots, len(slots) - n, unpack_ids(seq.output_ids))
+        output_ids = unpack_ids(seq.output_ids)
+        num_output = len(output_ids) if seq.num_output < 0 else seq.num_output
+        # Packed by the scheduler (one array op per step, whatever their length);
+        # lists in ``params`` (a caller that builds SeqInput itself) count too.
+        p = seq.params
+        stop_ids = unpack_ids(seq.stop_ids)
+        if p.stop_token_ids:
+            stop_ids = np.concatenate([stop_ids, np.asarray(p.stop_token_ids, dtype=np.int64)])
+        bias = unpack_bias(seq.logit_bias)
+        if p.logit_bias:
+            bias = np.concatenate([bias, unpack_bias(pack_bias(p.logit_bias))])
+        return _Seq(tokens, slots, len(slots) - n, output_ids, num_output, stop_ids, bias)
 
     # ---- batch preparation -----------------------------------------------
     def _paged_batch(
@@ -278,7 +294,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
-        picked = sample(logits, params, outs) if rows else None
+        steps = [seqs[i].num_output for i in rows]
+        biases = [seqs[i].bias for i in rows]
+        picked = sample(logits, params, outs, steps, biases) if rows else None
         prompt_lps = {i: _prompt_logprobs(prompt_logits[i], inputs[i], seqs[i]) for i in scored}
         outputs = []
         by_row = {r: j for j, r in enumerate(rows)}
@@ -292,9 +310,10 @@ class ModelRunner:
             token = int(picked.tokens[j])
             p = s.params
             finish = None
-            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+            stops = seqs[i].stop_ids  # one vectorised compare, however many there are
+            if (stops.size and bool((stops == token).any())) or (not p.ignore_eos and token in eos):
                 finish = "stop"
-            elif len(seqs[i].output_ids) + 1 >= p.max_new_tokens:
+            elif seqs[i].num_output + 1 >= p.max_new_tokens:
                 finish = "length"
             lp = float(picked.logprobs[j]) if picked.logprobs is not None and p.logprobs else None
             top = None
@@ -308,7 +327,7 @@ class ModelRunner:
 
 def _scores_prompt(inp: SeqInput, seq: _Seq) -> bool:
     """A prompt chunk that asked for prompt logprobs and scores some token."""
-    if inp.params.prompt_logprobs_start < 0 or len(seq.output_ids):
+    if inp.params.prompt_logprobs_start < 0 or seq.num_output:
         return False
     return len(seq.tokens) > 1 or inp.next_token >= 0
 

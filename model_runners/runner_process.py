@@ -28,7 +28,7 @@ import traceback
 import msgspec
 
 from radixmux.memory.arena import ArenaSpec
-from radixmux.os_process import die_with_parent, exit_now
+from radixmux.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
 
 PARENT_CHECK_MS = 1000
 
@@ -75,18 +75,21 @@ def default_threads(num_runners: int) -> int:
 
 def serve(config: RunnerConfig) -> int:
     """Run the runner loop until shutdown; returns the process exit code."""
+    parent = os.getppid()
+    # Linux: the kernel kills the runner when the parent exits (spawn_runner
+    # asks for it before the first import; this covers a runner started by
+    # hand). The poll loop's getppid check covers other systems.
+    die_with_parent()
     import torch
     import zmq
 
     from radixmux import protocol
 
-    parent = os.getppid()
-    # Linux: the kernel sends SIGTERM when the parent exits. The poll loop's
-    # getppid check covers other systems and the race before prctl runs.
-    die_with_parent()
-    # SIGTERM (from a launcher, or the kernel when the parent dies) unwinds
-    # through the finally below, so the socket is closed, not abandoned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3 if os.getppid() != parent else 0))
+    # SIGTERM (from a launcher) unwinds through the finally below, so the
+    # socket is closed, not abandoned.
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(PARENT_GONE if os.getppid() != parent else 0)
+    )
     threads = config.threads or default_threads(config.num_runners)
     torch.set_num_threads(threads)
     ctx = zmq.Context()
@@ -141,7 +144,7 @@ def _loop(sock, runner, parent: int) -> int:
     while True:
         if not poller.poll(PARENT_CHECK_MS):
             if os.getppid() != parent:
-                return 3
+                return PARENT_GONE
             continue
         raw = sock.recv()
         try:
@@ -164,9 +167,11 @@ def _loop(sock, runner, parent: int) -> int:
 
 
 def spawn_runner(config: RunnerConfig, **popen: object) -> subprocess.Popen:
-    """Start a runner process for ``config`` (its parent is the caller)."""
-    cmd = [sys.executable, "-m", "radixmux.model_runners.runner_process"]
-    return subprocess.Popen([*cmd, msgspec.json.encode(config).decode()], **popen)
+    """Start a runner process for ``config`` (its parent is the caller, and it
+    dies with it from its first instruction on)."""
+    payload = msgspec.json.encode(config).decode()
+    cmd = child_command("radixmux.model_runners.runner_process", payload)
+    return subprocess.Popen(cmd, **popen)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     code = serve(config)
-    if code == 3:
+    if code == PARENT_GONE:
         print(
             f"runner {config.runner_id}: parent died after {time.perf_counter() - t0:.0f}s",
             file=sys.stderr,

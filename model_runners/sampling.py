@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixmux.protocol import SamplingParams
+from radixmux.protocol import SamplingParams, pack_bias, unpack_bias
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -63,18 +63,26 @@ def apply_penalties(
     return logits - freq[:, None] * counts - pres[:, None] * present.float()
 
 
-def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Add each row's ``logit_bias`` to the logits of its token ids."""
-    rows = [i for i, p in enumerate(params) if p.logit_bias]
+def apply_logit_bias(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    biases: Sequence[np.ndarray] | None = None,
+) -> torch.Tensor:
+    """Add each row's logit bias to the logits of its token ids: ``biases[i]``
+    (``protocol.BIAS_RECORD`` records, as the runner receives them packed), or
+    by default each row's ``params.logit_bias``."""
+    if biases is None:
+        biases = [unpack_bias(pack_bias(p.logit_bias)) for p in params]
+    rows = [i for i, b in enumerate(biases) if len(b)]
     if not rows:
         return logits
-    r = [i for i in rows for _ in params[i].logit_bias]
-    ids = [t for i in rows for t, _ in params[i].logit_bias]
-    bias = [b for i in rows for _, b in params[i].logit_bias]
+    r = np.concatenate([np.full(len(biases[i]), i, dtype=np.int64) for i in rows])
+    ids = np.concatenate([biases[i]["id"] for i in rows]).astype(np.int64)
+    bias = np.concatenate([biases[i]["value"] for i in rows])
     logits = logits.clone()
     logits.index_put_(
-        (torch.tensor(r), torch.tensor(ids)),
-        torch.tensor(bias, dtype=logits.dtype),
+        (torch.from_numpy(r), torch.from_numpy(ids)),
+        torch.from_numpy(bias).to(logits.dtype),
         accumulate=True,
     )
     return logits
@@ -135,13 +143,20 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_ids: Sequence[np.ndarray],
+    steps: Sequence[int] | None = None,
+    biases: Sequence[np.ndarray] | None = None,
 ) -> Sampled:
     """Pick one token per row of ``logits`` ``[B, vocab]``.
 
-    ``output_ids[i]`` are the tokens row ``i`` generated so far (penalties,
-    and the step that keys a seeded draw).
+    ``output_ids[i]`` are the tokens row ``i`` generated so far (penalties
+    count them); ``steps[i]`` how many there are, the step that keys a seeded
+    draw (default: ``len(output_ids[i])``, for rows that send no ids when no
+    penalty needs them). ``biases``: see :func:`apply_logit_bias`.
     """
-    logits = apply_logit_bias(apply_penalties(logits.float(), params, output_ids), params)
+    if steps is None:
+        steps = [len(o) for o in output_ids]
+    logits = apply_penalties(logits.float(), params, output_ids)
+    logits = apply_logit_bias(logits, params, biases)
     # max(-1).indices is argmax (the first index of the largest value, NaN
     # first) at a third of its time on CPU: 0.9 ms per step at 16 rows of a
     # 49k vocabulary, 2 ms at 64.
@@ -152,8 +167,7 @@ def sample(
     if not bool(greedy.all()):
         rows = (~greedy).nonzero()[:, 0]
         sub = [params[i] for i in rows.tolist()]
-        steps = [len(output_ids[i]) for i in rows.tolist()]
-        tokens[rows] = _filtered_draw(logits[rows], sub, steps)
+        tokens[rows] = _filtered_draw(logits[rows], sub, [steps[i] for i in rows.tolist()])
 
     logprobs = top_ids = top_lp = None
     if any(p.logprobs or p.top_logprobs for p in params):

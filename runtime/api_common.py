@@ -33,11 +33,15 @@ MAX_REPETITION_PENALTY = 100.0
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    405: "method_not_allowed",
     413: "request_too_large",
     415: "unsupported_media_type",
+    421: "misdirected_request",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
+    507: "insufficient_storage",
 }
 
 
@@ -109,16 +113,17 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 def check_json_content_type(content_type: str | None) -> None:
-    """Refuse (415) a body declared as something other than JSON instead of parsing
-    it as JSON anyway; a request that declares no type is read as JSON."""
-    if content_type is None:
+    """Refuse (415) a body not declared as JSON instead of parsing it as JSON anyway.
+
+    A missing type is refused too: a web page can send a body with no type, or
+    text/plain, form and multipart bodies, to any server without a CORS
+    preflight, while a JSON type needs the server's consent first."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    json_suffix = media.startswith("application/") and media.endswith("+json")
+    if media == "application/json" or json_suffix:
         return
-    media = content_type.split(";", 1)[0].strip().lower()
-    if media in ("", "application/json") or media.endswith("+json"):
-        return
-    raise APIError(
-        415, f"Content-Type {media!r} is not accepted; send application/json", "content-type"
-    )
+    shown = f"Content-Type {media!r} is" if media else "a body without a Content-Type is"
+    raise APIError(415, f"{shown} not accepted; send application/json", "content-type")
 
 
 def decode_body(data: bytes, type_: type[T]) -> T:
@@ -157,11 +162,72 @@ def refuse_unsupported(
             )
 
 
+# ---- bounds on what one request may hold -------------------------------------------
+# The body limit (--max-request-bytes, 1 MiB) bounds a request's bytes; these
+# bound the lists whose cost is paid again on every step or every token, or by
+# a process every request shares, far past what real clients send (each a 400
+# naming the field). Prompts are bounded by the body limit and the context
+# length, which the tokenizer worker checks with max_tokens.
+# Stop strings are matched on every token of every choice by the one
+# detokenizer, with an automaton of about one node per character (~350 bytes
+# and ~1 us to build each, once per distinct list, kept while its requests
+# run): 4,096 characters in all is ~1.4 MB and ~4 ms. OpenAI and TGI allow 4
+# strings; real ones are a few characters long.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+# Stop token ids and logit bias travel with the request in every forward batch,
+# packed (one array operation each per step): 1,024 of each is ~12 KB a step.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+# Chat: OpenAI refuses more than 2,048 messages; a message's text parts are
+# joined once, but each is a Python object to decode and check.
+MAX_CHAT_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+# Names and tags that are only looked up, logged or echoed in errors (model,
+# user, safety_identifier, prompt_cache_key, metadata): OpenAI allows 16
+# metadata pairs with keys of 64 and values of 512 characters.
+MAX_NAME_CHARS = 1024
+MAX_METADATA_PAIRS = 64
+
+
+def too_many(param: str, count: int, limit: int, what: str) -> APIError:
+    """The 400 for a list or string past its bound, naming the field."""
+    return APIError(400, f"'{param}' holds {count} {what}; at most {limit}", param)
+
+
+def check_len(value: str | list[Any] | dict[str, Any], limit: int, param: str, what: str) -> None:
+    """A 400 naming ``param`` when ``value`` holds more than ``limit`` items."""
+    if len(value) > limit:
+        raise too_many(param, len(value), limit, what)
+
+
+def check_name(value: str | None, param: str) -> None:
+    """A name or tag (looked up, logged, echoed) of at most MAX_NAME_CHARS characters."""
+    if value is not None:
+        check_len(value, MAX_NAME_CHARS, param, "characters")
+
+
+def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> None:
+    """OpenAI's ``metadata``: a few short pairs, accepted and ignored."""
+    if metadata is None:
+        return
+    check_len(metadata, MAX_METADATA_PAIRS, param, "pairs")
+    for key, value in metadata.items():
+        check_name(key, f"{param}.{key[:64]}")
+        check_name(value, f"{param}.{key[:64]}")
+
+
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
-    """``stop`` as a list; an empty stop string would end every request at once."""
+    """``stop`` as a checked list: bounded, and no empty string (it would end
+    every request at once)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
+    check_len(stops, MAX_STOP_STRINGS, param, "strings")
     if any(not s for s in stops):
         raise APIError(400, f"'{param}' strings must be non-empty", param)
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_CHARS:
+        raise too_many(param, total, MAX_STOP_CHARS, "characters in all")
     return stops
 
 
@@ -202,32 +268,26 @@ def check_sampling(
         raise bad("seed", "must be in [0, 2**63)")
     if not 0 <= p.top_logprobs <= 20:
         raise bad("top_logprobs", "must be in [0, 20]")
+    check_len(p.stop_token_ids, MAX_STOP_TOKEN_IDS, f"{prefix}stop_token_ids", "ids")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+    check_len(p.logit_bias, MAX_LOGIT_BIAS_TOKENS, f"{prefix}logit_bias", "tokens")
+    if any(not 0 <= t < vocab_size for t, _ in p.logit_bias):
+        raise bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
+    if not all(math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS for _, b in p.logit_bias):
+        raise bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
-MAX_LOGIT_BIAS_TOKENS = 1024
-
-
-def logit_bias(
-    bias: dict[str, float] | None, vocab_size: int, param: str
-) -> list[tuple[int, float]]:
-    """OpenAI's ``logit_bias`` (token id as a string -> bias) as checked pairs."""
+def logit_bias(bias: dict[str, float] | None, param: str) -> list[tuple[int, float]]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias) as pairs, which
+    :func:`check_sampling` then checks with the rest."""
     if not bias:
         return []
-    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-        raise APIError(400, f"'{param}' holds at most {MAX_LOGIT_BIAS_TOKENS} tokens", param)
-    out = []
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < vocab_size:
-            raise APIError(
-                400, f"'{param}' keys must be token ids in [0, {vocab_size}); got {key!r}", param
-            )
-        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise APIError(400, f"'{param}' values must be in [-100, 100]; got {value}", param)
-        out.append((int(key), float(value)))
-    return out
+    check_len(bias, MAX_LOGIT_BIAS_TOKENS, param, "tokens")
+    for key in bias:
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"'{param}' keys must be token ids; got {key[:32]!r}", param)
+    return [(int(key), float(value)) for key, value in bias.items()]
 
 
 MAX_N = 16  # samples of one prompt
@@ -297,6 +357,7 @@ def resolve_model(served: dict[str, ServedModel], name: str | None) -> ServedMod
 
 def served_model(served: dict[str, ServedModel], name: str, param: str) -> ServedModel:
     """The served model ``name``, or a 404 naming ``param`` and the served ones."""
+    check_name(name, param)  # echoed in the error
     model = served.get(name)
     if model is None:
         raise APIError(

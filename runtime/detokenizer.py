@@ -49,21 +49,31 @@ log = logging.getLogger("radixmux.detokenizer")
 STOPPED_TTL_S = 60.0
 MAX_STOPPED = 65536
 TOKEN_NAMES_CACHED = 65536  # per model: token id -> text, for logprobs
+# A UTF-8 character spans at most 4 bytes (4 byte tokens): past this many
+# tokens without new complete text, the window stops growing (see _read).
+MAX_UNREAD_TOKENS = 16
+# Distinct stop lists whose automata are kept (at most ~1.4 MB each, see
+# api_common.MAX_STOP_CHARS); the n choices of a request share one.
+STOP_MATCHERS_CACHED = 32
 
 
 class IncrementalText:
-    """Incremental detokenization and stop-string matching for one request."""
+    """Incremental detokenization and stop-string matching for one request.
+
+    Each token costs time bounded by the decode window and the new text, never
+    by the length of the output or the number of stop strings: only the
+    window's ids and the unsent text are kept.
+    """
 
     def __init__(self, tokenizer: Any, stop: list[str], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in stop if s]
-        self.max_stop = max((len(s) for s in self.stop), default=0)
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the decode window (context for the new tokens)
-        self.read_offset = 0  # tokens before this are already in ``text``
-        self.text = ""  # stable decoded text so far
-        self.sent = 0  # characters of ``text`` already emitted
+        stops = tuple(s for s in stop if s)
+        self.matcher = stop_matcher(stops) if stops else None
+        self.state = 0  # the matcher's node: its depth is the unsent text's length
+        self.ids: list[int] = []  # the decode window: context, then tokens not yet read
+        self.read_offset = 0  # window tokens before this are already in the text
+        self.unsent = ""  # decoded text not emitted yet (a tail that may start a stop)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -74,48 +84,122 @@ class IncrementalText:
         ``final`` flushes everything, including an incomplete character and a
         held-back tail.
         """
-        self.ids.extend(new_ids)
-        if len(self.ids) > self.read_offset:
-            # Decoding the window with its context keeps tokenizers that drop
-            # or merge leading spaces consistent with a decode of the whole.
-            before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            after = self._decode(self.ids[self.prefix_offset :])
-            if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-                self.text += after[len(before) :]
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
-        matched = self._find_stop()
-        if matched is not None:
-            index, stop = matched
-            delta = self.text[self.sent : max(self.sent, index)]
-            self.sent = len(self.text)
-            return delta, stop
-        end = len(self.text) if final else len(self.text) - self._held_tail()
-        delta = self.text[self.sent : end]
-        self.sent = max(self.sent, end)
+        new = self._read(new_ids, final)
+        if self.matcher is not None and new:
+            self.state, matched = self.matcher.scan(self.state, new, len(self.unsent))
+            self.unsent += new
+            if matched is not None:
+                index, stop = matched
+                delta, self.unsent = self.unsent[:index], ""
+                return delta, stop
+        else:
+            self.unsent += new
+        held = 0 if final or self.matcher is None else self.matcher.depth[self.state]
+        cut = len(self.unsent) - held
+        delta, self.unsent = self.unsent[:cut], self.unsent[cut:]
         return delta, None
 
-    def _find_stop(self) -> tuple[int, str] | None:
-        """The earliest stop string in the text not yet emitted."""
-        if not self.stop:
-            return None
-        # Held-back tails guarantee no match starts before ``sent``; the
-        # overlap only guards that reasoning.
-        start = max(0, self.sent - self.max_stop + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        return best
+    def _read(self, new_ids: list[int], final: bool) -> str:
+        """The text ``new_ids`` complete (prefix/read offsets as SGLang and vLLM)."""
+        self.ids.extend(new_ids)
+        if len(self.ids) <= self.read_offset:
+            return ""
+        # Decoding the window with its context keeps tokenizers that drop or
+        # merge leading spaces consistent with a decode of the whole.
+        before = self._decode(self.ids[: self.read_offset])
+        after = self._decode(self.ids)
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            if len(self.ids) - self.read_offset <= MAX_UNREAD_TOKENS:
+                return ""  # an incomplete character: wait for its other bytes
+            # So many tokens cannot be one character still arriving: bound the
+            # window every step decodes instead of letting it grow.
+            if after == before:  # tokens that add no text (skipped special tokens)
+                del self.ids[self.read_offset :]
+                return ""
+            # else stray bytes that never complete a character: emitted as they are
+        del self.ids[: self.read_offset]  # the tokens just read are the next context
+        self.read_offset = len(self.ids)
+        return after[len(before) :]
 
-    def _held_tail(self) -> int:
-        """Length of the longest unsent suffix that is a proper prefix of a stop string."""
-        for k in range(min(self.max_stop - 1, len(self.text) - self.sent), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+
+class StopMatcher:
+    """An Aho-Corasick automaton over one request's stop strings.
+
+    Fed the text as it grows, it finds the earliest stop string and the longest
+    unsent tail that could still grow into one in time proportional to the new
+    text alone, whatever the number or length of the stop strings (the scan it
+    replaces tried every stop string at every held-back position for every
+    token). A state is a node: the longest suffix of the text so far that is a
+    prefix of some stop string; its depth is the tail to hold back.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(dict.fromkeys(s for s in stops if s))  # first of equals wins
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        ends = [-1]  # index of the stop string that ends at a node (-1: none)
+        for index, stop in enumerate(self.stops):
+            node = 0
+            for c in stop:
+                nxt = goto[node].get(c)
+                if nxt is None:
+                    nxt = len(goto)
+                    goto[node][c] = nxt
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    ends.append(-1)
+                node = nxt
+            ends[node] = index
+        fail = [0] * len(goto)
+        # The longest stop string that is a suffix of a node's string (-1: none).
+        self.out = list(ends)
+        queue = list(goto[0].values())
+        for node in queue:  # breadth first: a node's fail link is shallower
+            for c, child in goto[node].items():
+                f = fail[node]
+                while f and c not in goto[f]:
+                    f = fail[f]
+                target = goto[f].get(c, 0)
+                fail[child] = target if target != child else 0
+                if self.out[child] < 0:
+                    self.out[child] = self.out[fail[child]]
+                queue.append(child)
+        self.goto = goto
+        self.fail = fail
+        self.depth = depth
+
+    def scan(self, state: int, text: str, base: int) -> tuple[int, tuple[int, str] | None]:
+        """Feed ``text`` from ``state``; ``base`` is the length of the unsent
+        text before it (held back: the depth of ``state``). Returns the new
+        state and the earliest stop string now complete, as (index in the
+        unsent text, stop string), ties at one index going to the stop string
+        listed first, as a search for each one in turn would pick."""
+        goto, fail, out, depth, stops = self.goto, self.fail, self.out, self.depth, self.stops
+        node = state
+        best: tuple[int, int] | None = None  # (start, stop index)
+        for i, c in enumerate(text):
+            while node and c not in goto[node]:
+                node = fail[node]
+            node = goto[node].get(c, 0)
+            end = base + i + 1
+            if best is not None and depth[node] < end - best[0]:
+                break  # no stop string ending later can start at or before ``best``
+            k = out[node]
+            if k >= 0:
+                # The longest stop string ending here starts earliest of those that do.
+                start = end - len(stops[k])
+                if best is None or (start, k) < best:
+                    best = (start, k)
+        if best is None:
+            return node, None
+        return node, (best[0], stops[best[1]])
+
+
+@functools.lru_cache(maxsize=STOP_MATCHERS_CACHED)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """The automaton of a stop list; the ``n`` samples of one request, and
+    requests repeating a client's usual stop list, build it once."""
+    return StopMatcher(stops)
 
 
 class Detokenizer:

@@ -1,7 +1,9 @@
 """The front's HTTP routes: OpenAI, SGLang-native and operations endpoints.
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``.
-With ``--api-key`` every route needs ``Authorization: Bearer KEY`` except
+Before anything else, ``http_guard.HttpGuard`` refuses a foreign Host (421),
+a foreign browser Origin (403) and a body that is not JSON (415). With
+``--api-key`` every route then needs ``Authorization: Bearer KEY`` except
 ``/health`` and ``/metrics``, which probes and scrapers reach without secrets,
 and the pages that hold none (``/openapi.json``, ``/docs``, ``/dashboard``).
 """
@@ -36,6 +38,7 @@ from radixmux.runtime.api_common import (
     json_response,
     read_body,
 )
+from radixmux.runtime.http_guard import HostAllowList, HttpGuard, OriginAllowList
 from radixmux.runtime.openapi import docs_page, openapi_document
 from radixmux.runtime.ops_api import server_version
 
@@ -54,9 +57,12 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 def build_app(front: Front) -> ASGIApp:
     """The ASGI app of one front: every API module's routes, the OpenAPI
-    document made from them, JSON errors, the API key guard."""
+    document made from them, JSON errors, the Host / Origin / content-type
+    guard and the API key guard."""
 
     async def body(request: Request, type_: type) -> Any:
+        # HttpGuard checked it already for every request with a body; checked
+        # again where the body is decoded so no route depends on the wrapping.
         check_json_content_type(request.headers.get("content-type"))
         return decode_body(await read_body(request, front.args.max_request_bytes), type_)
 
@@ -91,7 +97,16 @@ def build_app(front: Front) -> ASGIApp:
             Exception: _server_error,
         },
     )
-    return ApiKeyGuard(app, front.args.api_key)
+    args = front.args
+    hosts = HostAllowList(args.host, args.allowed_hosts)
+    if hosts.bound_to_all and not args.allowed_hosts:
+        log.warning(
+            "bound to %s: any Host header is served, so a web page can reach this server "
+            "through DNS rebinding; name its public host names with --allowed-hosts",
+            args.host,
+        )
+    guarded = ApiKeyGuard(app, args.api_key)
+    return HttpGuard(guarded, hosts, OriginAllowList(args.allowed_origins))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -101,9 +116,11 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return APIError(
+    response = APIError(
         exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
     ).response()
+    response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes
+    return response
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

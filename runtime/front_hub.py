@@ -50,6 +50,9 @@ class Generation:
         self.finish_reason: str | None = None
         self.matched_stop: str | None = None
         self.done = False
+        # The task writing this request's stream to its HTTP client: an unload
+        # that fails the request cancels it if the client stopped reading.
+        self.writer: asyncio.Task[Any] | None = None
 
     def __aiter__(self) -> Generation:
         return self

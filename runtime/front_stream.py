@@ -162,6 +162,8 @@ async def _interleaved(
 async def _events(
     gens: list[Generation], firsts: list[protocol.TextOutput], fmt: Formatter
 ) -> AsyncIterator[bytes]:
+    for gen in gens:  # this runs in the stream's writer task (EventStream's pump)
+        gen.writer = asyncio.current_task()
     try:
         async for i, out in _interleaved(gens, firsts):
             for chunk in fmt.chunks(out, gens[i], i):

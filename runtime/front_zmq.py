@@ -17,11 +17,14 @@ import zmq.asyncio
 
 from radixmux import protocol
 from radixmux.runtime.api_common import (
+    MAX_CHAT_MESSAGES,
     APIError,
     check_input_ids,
+    check_len,
     check_sampling,
     require_chat_template,
     resolve_model,
+    stop_list,
 )
 from radixmux.runtime.client_protocol import (
     ClientAbort,
@@ -142,11 +145,11 @@ class ClientServer:
             require_chat_template(model, self.args.chat_template is not None)
             if not msg.messages:
                 raise APIError(400, "'messages' must not be empty", "messages")
+            check_len(msg.messages, MAX_CHAT_MESSAGES, "messages", "messages")
         if msg.input_ids is not None:
             check_input_ids(msg.input_ids, model.info.vocab_size, "input_ids")
         check_sampling(msg.params, model.info, "", "max_new_tokens")
-        if any(not s for s in msg.stop):
-            raise APIError(400, "'stop' strings must be non-empty", "stop")
+        stop = stop_list(msg.stop)
         return protocol.GenerateRequest(
             rid=new_rid(),
             model=model.instance,
@@ -154,7 +157,7 @@ class ClientServer:
             prompt=msg.prompt,
             input_ids=msg.input_ids,
             messages=msg.messages,
-            stop=msg.stop,
+            stop=stop,
             stream=msg.stream,
             skip_special_tokens=msg.skip_special_tokens,
             arrival=time.time(),

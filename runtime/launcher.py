@@ -3,7 +3,8 @@
 Start order (each step waits for the ready messages it needs):
 
 1. resolve every ``--model`` source to a local folder (fetching short names);
-2. create the private runtime dir, the KV arena, and bind the launcher inbox;
+2. create the private runtime dir and the KV arena (first removing those that
+   launchers killed with SIGKILL left behind), and bind the launcher inbox;
 3. start the scheduler and one runner per model replica; wait for the
    scheduler's ``ProcessReady`` (it waits for every runner's ``Ready``), which
    carries the served models;
@@ -40,8 +41,9 @@ import msgspec
 import zmq
 
 from radixmux import protocol
-from radixmux.memory.arena import KVArena
+from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.protocol import ModelArg
+from radixmux.runtime import admission
 from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.runtime.model_lifecycle import ModelLifecycle
 from radixmux.runtime.process import ProcessContext, spawn
@@ -130,7 +132,7 @@ class Launcher:
         self.exit_code = 0
         self._arena: KVArena | None = None
         self._runtime_dir: str | None = None
-        self._own_dir = False
+        self._made_runtime_parent = False  # --runtime-dir did not exist: we made it
         self._zctx: zmq.Context | None = None
         self._inbox: zmq.Socket | None = None
         self._to_scheduler: zmq.Socket | None = None
@@ -158,6 +160,8 @@ class Launcher:
     def _start(self) -> None:
         t0 = time.monotonic()
         args = resolve_models(self.args)
+        for warning in admission.startup_warnings(args):
+            log.warning("%s", warning)
         if args.chat_template is not None and not os.path.isfile(args.chat_template):
             raise LaunchError(f"--chat-template {args.chat_template}: no such file")
         if args.warmup is not None:  # a bad line fails now, before anything starts
@@ -170,8 +174,13 @@ class Launcher:
         if args.port == 0:  # pick the port here, so everyone (and the banner) knows it
             args = msgspec.structs.replace(args, port=free_port(args.host))
         self.args = args
-        self._own_dir = args.runtime_dir is None or not os.path.exists(args.runtime_dir)
-        self._runtime_dir = make_runtime_dir(args.runtime_dir)
+        self._made_runtime_parent = args.runtime_dir is not None and not os.path.isdir(
+            args.runtime_dir
+        )
+        try:
+            self._runtime_dir = make_runtime_dir(args.runtime_dir)
+        except OSError as exc:
+            raise LaunchError(f"--runtime-dir {args.runtime_dir}: {exc}") from None
         eps = self.endpoints = Endpoints.in_dir(self._runtime_dir, args.zmq_endpoint)
         try:
             self._arena = KVArena.create(
@@ -269,6 +278,14 @@ class Launcher:
     def num_runners(self) -> int:
         return len(self._runner_configs)
 
+    @property
+    def arena(self) -> ArenaSpec | None:
+        return self._arena.spec if self._arena is not None else None
+
+    def restarts_due(self) -> list[str]:
+        """Runners waiting out their restart backoff: they take their memory back."""
+        return list(self._due)
+
     def runner_ids_of(self, instance: str) -> list[str]:
         """The runner ids a model instance has (configured, whether up or not)."""
         return [rid for rid in self._runner_configs if rid.rpartition("#")[0] == instance]
@@ -305,6 +322,11 @@ class Launcher:
         if self.lifecycle is not None and self.lifecycle.runner_exited(child, code):
             log.info("%s exited with code %d (its model is unloaded)", child.name, code)
             return
+        self._restart_or_give_up(rid, f"{child.name} exited with code {code}", code)
+
+    def _restart_or_give_up(self, rid: str, what: str, code: int) -> None:
+        """Plan a lost runner's restart after its backoff, or give up on one
+        that keeps dying; either way the scheduler is told (``RunnerDied``)."""
         now = time.monotonic()
         recent = [t for t in self._restarts.get(rid, []) if now - t < RESTART_WINDOW_S]
         restarting = len(recent) < MAX_RESTARTS and not self._stop_requested.is_set()
@@ -312,12 +334,11 @@ class Launcher:
             delay = RESTART_BACKOFF_S[min(len(recent), len(RESTART_BACKOFF_S) - 1)]
             self._due[rid] = now + delay
             self._restarts[rid] = [*recent, now]
-            log.error("%s exited with code %d; restarting it in %.0f s", child.name, code, delay)
+            log.error("%s; restarting it in %.0f s", what, delay)
         else:
             log.error(
-                "%s exited with code %d; not restarting it (%d restarts in the last %.0f s)",
-                child.name,
-                code,
+                "%s; not restarting it (%d restarts in the last %.0f s)",
+                what,
                 len(recent),
                 RESTART_WINDOW_S,
             )
@@ -335,7 +356,10 @@ class Launcher:
         for rid, due in list(self._due.items()):
             if due <= now:
                 del self._due[rid]
-                self.start_runner(rid)
+                try:
+                    self.start_runner(rid)
+                except OSError as exc:  # no process at all (fork, memory): a death too
+                    self._restart_or_give_up(rid, f"runner {rid} could not start: {exc}", -1)
 
     def _wait_ready(self, names: list[str], timeout: float) -> None:
         """Wait for ``ProcessReady`` from each of ``names``; fail fast on any failure."""
@@ -508,20 +532,10 @@ class Launcher:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(eps.client[len("ipc://") :])
         if self._runtime_dir is not None:
-            if self._own_dir:
-                remove_runtime_dir(self._runtime_dir)
-            else:  # a directory the user gave: remove only our sockets
-                for field in (
-                    "launcher",
-                    "tokenizer",
-                    "scheduler",
-                    "runners",
-                    "detokenizer",
-                    "front",
-                    "models",
-                ):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(getattr(eps, field)[len("ipc://") :])
+            remove_runtime_dir(self._runtime_dir)  # our own subdirectory, never the user's
+            if self._made_runtime_parent:
+                with contextlib.suppress(OSError):  # only while empty
+                    os.rmdir(self.args.runtime_dir)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ supervision loop:
 
 load
     1. resolve the source (fetching an embedded model, with progress in the
-       log) in a thread;
+       log) and estimate its memory in a thread; admit it only if that fits
+       (``admission``: else a 507 before any process starts);
     2. start the instance's runners and tell the scheduler (``AddModel``); it
        registers the instance in the tree and arena once every runner is ready
        (``ModelAdded``);
@@ -21,8 +22,14 @@ unload
        answer the front.
 
 A load that fails at any step (unknown source, a runner that dies or cannot
-load, a tokenizer that cannot load) is undone: its runners are killed, the
-scheduler forgets it, the arena is untouched, and the front gets the reason.
+load, a tokenizer that cannot load) or is not done within
+``--model-load-timeout`` is undone: its runners are killed, the scheduler
+forgets it (``RemoveModel`` cancels a pending instance, or removes one whose
+``ModelAdded`` crossed it), the arena is untouched, and the front gets the
+reason once nothing is left, so the same load can be asked again at once. The
+front asks for the unload of an instance whose load it stopped waiting for:
+that cancels the load the same way (no instance is ever loaded that the front
+does not serve).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import msgspec
 
 from radixmux import protocol
 from radixmux.protocol import ModelArg
+from radixmux.runtime import admission
 
 if TYPE_CHECKING:
     from radixmux.runtime.launcher import Child, Launcher
@@ -52,7 +60,9 @@ RUNNER_EXIT_S = 10.0  # after the scheduler's Shutdown, then SIGKILL
 @dataclass
 class _Load:
     cmd: protocol.ModelCommand
-    arg: ModelArg | None = None  # resolved: local folder, concrete dtype
+    deadline: float  # --model-load-timeout from the command
+    arg: ModelArg | None = None  # resolved: local folder, concrete dtype; runners started
+    need: admission.LoadNeed | None = None
     runner_ids: list[str] = field(default_factory=list)
     served: protocol.ServedModel | None = None
     table_version: int = 0
@@ -61,7 +71,9 @@ class _Load:
 
 @dataclass
 class _Unload:
-    cmd: protocol.ModelCommand | None  # None: the clean-up of a failed load (nobody to answer)
+    cmd: protocol.ModelCommand | None  # answered once done (None: nobody to answer)
+    status: int = 200  # the answer: a failed load's error once it is undone
+    message: str = "unloaded"
     freed_tokens: int = 0
     removed: bool = False
     removed_at: float = 0.0
@@ -77,12 +89,28 @@ class ModelLifecycle:
         self.loads: dict[str, _Load] = {}
         self.unloads: dict[str, _Unload] = {}
         self.retiring: dict[str, str] = {}  # runner id -> instance being removed
-        self._resolved: queue.Queue[tuple[str, ModelArg | str]] = queue.Queue()
+        # (load command's req_id, (resolved arg, need) or the error): a req_id,
+        # not a name, so a cancelled load's late result never feeds a new one.
+        self._resolved: queue.Queue[tuple[str, tuple[ModelArg, admission.LoadNeed] | str]] = (
+            queue.Queue()
+        )
         self._applied: dict[str, int] = {}  # process name -> table version it holds
+        # instance -> one runner's need: memory a runner waiting to restart takes back.
+        self._runner_need: dict[str, int] = {}
+        for m in launcher.args.models:
+            try:
+                need = admission.estimate(m.source, m.dtype or launcher.args.dtype, 1)
+                self._runner_need[m.name] = need.per_runner_bytes
+            except (OSError, ValueError):
+                pass  # its runners are up already; only their restarts go uncounted
 
     # ---- commands from the front --------------------------------------------------
     def command(self, cmd: protocol.ModelCommand) -> None:
         name = cmd.model.name
+        if cmd.op == "unload" and name in self.loads:
+            log.warning("model %s: load cancelled by the front", name)
+            self._fail(name, 503, f"the load of {name!r} was cancelled", by=cmd)
+            return
         if cmd.op == "load":
             if name in self.table or name in self.loads or name in self.unloads:
                 busy = "being unloaded" if name in self.unloads else "already loaded"
@@ -91,9 +119,10 @@ class ModelLifecycle:
             if self.launcher.args.kv_partition == "static":
                 self._reply(cmd, 400, "models cannot change with --kv-partition static")
                 return
-            self.loads[name] = _Load(cmd)
+            deadline = time.monotonic() + self.launcher.args.model_load_timeout
+            self.loads[name] = _Load(cmd, deadline)
             log.info("model %s: loading %s", name, cmd.model.source)
-            threading.Thread(target=self._resolve, args=(cmd.model,), daemon=True).start()
+            threading.Thread(target=self._resolve, args=(cmd,), daemon=True).start()
         elif cmd.op == "unload":
             if name not in self.table or name in self.unloads:
                 self._reply(cmd, 404, f"model instance {name!r} is not loaded")
@@ -103,40 +132,59 @@ class ModelLifecycle:
         else:
             self._reply(cmd, 400, f"unknown model command {cmd.op!r}")
 
-    def _resolve(self, arg: ModelArg) -> None:
-        """Thread: fetch/resolve the source; the loop picks the result up."""
+    def _resolve(self, cmd: protocol.ModelCommand) -> None:
+        """Thread: fetch/resolve the source, estimate its memory; the loop picks
+        the result up."""
         from radixmux.model_runners.cpu_features import resolve_dtype
         from radixmux.runtime.launcher import LaunchError, resolve_source
 
+        arg = cmd.model
         try:
             dtype, why = resolve_dtype(arg.dtype or self.launcher.args.dtype)
             source = resolve_source(arg.source)
+            need = admission.estimate(source, dtype, arg.replicas)
         except LaunchError as exc:
-            self._resolved.put((arg.name, str(exc)))
+            self._resolved.put((cmd.req_id, str(exc)))
             return
         except Exception as exc:  # never lose the answer to the front
-            self._resolved.put((arg.name, f"{type(exc).__name__}: {exc}"))
+            self._resolved.put((cmd.req_id, f"{type(exc).__name__}: {exc}"))
             return
         log.info("model %s: dtype %s (%s)", arg.name, dtype, why)
-        self._resolved.put((arg.name, msgspec.structs.replace(arg, source=source, dtype=dtype)))
+        resolved = msgspec.structs.replace(arg, source=source, dtype=dtype)
+        self._resolved.put((cmd.req_id, (resolved, need)))
 
     # ---- the loop ------------------------------------------------------------------
     def poll(self) -> None:
         """Advance every load and unload (called from the launcher's loop)."""
         while True:
             try:
-                name, result = self._resolved.get_nowait()
+                req_id, result = self._resolved.get_nowait()
             except queue.Empty:
                 break
-            load = self.loads.get(name)
+            load = next((ld for ld in self.loads.values() if ld.cmd.req_id == req_id), None)
             if load is None:
-                continue
+                continue  # cancelled meanwhile
+            name = load.cmd.model.name
             if isinstance(result, str):
                 self._fail(name, 400, result)
+                continue
+            arg, need = result
+            refused = self._refusal(load, arg, need)
+            if refused is not None:
+                self._fail(name, 507, refused)
             else:
-                self._start_runners(load, result)
+                self._start_runners(load, arg)
         now = time.monotonic()
         for name, load in list(self.loads.items()):
+            if now > load.deadline:
+                timeout = self.launcher.args.model_load_timeout
+                self._fail(
+                    name,
+                    504,
+                    f"model {name!r} did not load within {timeout:g} s "
+                    "(--model-load-timeout); the load is cancelled",
+                )
+                continue
             if load.served is None:
                 continue
             if now - load.sent_table_at > TABLE_TIMEOUT_S:
@@ -156,8 +204,39 @@ class ModelLifecycle:
             if not alive:
                 self._unloaded(name, unload)
 
+    def _refusal(self, load: _Load, arg: ModelArg, need: admission.LoadNeed) -> str | None:
+        """Why ``load`` does not fit in memory now (the 507 message), or None."""
+        load.need = need
+        # Memory other loads and restarting runners will take, beyond what they hold now.
+        promised = sum(
+            ld.need.total_bytes for ld in self.loads.values() if ld.need and ld is not load
+        )
+        for rid in self.launcher.restarts_due():
+            promised += self._runner_need.get(rid.rpartition("#")[0], 0)
+        args, arena = self.launcher.args, self.launcher.arena
+        state = admission.memory_state(
+            arena.path if arena else None,
+            arena.total_bytes if arena else args.kv_cache_bytes,
+            args.memory_reserve_bytes,
+            promised,
+        )
+        if state is None:
+            log.warning("model %s: memory cannot be measured here; admitted unchecked", arg.name)
+            return None
+        why = admission.refusal(load.cmd.served or arg.name, need, arg.dtype or args.dtype, state)
+        log.info(
+            "model %s: needs about %d MiB, %d MiB free%s",
+            arg.name,
+            need.total_bytes >> 20,
+            state.free_bytes >> 20,
+            "; refused" if why else "",
+        )
+        return why
+
     def _start_runners(self, load: _Load, arg: ModelArg) -> None:
         load.arg = arg
+        assert load.need is not None
+        self._runner_need[arg.name] = load.need.per_runner_bytes
         launcher = self.launcher
         load.runner_ids = [f"{arg.name}#{i}" for i in range(arg.replicas)]
         total = launcher.num_runners + arg.replicas
@@ -232,12 +311,22 @@ class ModelLifecycle:
         self.launcher.publish_table(table)
         return self.version
 
-    def _fail(self, name: str, status: int, message: str) -> None:
-        """Undo a load: its runners, its scheduler registration, its table entry."""
+    def _fail(
+        self, name: str, status: int, message: str, by: protocol.ModelCommand | None = None
+    ) -> None:
+        """Undo a load: its runners, its scheduler registration, its table entry;
+        answer once that is done (``by``: the unload that cancelled it)."""
         load = self.loads.pop(name)
         log.error("model %s: load failed: %s", name, message)
-        self._reply(load.cmd, status, message)
-        self._start_unload(name, _Unload(None))
+        if load.arg is None and by is None:  # nothing started yet: nothing to undo
+            self._reply(load.cmd, status, message)
+            return
+        if by is not None:
+            self._reply(load.cmd, status, message)  # no longer awaited by the front
+            unload = _Unload(by)
+        else:
+            unload = _Unload(load.cmd, status, message)
+        self._start_unload(name, unload)
         for child in self._runners_of(name):
             child.proc.kill()
 
@@ -252,9 +341,10 @@ class ModelLifecycle:
         for rid in [r for r, n in self.retiring.items() if n == name]:
             del self.retiring[rid]
         self.launcher.forget_instance(name)
+        self._runner_need.pop(name, None)
         log.info("model %s: unloaded (%d cached tokens freed)", name, unload.freed_tokens)
         if unload.cmd is not None:
-            self._reply(unload.cmd, 200, "unloaded", freed_tokens=unload.freed_tokens)
+            self._reply(unload.cmd, unload.status, unload.message, freed_tokens=unload.freed_tokens)
 
     def _runners_of(self, name: str) -> list[Child]:
         ids = set(self.launcher.runner_ids_of(name))

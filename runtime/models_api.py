@@ -6,15 +6,23 @@ one instance when the front accepts it, so a reload can never mix versions.
 A reload is blue/green: the new version loads while the old one keeps
 serving; then the name switches to it at once (requests accepted from then on
 run on the new version), the old version drains (running requests finish on
-it, or fail with a 503 after ``?timeout=``) and is unloaded. No request waits
-for the load. An unload first stops admitting (the name answers 404), drains
-the same way, then the launcher stops the runners and the scheduler returns
-the instance's blocks to the arena. One change runs at a time.
+it, or fail with a 503 after ``?timeout=``, default ``--drain-timeout``) and is
+unloaded. No request waits for the load. An unload first stops admitting (the
+name answers 404), drains the same way, then the launcher stops the runners
+and the scheduler returns the instance's blocks to the arena. One change runs
+at a time, and every change ends: a drain within its timeout (a stream whose
+client stopped reading is cut), a load within ``--model-load-timeout`` (the
+launcher cancels it; the front, should the launcher not answer, asks it to).
+
+Loads are admitted by ``admission``: at most one replica per usable core
+(400 here), and only when the weights fit the memory left (507, from the
+launcher, which measures it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import TYPE_CHECKING
@@ -25,19 +33,25 @@ from starlette.responses import Response
 
 from radixmux import protocol
 from radixmux.protocol import ModelArg
-from radixmux.runtime import openai_api
+from radixmux.runtime import admission, openai_api
 from radixmux.runtime.api_common import APIError, json_response, served_model
-from radixmux.runtime.front_hub import new_rid
+from radixmux.runtime.front_hub import Generation, new_rid
 from radixmux.runtime.openapi import Body, Endpoint, Handler
 from radixmux.runtime.server_args import DTYPES, check_model_name, default_model_name
 
 if TYPE_CHECKING:
     from radixmux.runtime.front import Front
 
-LOAD_TIMEOUT_S = 1800.0  # a fetch and conversion of a large model takes minutes
+log = logging.getLogger("radixmux.front")
+
+# The launcher times a load out itself (--model-load-timeout) and answers;
+# the front waits this much longer, so that answer is the one the client gets.
+LAUNCHER_GRACE_S = 60.0
 UNLOAD_TIMEOUT_S = 60.0  # the launcher's part: runners stop within seconds
 DRAIN_POLL_S = 0.05
-MAX_REPLICAS = 16
+# After a drain's timeout: how long a failed stream may take to send its 503
+# event before its writer, stuck on a client that does not read, is cancelled.
+ABORT_GRACE_S = 2.0
 
 
 class LoadModelBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -136,31 +150,67 @@ class ModelManager:
         return reply.freed_tokens
 
     async def _command(self, cmd: protocol.ModelCommand) -> protocol.ModelCommandReply:
-        timeout = LOAD_TIMEOUT_S if cmd.op == "load" else UNLOAD_TIMEOUT_S
+        load = cmd.op == "load"
+        timeout = (
+            self.front.args.model_load_timeout + LAUNCHER_GRACE_S if load else UNLOAD_TIMEOUT_S
+        )
         # Shielded: a client that leaves must not leave a half-made change behind.
         ask = self.front.hub.launcher_call(cmd, timeout)
-        reply = await asyncio.shield(asyncio.ensure_future(ask))
+        try:
+            reply = await asyncio.shield(asyncio.ensure_future(ask))
+        except APIError:
+            if load:  # no answer: whatever the launcher still does must not outlive this
+                await asyncio.shield(asyncio.ensure_future(self._cancel(cmd)))
+            raise
         if reply.status >= 400:
-            param = "source" if cmd.op == "load" and reply.status == 400 else None
+            param = "source" if load and reply.status in (400, 507) else None
             raise APIError(reply.status, reply.message, param)
         return reply
 
+    async def _cancel(self, load: protocol.ModelCommand) -> None:
+        """Have the launcher undo ``load``: cancelled if still loading, unloaded
+        if its success is late (the front would never serve it)."""
+        cmd = protocol.ModelCommand(new_rid(), "unload", ModelArg("", load.model.name))
+        try:
+            await self.front.hub.launcher_call(cmd, UNLOAD_TIMEOUT_S)
+        except APIError as exc:
+            log.error("model %s: the launcher did not cancel the load: %s", load.model.name, exc)
+
     async def _drain(self, model: protocol.ServedModel, timeout: float | None) -> int:
         """Wait until no request of ``model``'s instance is in flight; after
-        ``timeout`` seconds fail the rest with a 503. Returns how many failed."""
+        ``timeout`` seconds (default ``--drain-timeout``) fail the rest with a
+        503 and end their streams. Returns how many failed."""
         hub = self.front.hub
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            live = [g for g in hub.live.values() if g.model == model.instance]
-            if not live:
-                return 0
-            if deadline is not None and time.monotonic() >= deadline:
-                why = f"model '{model.name}' (version {model.version}) was unloaded"
-                for gen in live:
-                    gen.queue.put_nowait(protocol.RequestError(gen.rid, 503, why))
-                    hub.abort(gen.rid, "unloaded")
-                return len(live)
+        if timeout is None:
+            timeout = self.front.args.drain_timeout
+        if await self._drained(model, timeout):
+            return 0
+        live = self._live(model)
+        why = f"model '{model.name}' (version {model.version}) was unloaded"
+        for gen in live:
+            gen.queue.put_nowait(protocol.RequestError(gen.rid, 503, why))
+            hub.abort(gen.rid, "unloaded")
+        # A client that reads gets the 503 at once. One that stopped reading
+        # keeps its stream's writer waiting on a full socket, for ever: cut it
+        # (its connection closes without the end of the stream).
+        if not await self._drained(model, ABORT_GRACE_S):
+            for gen in self._live(model):
+                if gen.writer is not None:
+                    gen.writer.cancel()
+            await self._drained(model, ABORT_GRACE_S)
+        return len(live)
+
+    def _live(self, model: protocol.ServedModel) -> list[Generation]:
+        return [g for g in self.front.hub.live.values() if g.model == model.instance]
+
+    async def _drained(self, model: protocol.ServedModel, timeout: float) -> bool:
+        """Whether ``model``'s instance has nothing in flight within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self._live(model):
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(DRAIN_POLL_S)
+        return True
 
     def _change(
         self, model: protocol.ServedModel, what: str, t0: float, freed: int = 0, aborted: int = 0
@@ -185,12 +235,19 @@ def _check_load_fields(name: str, dtype: str | None, priority: float, replicas: 
         raise APIError(400, f"dtype must be one of {list(DTYPES)}", "dtype")
     if not (math.isfinite(priority) and priority > 0):
         raise APIError(400, "priority must be a finite number > 0", "priority")
-    if not 1 <= replicas <= MAX_REPLICAS:
-        raise APIError(400, f"replicas must be in [1, {MAX_REPLICAS}]", "replicas")
+    cores = admission.max_replicas()
+    if not 1 <= replicas <= cores:
+        raise APIError(
+            400,
+            f"replicas must be in [1, {cores}]: each replica is a runner process that needs a "
+            f"core of its own, and this server may use {cores}",
+            "replicas",
+        )
 
 
 def _timeout(request: Request) -> float | None:
-    """``?timeout=`` seconds before requests still running are failed (none: wait)."""
+    """``?timeout=`` seconds before requests still running are failed (none:
+    ``--drain-timeout``)."""
     text = request.query_params.get("timeout")
     if text is None:
         return None

@@ -3,7 +3,9 @@
 Responses match SGLang's so its tools (router, ``bench_serving``) can drive us:
 ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens",
 "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", ...},
-"e2e_latency"}}``; streamed chunks carry the *cumulative* text and ids.
+"e2e_latency"}}``; streamed chunks carry the *cumulative* text and ids
+(only the new ones with ``--incremental-streaming-output``) and only the new
+logprobs (see :class:`NativeFormat`).
 Sampling defaults follow SGLang: temperature 1, 128 new tokens.
 """
 
@@ -165,7 +167,7 @@ def sampling_params(
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if s.max_new_tokens is None else s.max_new_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        logit_bias=logit_bias(s.logit_bias, info.vocab_size, f"{pre}logit_bias"),
+        logit_bias=logit_bias(s.logit_bias, f"{pre}logit_bias"),
     )
     check_sampling(params, info, pre, "max_new_tokens")
     return params
@@ -294,72 +296,85 @@ def _native_tops(lp: protocol.TokenLogprob, with_text: bool) -> list[tuple[float
 
 
 # ---- response formatting ---------------------------------------------------------
-class _NativeChoice:
-    """One item's text, ids and logprobs so far (SGLang chunks are cumulative)."""
+class _Streamed:
+    """One item's text and ids streamed so far (cumulative chunks repeat them)."""
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self) -> None:
         self.text = ""
         self.ids: list[int] = []
-        self.logprobs: list[protocol.TokenLogprob] | None = [] if logprobs else None
-        self.prompt_logprobs: list[protocol.TokenLogprob] | None = None  # logprob_start_len
-
-    def add(self, out: protocol.TextOutput) -> None:
-        self.text += out.text
-        self.ids += out.token_ids
-        if self.logprobs is not None:
-            self.logprobs += out.logprobs or []
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+        self.last_id: int | None = None  # for finish_reason's ``matched``
 
 
 class NativeFormat:
-    """SGLang ``/generate``: every streamed chunk carries the text and ids so far;
-    a batch (or ``n`` > 1) is answered with a list, its chunks tagged by index."""
+    """SGLang ``/generate``; a batch (or ``n`` > 1) is answered with a list, its
+    chunks tagged by index.
 
-    def __init__(self, logprobs: bool, with_text: bool = False, batch: bool = False) -> None:
+    Streamed chunks carry the text and ids so far (SGLang's default, which its
+    own clients parse), or only the new ones with ``incremental`` (SGLang's
+    ``--incremental-streaming-output``). Logprob lists are always only the new
+    entries, the prompt's in the first chunk alone: resending them would make
+    a stream's bytes, and the front's work, grow with the square of its length.
+    """
+
+    def __init__(
+        self,
+        logprobs: bool,
+        with_text: bool = False,
+        batch: bool = False,
+        incremental: bool = False,
+    ) -> None:
         self.logprobs = logprobs
         self.with_text = with_text  # return_text_in_logprobs
         self.batch = batch
-        self.items: dict[int, _NativeChoice] = {}
+        self.incremental = incremental
+        self.streamed: dict[int, _Streamed] = {}
 
-    def _item(self, index: int) -> _NativeChoice:
-        if index not in self.items:
-            self.items[index] = _NativeChoice(self.logprobs)
-        return self.items[index]
-
-    def _response(self, gen: Generation, index: int) -> NativeResponse:
-        item = self._item(index)
+    def _response(
+        self,
+        gen: Generation,
+        index: int,
+        text: str,
+        ids: list[int],
+        last_id: int | None,
+        logprobs: list[protocol.TokenLogprob],
+        prompt_logprobs: list[protocol.TokenLogprob] | None,
+    ) -> NativeResponse:
         last = gen.last
         assert last is not None
         finish = None
         if gen.done:
             finish = finish_reason(
-                gen.finish_reason,
-                gen.matched_stop,
-                item.ids[-1] if item.ids else None,
-                last.completion_tokens,
+                gen.finish_reason, gen.matched_stop, last_id, last.completion_tokens
             )
-        lps = list(item.logprobs) if item.logprobs is not None else None
         out = response(
             gen.rid,
-            item.text,
-            list(item.ids),
+            text,
+            ids,
             last,
             finish,
             gen.latency,
-            lps,
+            logprobs if self.logprobs else None,
             self.with_text,
-            item.prompt_logprobs,
+            prompt_logprobs,
         )
         if self.batch:
             out.index = index
         return out
 
     def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
-        self._item(index).add(out)
-        if not out.text and not out.token_ids and not gen.done:
+        item = self.streamed.setdefault(index, _Streamed())
+        if out.token_ids:
+            item.last_id = out.token_ids[-1]
+        if self.incremental:
+            text, ids = out.text, out.token_ids
+        else:
+            item.text += out.text
+            item.ids += out.token_ids
+            text, ids = item.text, list(item.ids)
+        if not (out.text or out.token_ids or out.logprobs or out.prompt_logprobs or gen.done):
             return []
-        return [self._response(gen, index)]
+        lps = out.logprobs or []
+        return [self._response(gen, index, text, ids, item.last_id, lps, out.prompt_logprobs)]
 
     def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
         return []
@@ -367,9 +382,12 @@ class NativeFormat:
     def full(self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]) -> Any:
         answers = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
-            for out in outs:
-                self._item(i).add(out)
-            answers.append(self._response(gen, i))
+            ids = [t for o in outs for t in o.token_ids]
+            lps = [lp for o in outs for lp in o.logprobs or []]
+            prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+            text = "".join(o.text for o in outs)
+            last_id = ids[-1] if ids else None
+            answers.append(self._response(gen, i, text, ids, last_id, lps, prompt))
         return answers if self.batch else answers[0]
 
 
@@ -383,7 +401,8 @@ def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
         rid = new_rid()
         gens = generate_request(req, rid, model, time.time())
         with_text = bool(req.return_text_in_logprobs)
-        fmt = NativeFormat(gens[0].params.logprobs, with_text, is_batch(req))
+        incremental = front.args.incremental_streaming_output
+        fmt = NativeFormat(gens[0].params.logprobs, with_text, is_batch(req), incremental)
         return await serve_generation(request, front.hub, gens, fmt, "generate")
 
     return [

@@ -31,11 +31,16 @@ from starlette.responses import Response
 from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_common import (
+    MAX_CHAT_MESSAGES,
+    MAX_CONTENT_PARTS,
     MAX_N,
     MAX_PROMPTS,
     APIError,
     check_input_ids,
+    check_len,
+    check_metadata,
     check_n,
+    check_name,
     check_sampling,
     fan_out,
     json_response,
@@ -302,6 +307,9 @@ def sampling_params(
 ) -> SamplingParams:
     """Checked runner sampling parameters from an OpenAI request."""
     n_choices(req)
+    for tag in ("user", "safety_identifier", "prompt_cache_key"):
+        check_name(getattr(req, tag), tag)
+    check_metadata(req.metadata)
     top_k = req.top_k if req.top_k is not None else 0
     if top_k < -1:
         raise APIError(400, "'top_k' must be >= 0, or -1 to disable", "top_k")
@@ -319,7 +327,7 @@ def sampling_params(
         max_new_tokens=max_tokens,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
-        logit_bias=logit_bias(req.logit_bias, info.vocab_size, "logit_bias"),
+        logit_bias=logit_bias(req.logit_bias, "logit_bias"),
     )
     check_sampling(params, info)
     return params
@@ -431,6 +439,7 @@ def chat_messages(
     require_chat_template(model, template_flag)
     if not messages:
         raise APIError(400, "'messages' must not be empty", "messages")
+    check_len(messages, MAX_CHAT_MESSAGES, "messages", "messages")
     return [chat_message(m, i) for i, m in enumerate(messages)]
 
 
@@ -442,6 +451,7 @@ def chat_message(m: ChatMessageIn, i: int) -> protocol.ChatMessage:
         )
     if m.content is None or isinstance(m.content, str):
         return protocol.ChatMessage(m.role, m.content or "")
+    check_len(m.content, MAX_CONTENT_PARTS, f"messages[{i}].content", "parts")
     texts = []
     for part in m.content:
         if part.type != "text" or part.text is None:

@@ -3,7 +3,9 @@
 SGLang's names (``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``) plus ``/models/{name}/invalidate`` and
 Prometheus ``/metrics``. Each answers from the scheduler's own ``stats``
-reply (a ``check`` for ``/get_server_info``, which runs its invariant check).
+reply (a ``check`` for ``/get_server_info``: the scheduler's invariant check,
+run again only when something changed and at most once a second, its result
+reported with its age; so polling it costs the scheduler's loop next to nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.responses import Response
 
 from radixmux import __name__ as _pkg
 from radixmux import protocol
+from radixmux.runtime import admission
 from radixmux.runtime.api_common import APIError, json_response, resolve_model
 from radixmux.runtime.front_hub import new_rid
 from radixmux.runtime.openapi import Endpoint, Handler
@@ -43,11 +46,24 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
             return json_response({"status": "unavailable", **exc.body()}, 503)
         states = _model_states(front.served, stats)
         down = _down_models(front.served, stats)
+        limits = _admission()
         if not down:
-            return json_response({"status": "ok", "models": states})
+            return json_response({"status": "ok", "models": states, "admission": limits})
         why = "; ".join(f"model '{name}' is {states[name]}: {r}" for name, r in down.items())
         body = APIError(503, why).body()
-        return json_response({"status": "degraded", "models": states, "down": down, **body}, 503)
+        return json_response(
+            {"status": "degraded", "models": states, "down": down, "admission": limits, **body},
+            503,
+        )
+
+    def _admission() -> admission.Admission:
+        """What a model load must fit: replicas per model, memory left now."""
+        arena = front.ctx.arena
+        return admission.health(
+            arena.path if arena is not None else None,
+            arena.total_bytes if arena is not None else front.args.kv_cache_bytes,
+            front.args.memory_reserve_bytes,
+        )
 
     async def health_generate(request: Request) -> Response:
         try:
@@ -117,7 +133,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         stats: Any = None
         error = None
         try:
-            # "check": the scheduler's independent invariant check runs too.
+            # "check": the scheduler's independent invariant check, rate-limited.
             stats = msgspec.to_builtins(await _stats(HEALTH_TIMEOUT_S, "check"))
         except APIError as exc:
             error = exc.message
@@ -157,7 +173,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         (Endpoint("/health_generate", "GET", "one token from every model"), health_generate),
         (Endpoint("/get_model_info", "GET", "SGLang's model info"), model_info),
         (Endpoint("/get_server_info", "GET", "flags and scheduler state"), server_info),
-        (Endpoint("/flush_cache", "GET", "drop every cached prefix"), flush_cache),
+        # POST only, as in SGLang: a GET that changes state is one an <img> can send.
         (Endpoint("/flush_cache", "POST", "drop every cached prefix"), flush_cache),
         (
             Endpoint("/models/{name:path}/invalidate", "POST", "drop one model's cache"),

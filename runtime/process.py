@@ -1,10 +1,11 @@
 """What every runtime process shares: its start-up context, logging, lifecycle.
 
 The launcher starts each process as ``python -m radixmux.runtime.<module>
-'<ProcessContext JSON>'``. A process sets up logging, does its start-up work,
-then reports ``ProcessReady`` (or ``ProcessFailed`` with the reason) to the
-launcher's socket. Processes die with their parent (Linux PDEATHSIG), so a
-killed launcher never leaves orphans behind.
+'<ProcessContext JSON>'`` (through ``os_process.child_command``). A process
+sets up logging, does its start-up work, then reports ``ProcessReady`` (or
+``ProcessFailed`` with the reason) to the launcher's socket. Processes die
+with their parent (Linux PDEATHSIG, asked for before any import), so a
+killed launcher never leaves orphans behind, not even during start-up.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import zmq
 
 from radixmux import protocol
 from radixmux.memory.arena import ArenaSpec
-from radixmux.os_process import die_with_parent, exit_now
+from radixmux.os_process import child_command, die_with_parent, exit_now
 from radixmux.runtime.ipc import Endpoints, socket
 from radixmux.runtime.server_args import ServerArgs
 
@@ -118,4 +119,4 @@ def spawn(module: str, context: ProcessContext) -> subprocess.Popen:
     """Start ``radixmux.runtime.<module>`` (or a full dotted module) with ``context``."""
     full = module if "." in module else f"radixmux.runtime.{module}"
     payload = msgspec.json.encode(context).decode()
-    return subprocess.Popen([sys.executable, "-m", full, payload])
+    return subprocess.Popen(child_command(full, payload))

@@ -14,6 +14,7 @@ import msgspec
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
 from radixmux.protocol import ATTENTION_BACKENDS, ModelArg
+from radixmux.runtime.http_guard import check_flags as check_http_guard_flags
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 KV_PARTITIONS = ("unified", "static")
@@ -75,6 +76,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    allowed_origins: list[str] = msgspec.field(default_factory=list)
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
     kv_cache_bytes: int = 2 << 30
@@ -99,6 +102,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     zmq_endpoint: str | None = None
     runtime_dir: str | None = None
     check_invariants: bool = False
+    incremental_streaming_output: bool = False
     seed: int = 0
     runner_timeout: float = 300.0
     kv_disk_bytes: int = 0
@@ -106,8 +110,12 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     kv_disk_write_policy: str = "write_back"
     kv_disk_chunk_tokens: int = 64
     kv_disk_min_load_tokens: int = 0
+    kv_disk_timeout: float = 300.0
     warmup: str | None = None
     max_pinned_fraction: float = 0.5
+    memory_reserve_bytes: int = 1 << 30
+    drain_timeout: float = 30.0
+    model_load_timeout: float = 900.0
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -133,6 +141,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             "kv_block_bytes",
             "max_request_bytes",
             "runner_timeout",
+            "kv_disk_timeout",
+            "model_load_timeout",
         ):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -143,6 +153,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: must be in [0, 65535]")
+        check_http_guard_flags(self.host, self.allowed_hosts, self.allowed_origins)
         if self.prefill_tokens_during_decode < 0:
             raise ValueError("--prefill-tokens-during-decode must be >= 0 (0: no extra bound)")
         if self.runner_threads < 0:
@@ -154,6 +165,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         self._check_disk_tier()
         if not 0 <= self.max_pinned_fraction <= 1:  # also refuses NaN
             raise ValueError("--max-pinned-fraction must be in [0, 1]")
+        if self.memory_reserve_bytes < 0 or not self.drain_timeout >= 0:  # NaN too
+            raise ValueError("--memory-reserve-bytes and --drain-timeout must be >= 0")
         if not self.models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
         names = [m.name for m in self.models]
@@ -226,7 +239,12 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("max-request-bytes", int, "largest HTTP body accepted (413 above)"),
     ("runner-threads", int, "torch threads per runner (0: cores divided among runners with work)"),
     ("zmq-endpoint", str, "ZeroMQ endpoint for the Python client (default: in the runtime dir)"),
-    ("runtime-dir", str, "where private sockets live (default: a new 0700 temp dir)"),
+    (
+        "runtime-dir",
+        str,
+        "where a new private (0700) subdirectory for the sockets is made; the directory"
+        " itself is left as it is (default: the temp dir)",
+    ),
     ("seed", int, "base random seed"),
     (
         "runner-timeout",
@@ -254,6 +272,12 @@ _FLAGS: list[tuple[str, type, str]] = [
         "(shorter ones are recomputed; 0: one chunk)",
     ),
     (
+        "kv-disk-timeout",
+        float,
+        "seconds the disk tier may go without finishing a save or load something waits on "
+        "before it is treated as hung (turned off; what waited on it fails with a 503)",
+    ),
+    (
         "warmup",
         str,
         "JSON-lines file of POST /cache/warmup bodies, run at start before /health turns 200 "
@@ -264,6 +288,38 @@ _FLAGS: list[tuple[str, type, str]] = [
         float,
         "most of the arena pinned prefixes may hold (a pin past it is refused)",
     ),
+    (
+        "memory-reserve-bytes",
+        int,
+        "memory kept free for the rest of the machine: a model load (POST /models, reload) "
+        "whose estimated need does not fit what is available less this is refused (507)",
+    ),
+    (
+        "drain-timeout",
+        float,
+        "seconds an unload or reload waits for the old instance's running requests, and "
+        "their clients, before failing the rest with a 503 (?timeout= overrides)",
+    ),
+    (
+        "model-load-timeout",
+        float,
+        "seconds a model load at run time (POST /models, reload) may take; then it is "
+        "cancelled and undone (504)",
+    ),
+]
+# (flag, help) of list flags: repeat them or give a comma list; default: empty.
+_LIST_FLAGS: list[tuple[str, str]] = [
+    (
+        "allowed-hosts",
+        "Host header names served besides localhost, loopback addresses and --host "
+        "(.example.com: it and its subdomains; '*': any); bound to 0.0.0.0 or :: with none "
+        "given, any Host is served",
+    ),
+    (
+        "allowed-origins",
+        "browser origins (scheme://host[:port]) allowed to call the API cross-origin, with "
+        "CORS headers ('*': any); others are refused (403)",
+    ),
 ]
 _SWITCHES: list[tuple[str, str]] = [
     ("disable-radix-cache", "no prefix cache: every prompt is prefilled in full"),
@@ -272,6 +328,11 @@ _SWITCHES: list[tuple[str, str]] = [
         "run transformers' own RMSNorm, gated MLP and rotary code instead of the fused kernels",
     ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
+    (
+        "incremental-streaming-output",
+        "streamed /generate chunks carry only the new text and output_ids (SGLang's flag; "
+        "default: cumulative, as SGLang's clients expect); logprobs are always only the new ones",
+    ),
 ]
 
 
@@ -294,9 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, typ, help_text in _FLAGS:
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=typ, default=default, help=help_text)
+    for flag, help_text in _LIST_FLAGS:
+        parser.add_argument(
+            f"--{flag}",
+            action="extend",
+            type=_comma_list,
+            default=[],
+            metavar="A,B",
+            help=help_text,
+        )
     for flag, help_text in _SWITCHES:
         parser.add_argument(f"--{flag}", action="store_true", help=help_text)
     return parser
+
+
+def _comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:

@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 
 from radixmux.memory.radix_cache import common_prefix_tokens
-from radixmux.protocol import ForwardBatch, PrefixGroup, SeqInput, pack_ids
+from radixmux.protocol import ForwardBatch, PrefixGroup, SeqInput
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.policy import order_waiting
 from radixmux.scheduler.request import Req
@@ -87,15 +87,21 @@ class ScheduledBatch:
             start = req.kv_len
             end = start + n
             scored = req.wants_prompt_logprobs and end < len(req.input_ids)
+            wire = req.wire
+            # What a step sends grows with the context only through its slots,
+            # which decode attention reads anyway.
             seqs.append(
                 SeqInput(
                     rid=req.rid,
-                    new_tokens=req.tokens[start:end].tobytes(),
+                    new_tokens=req.token_slice(start, end).tobytes(),
                     slots=req.slots[:end].astype(np.int32).tobytes(),
                     sample=end == req.num_tokens,
-                    params=req.params,
-                    output_ids=pack_ids(req.output_ids),
+                    params=wire.params,
+                    output_ids=req.packed_output_ids() if wire.penalised else b"",
                     next_token=int(req.input_ids[end]) if scored else -1,
+                    stop_ids=wire.stop_ids,
+                    logit_bias=wire.logit_bias,
+                    num_output=len(req.output_ids),
                 )
             )
         return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups)

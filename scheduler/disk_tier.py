@@ -44,6 +44,7 @@ from radixmux.memory.kv_disk_store import (
 )
 from radixmux.memory.kv_transfer import (
     ChunkRef,
+    ClearJob,
     DeleteJob,
     JobResult,
     KVTransfer,
@@ -108,7 +109,8 @@ class DiskTier:
         self.chunk = chunk_tokens
         self.write_policy = write_policy
         self.min_load_tokens = max(min_load_tokens, chunk_tokens)
-        self.transfer = KVTransfer()
+        assert store.files is not None, "the store is closed"
+        self.transfer = KVTransfer(store.files)
         self.disabled: str | None = None
         self._spaces: dict[str, _Namespace] = {}
         self._reading: dict[int, np.ndarray] = {}  # save job -> arena blocks it reads
@@ -145,7 +147,7 @@ class DiskTier:
         return space
 
     def _refs(self, space: _Namespace, keys: list[bytes]) -> list[ChunkRef]:
-        return [ChunkRef(k, self.store.path(space.ns_dir, k)) for k in keys]
+        return [ChunkRef(k, space.ns_dir) for k in keys]
 
     # ---- saving ----------------------------------------------------------------------
     def _save(self, pool: str, tokens: bytes, slots: np.ndarray, first: int = 0) -> int | None:
@@ -335,6 +337,11 @@ class DiskTier:
             f" (stopped at a bad chunk: {result.bad[0][1]})" if result.bad else "",
         )
 
+    def turn_off(self, why: str) -> None:
+        """Stop all new disk I/O (the scheduler saw the disk hang). Blocks a
+        save still reads stay held back until it ends, if it ever does."""
+        self._disable(why)
+
     def _disable(self, why: str) -> None:
         if self.disabled is None:
             self.disabled = why
@@ -343,8 +350,10 @@ class DiskTier:
 
     # ---- whole-store operations --------------------------------------------------------
     def clear(self) -> None:
-        """Forget and delete every chunk (``flush_cache``)."""
-        self.transfer.submit(DeleteJob(self.store.clear()))
+        """Forget and delete every chunk (``flush_cache``); the I/O thread
+        deletes only chunk files, never anything else in the directory."""
+        self.store.clear()
+        self.transfer.submit(ClearJob())
 
     def close(self, flush: bool) -> None:
         """Stop the I/O thread; with ``flush`` (a graceful stop under write-back)
@@ -362,8 +371,11 @@ class DiskTier:
             )
         else:
             self.poll(wait=FLUSH_SECONDS)
-        self.transfer.close()
-        self.store.close()
+        if self.transfer.close():
+            self.store.close()
+        else:
+            log.warning("disk tier: the I/O thread is stuck on the disk; left running at exit")
+            self.store.close(keep_files=True)
 
     def stats(self) -> DiskTierStats:
         lat = sorted(self._latencies)

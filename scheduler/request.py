@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from radixmux.memory.radix_cache import CacheHandle
-from radixmux.protocol import SamplingParams, TokenLogprob
+from radixmux.protocol import SamplingParams, TokenLogprob, pack_bias, pack_ids
 
 _arrival_order = itertools.count()
+
+
+@dataclass(frozen=True)
+class WireParams:
+    """A request's sampling parameters as every forward batch carries them,
+    made once: the lists packed as bytes (``SeqInput.stop_ids``,
+    ``SeqInput.logit_bias``) and left out of ``params``."""
+
+    params: SamplingParams
+    stop_ids: bytes
+    logit_bias: bytes
+    penalised: bool  # penalties count the output: its ids go with every step
 
 
 @dataclass(eq=False)
@@ -45,6 +59,40 @@ class Req:
     queue_time: float | None = None  # arrival to first admission (s); None until then
     # With prompt logprobs: prompt position -> the logprob of its token.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # ``output_ids`` packed so far (see ``packed_output_ids``).
+    _packed_output: bytearray = field(default_factory=bytearray, init=False, repr=False)
+
+    @functools.cached_property
+    def wire(self) -> WireParams:
+        """``params`` as forward batches carry them (``params`` never changes)."""
+        p = self.params
+        penalised = p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+        return WireParams(
+            msgspec.structs.replace(p, stop_token_ids=[], logit_bias=[]),
+            pack_ids(p.stop_token_ids) if p.stop_token_ids else b"",
+            pack_bias(p.logit_bias) if p.logit_bias else b"",
+            penalised,
+        )
+
+    def packed_output_ids(self) -> bytes:
+        """``output_ids`` as packed int32; only the ids added since the last call
+        are converted (a step must not cost a Python pass over the whole output)."""
+        done = len(self._packed_output) // 4
+        if done > len(self.output_ids):  # never expected: output ids only grow
+            self._packed_output.clear()
+            done = 0
+        if done < len(self.output_ids):
+            self._packed_output += pack_ids(self.output_ids[done:])
+        return bytes(self._packed_output)
+
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """``tokens[start:end]`` without building ``tokens`` (a decode step
+        needs one token, not a copy of the prompt and the output)."""
+        prompt = len(self.input_ids)
+        if end <= prompt:
+            return self.input_ids[start:end]
+        out = np.asarray(self.output_ids[max(start - prompt, 0) : end - prompt], dtype=np.int32)
+        return out if start >= prompt else np.concatenate([self.input_ids[start:], out])
 
     @property
     def tokens(self) -> np.ndarray:

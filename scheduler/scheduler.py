@@ -32,7 +32,7 @@ import zmq
 from radixmux import protocol
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import KVArena
-from radixmux.memory.kv_disk_store import DiskKVStore, StoreLocked
+from radixmux.memory.kv_disk_store import DiskKVStore, StoreRefused
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
 from radixmux.model_runners.runner_process import cpu_cores
@@ -56,6 +56,15 @@ EARLY_ABORT_TTL_S = 600.0
 EARLY_ABORT_MAX = 100_000
 # What a client sees when the server failed on its request; details go to the log.
 INTERNAL_ERROR = "internal error while serving this request (the server log has details)"
+# The invariant walk (``Scheduler.check``) costs time on the loop in
+# proportion to the tree and the requests. Asked for (``check``, so
+# ``/get_server_info``), it runs at most once a second and at most 1% of the
+# time, and not at all while nothing changed since the last one; otherwise
+# the answer is the last walk's result with its age.
+CHECK_MIN_INTERVAL_S = 1.0
+CHECK_MAX_SHARE = 0.01
+# Control operations that change nothing (they do not make the last walk stale).
+READ_ONLY_OPS = ("stats", "check", "dashboard")
 
 
 class StartupError(RuntimeError):
@@ -100,6 +109,26 @@ def runner_ids(arg: ModelArg) -> list[str]:
 
 
 @dataclass
+class HeldBatch:
+    """A batch built for a runner but not sent: it would overwrite KV a disk
+    save still reads. The wait is the disk's, not the runner's."""
+
+    batch: ScheduledBatch
+    since: float  # time.monotonic() when it was held
+
+
+@dataclass
+class InvariantWalk:
+    """The last run of ``Scheduler.check`` and when the next one may run."""
+
+    result: str | None = None  # "ok" or "violated: ..."; None: never run
+    at: float = 0.0  # time.monotonic() of the walk
+    version: int = -1  # Scheduler.version it saw
+    next_at: float = 0.0  # no walk on request before this (the rate limit)
+    count: int = 0  # walks so far
+
+
+@dataclass
 class PendingModel:
     """An instance added at run time whose runners are still loading."""
 
@@ -138,8 +167,14 @@ class Scheduler:
         self.kv: KVManager | None = None
         self.builder: BatchBuilder | None = None
         self.disk: DiskTier | None = None
-        # Batches built but not sent: they would overwrite KV a disk save still reads.
-        self.held: dict[str, ScheduledBatch] = {}
+        # Batches built but not sent (by runner id): they would overwrite KV a
+        # disk save still reads.
+        self.held: dict[str, HeldBatch] = {}
+        # Bumped by every event that may change what ``check`` looks at, so a
+        # walk's result is known to be current while it has not moved.
+        self.version = 0
+        self.walk = InvariantWalk()
+        self.disk_progress_at = 0.0  # time.monotonic() a disk job last finished
         self.pending: dict[str, PendingModel] = {}  # instances added at run time, loading
         self.removing: set[str] = set()  # instances waiting for their last batch or disk load
         self.to_launcher = socket(zctx, zmq.PUSH, ep.launcher, bind=False)
@@ -251,7 +286,8 @@ class Scheduler:
 
     def _open_disk_tier(self) -> DiskTier | None:
         """The disk tier when ``--kv-disk-bytes`` asks for one. A directory
-        another server holds is a start-up error; one that cannot be created
+        another server holds, or one that holds what radixmux did not make
+        (``StoreRefused``), is a start-up error; one that cannot be created
         or written leaves the tier off (logged) and the server serves from memory."""
         args = self.args
         if not args.disk_tier:
@@ -259,7 +295,7 @@ class Scheduler:
         assert self.cache is not None and self.ctx.arena is not None and args.kv_disk_dir
         try:
             store = DiskKVStore(args.kv_disk_dir, args.kv_disk_bytes)
-        except StoreLocked as exc:
+        except StoreRefused as exc:
             raise StartupError(str(exc)) from None
         except OSError as exc:
             log.error("disk tier off (serving from memory only): %s", exc)
@@ -314,22 +350,25 @@ class Scheduler:
         """Finished disk jobs: loaded requests go back first in their queue;
         batches held for a save are sent once it is done."""
         assert self.disk is not None and self.kv is not None
+        self.version += 1
+        self.disk_progress_at = time.monotonic()
         for req in self.disk.poll():
             self.kv.release(req, keep=True)  # the loaded pages go into the tree
             model = self.models[req.model]
             if req.aborted is not None or req.rid not in self.requests:
-                self._forget(req)
-            elif model.state == "down":
-                self._fail_requests([req.rid], 503, f"model {model.name!r} is down")
+                self._forget(req)  # failed or aborted while it loaded: answered then
             else:
                 model.waiting.insert(0, req)
-        for runner_id, batch in list(self.held.items()):
+                # A model without a live runner fails its requests when it
+                # loses the last one (this one included); never queue on it.
+                self._fail_unserved(model)
+        for runner_id, held in list(self.held.items()):
             runner = self.runners[runner_id]
-            if runner.inflight is not batch or not runner.up:
+            if runner.inflight is not held.batch or not runner.up:
                 del self.held[runner_id]  # the runner was lost meanwhile
-            elif not self._overwrites_pending_save(batch):
+            elif not self._overwrites_pending_save(held.batch):
                 del self.held[runner_id]
-                self._send_batch(runner, batch)
+                self._send_batch(runner, held.batch)
 
     @staticmethod
     def _poll_once(sock: zmq.Socket) -> bool:
@@ -389,11 +428,17 @@ class Scheduler:
 
     def check_timeouts(self) -> None:
         """A runner that has not answered a batch within ``--runner-timeout`` is
-        hung: kill it (the launcher restarts it) and fail or move its requests."""
+        hung: kill it (the launcher restarts it) and fail or move its requests.
+        Only what was sent is timed: a batch held for a disk save is the
+        disk's wait (``_check_disk_stalls``), never the runner's."""
         limit = self.args.runner_timeout
         now = time.monotonic()
+        self._check_disk_stalls(now)
         for runner in self.runners.values():
+            if runner.runner_id in self.held:
+                continue
             if runner.up and runner.inflight is not None and now - runner.sent_at > limit:
+                self.version += 1
                 log.error(
                     "runner %s did not answer batch %d within %.0f s; killing it",
                     runner.runner_id,
@@ -406,6 +451,55 @@ class Scheduler:
                 self.runner_lost(
                     runner, f"runner {runner.runner_id} hung (no answer in {limit:g} s)", True
                 )
+
+    def _check_disk_stalls(self, now: float) -> None:
+        """A request waiting on the disk tier (its load, or a save its batch
+        is held for) while the I/O thread finished no job for
+        ``--kv-disk-timeout`` means the disk hangs (a slow one still finishes
+        jobs; a broken one fails them with an error). The waiters get a 503
+        instead of waiting forever and the tier is turned off: no new disk
+        I/O. Blocks a stuck save still reads stay held back (a batch writing
+        them waits, then fails the same way): KV is never overwritten under a
+        save, so a wrong chunk never reaches the disk."""
+        if self.disk is None or (not self.disk.loading and not self.held):
+            return
+        limit = self.args.kv_disk_timeout
+        if now - self.disk_progress_at <= limit:
+            return
+        loads = [ld.req for ld in self.disk.loading.values() if now - ld.t0 > limit]
+        held = [(rid, h) for rid, h in self.held.items() if now - h.since > limit]
+        if not loads and not held:
+            return
+        self.version += 1
+        what = "load" if loads else "save"
+        self.disk.turn_off(f"a disk {what} made no progress in {limit:g} s (--kv-disk-timeout)")
+        why = f"the KV disk tier stalled: no disk {what} finished in {limit:g} s"
+        for runner_id, h in held:
+            self._unhold(runner_id, h, why)
+        # A failed load's slots are freed when (if ever) its job ends.
+        self._fail_requests([r.rid for r in loads if r.rid in self.requests], 503, why)
+
+    def _unhold(self, runner_id: str, held: HeldBatch, why: str) -> None:
+        """Give up a held batch: the requests that would overwrite a stuck
+        save's blocks fail with ``why``, the others wait again (their KV so far
+        cached: they resume where they were), an aborted one ends."""
+        assert self.builder is not None
+        del self.held[runner_id]
+        runner = self.runners[runner_id]
+        runner.inflight = None
+        waiting = self.models[runner.model].waiting
+        blocked: list[str] = []
+        again: list[Req] = []
+        for req, n in zip(held.batch.reqs, held.batch.chunks, strict=True):
+            if req.aborted:
+                self._finish(req, keep=True)
+            elif self._writes_pending_save(req, n):
+                blocked.append(req.rid)
+            else:
+                again.append(req)
+        for req in reversed(again):
+            self.builder.requeue(runner, waiting, req)
+        self._fail_requests(blocked, 503, why)
 
     def dispatch(self) -> None:
         """Give every idle runner with work its next batch."""
@@ -427,14 +521,16 @@ class Scheduler:
                     )
                     if batch is None:
                         continue
+                    self.version += 1
                     runner.inflight = batch
                     if self._overwrites_pending_save(batch):
-                        self.held[runner.runner_id] = batch
-                        runner.sent_at = time.monotonic()
+                        # Not sent, so not timed as the runner's (check_timeouts).
+                        self.held[runner.runner_id] = HeldBatch(batch, time.monotonic())
                     else:
                         self._send_batch(runner, batch, threads)
 
     def _send_batch(self, runner: RunnerState, batch: ScheduledBatch, threads: int = -1) -> None:
+        """Send a runner its batch; ``sent_at`` starts its ``--runner-timeout``."""
         if threads < 0:
             threads = self._threads_per_runner()
         runner.sent_at = time.monotonic()
@@ -442,15 +538,18 @@ class Scheduler:
 
     def _overwrites_pending_save(self, batch: ScheduledBatch) -> bool:
         """Whether the batch writes KV into arena blocks a disk save still reads."""
+        return any(
+            self._writes_pending_save(req, n)
+            for req, n in zip(batch.reqs, batch.chunks, strict=True)
+        )
+
+    def _writes_pending_save(self, req: Req, n: int) -> bool:
+        """Whether computing ``n`` tokens of ``req`` writes blocks a disk save still reads."""
         if self.disk is None:
             return False
         assert self.cache is not None
-        return any(
-            self.disk.holds_back(
-                self.cache.pool_of(req.model), req.slots[req.kv_len : req.kv_len + n]
-            )
-            for req, n in zip(batch.reqs, batch.chunks, strict=True)
-        )
+        written = req.slots[req.kv_len : req.kv_len + n]
+        return self.disk.holds_back(self.cache.pool_of(req.model), written)
 
     def _threads_per_runner(self) -> int:
         """The cores divided among runners that have work now (0: leave as set).
@@ -489,6 +588,8 @@ class Scheduler:
 
     # ---- inbox -----------------------------------------------------------------------
     def handle(self, msg: object) -> None:
+        if not (isinstance(msg, protocol.ControlRequest) and msg.op in READ_ONLY_OPS):
+            self.version += 1
         if isinstance(msg, protocol.TokenizedRequest):
             self.enqueue(msg)
         elif isinstance(msg, protocol.AbortRequest):
@@ -611,7 +712,9 @@ class Scheduler:
             self.runner_lost(runner, why, msg.restarting)
         else:  # already failed over (e.g. killed after a hang): just track the restart
             runner.state = "restarting" if msg.restarting else "down"
-            self._update_down_reason(self.models[runner.model], runner.error or why)
+            model = self.models[runner.model]
+            self._update_down_reason(model, runner.error or why)
+            self._fail_unserved(model)
         if not msg.restarting:
             log.error(
                 "runner %s will not be restarted: its model has no live runner", runner.runner_id
@@ -620,29 +723,40 @@ class Scheduler:
     def runner_lost(self, runner: RunnerState, why: str, restarting: bool) -> None:
         """Take a dead or hung runner out of service. Its running requests move
         to a live replica of the model (same greedy output: they resume from
-        their tokens so far) or fail with 503; with no live replica left, the
-        model's waiting requests fail too."""
+        their tokens so far); with no live replica left, every request of the
+        model fails with 503 (``_fail_unserved``)."""
         runner.state = "restarting" if restarting else "down"
         runner.error = why
         runner.inflight = None
+        self.held.pop(runner.runner_id, None)
         if restarting:
             runner.restarts += 1
         model = self.models[runner.model]
-        running = list(runner.running)
-        moved: list[Req] = []
-        failed: list[Req] = []
+        self._update_down_reason(model, why)
         if model.up:
             assert self.builder is not None
+            running = list(runner.running)
             for req in reversed(running):
                 self.builder.requeue(runner, model.waiting, req)
-            moved = running
+            log.error("%s; %d requests moved to a replica", why, len(running))
         else:
-            failed = running + model.waiting  # the waiting ones have no runner left either
-        log.error("%s; %d requests moved to a replica, %d failed", why, len(moved), len(failed))
-        self._update_down_reason(model, why)
-        self._fail_requests(
-            [r.rid for r in failed], 503, f"model {model.name!r} is unavailable: {why}"
-        )
+            log.error("%s; model %s has no live runner", why, model.name)
+            self._fail_unserved(model)
+
+    def _fail_unserved(self, model: ModelState) -> None:
+        """A model with no live runner keeps no request: while it restarts (or
+        once the launcher gave up) every request of it, wherever it is
+        (waiting, loading from disk, on a lost runner, in a held batch), fails
+        now with a 503; new ones are refused at ``enqueue``. A load still
+        writing a failed request's slots frees them when it ends."""
+        if model.up:
+            return
+        rids = [r.rid for r in self.requests.values() if r.model == model.name]
+        if not rids:
+            return
+        why = f"model {model.name!r} is {model.state}: {model.down_reason}"
+        log.error("%s; %d requests failed", why, len(rids))
+        self._fail_requests(rids, 503, why)
 
     def _update_down_reason(self, model: ModelState, why: str) -> None:
         model.down_reason = None if model.up else why
@@ -671,6 +785,7 @@ class Scheduler:
 
     # ---- runner replies ----------------------------------------------------------------
     def on_runner_message(self, runner_id: str, raw: bytes) -> None:
+        self.version += 1
         runner = self.runners.get(runner_id)
         msg = self.runner_decoder.decode(raw)
         if runner is None and self._pending_runner(runner_id, msg):
@@ -698,7 +813,9 @@ class Scheduler:
         if outputs:
             self.to_detok.send(protocol.encode(protocol.TokenBatch(outputs)))
         if self.args.check_invariants:
-            self.check()
+            result = self._walk_invariants()
+            if result != "ok":  # contained: fails this batch's requests, logged
+                raise AssertionError(result)
 
     @staticmethod
     def describe_step(batch: ScheduledBatch, result: protocol.ForwardResult) -> str:
@@ -929,9 +1046,9 @@ class Scheduler:
     def control(self, msg: protocol.ControlRequest) -> protocol.ControlReply:
         assert self.cache is not None
         if msg.op in ("stats", "check"):
-            return protocol.ControlReply(
-                msg.req_id, True, stats=self.stats(check=msg.op == "check")
-            )
+            if msg.op == "check":
+                self._invariants_on_request()
+            return protocol.ControlReply(msg.req_id, True, stats=self.stats())
         if msg.op == "dashboard":
             return protocol.ControlReply(
                 msg.req_id, True, stats=self.stats(), dashboard=dashboard_snapshot(self.cache)
@@ -958,7 +1075,9 @@ class Scheduler:
             )
         return protocol.ControlReply(msg.req_id, False, f"unknown control op {msg.op!r}")
 
-    def stats(self, check: bool = False) -> protocol.SchedulerStats:
+    def stats(self) -> protocol.SchedulerStats:
+        """Every figure ``/metrics`` and ``/get_server_info`` report; O(models),
+        never the invariant walk (its last result is reported, with its age)."""
         assert self.cache is not None and self.ctx.arena is not None
         cs = self.cache.stats()
         usage = self.cache.allocator.usage()
@@ -1002,7 +1121,12 @@ class Scheduler:
             steps=sum(r.steps for r in self.runners.values()),
             retractions=self.builder.retractions if self.builder else 0,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            invariants=self._invariants() if check or self.args.check_invariants else None,
+            invariants=self.walk.result,
+            invariants_age_s=(
+                time.monotonic() - self.walk.at if self.walk.result is not None else None
+            ),
+            invariants_current=self.walk.version == self.version,
+            invariant_checks=self.walk.count,
             locks_held=self.cache.locks_held,
             request_owned_slots=sum(len(r.owned_slots) for r in self.requests.values()),
             aborted_before_arrival=self.aborted_before_arrival,
@@ -1016,12 +1140,27 @@ class Scheduler:
             max_pinned_bytes=self.warmups.pins.cap_bytes,
         )
 
-    def _invariants(self) -> str:
+    def _invariants_on_request(self) -> None:
+        """Walk the invariants for a ``check`` unless the last walk is still
+        current (nothing changed since) or the rate limit says not yet: a
+        client asking in a loop costs the loop at most ``CHECK_MAX_SHARE``."""
+        if self.walk.version != self.version and time.monotonic() >= self.walk.next_at:
+            self._walk_invariants()
+
+    def _walk_invariants(self) -> str:
+        """Run ``check`` now and remember its result: "ok" or "violated: ..."."""
+        t0 = time.monotonic()
         try:
             self.check()
+            result = "ok"
         except AssertionError as exc:
-            return f"violated: {exc}"
-        return "ok"
+            result = f"violated: {exc}"
+        now = time.monotonic()
+        walk = self.walk
+        walk.result, walk.at, walk.version = result, now, self.version
+        walk.next_at = now + max(CHECK_MIN_INTERVAL_S, (now - t0) / CHECK_MAX_SHARE)
+        walk.count += 1
+        return result
 
     def check(self) -> None:
         """The cache's invariants, checked against what the scheduler itself

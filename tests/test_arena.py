@@ -9,6 +9,7 @@ import torch
 
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.memory.layout import BlockGeometry, KVLayout
+from radixmux.os_process import Owner
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 GEO = BlockGeometry(LAYOUT, block_bytes=4096, page_size=1)
@@ -64,12 +65,18 @@ def test_bad_block_size_rejected() -> None:
 
 
 def test_stale_arena_of_a_dead_process_is_removed(tmp_path) -> None:
-    dead = tmp_path / "radixmux-kv-999999999-deadbeef"
-    dead.write_bytes(b"x")
-    live = tmp_path / f"radixmux-kv-{os.getpid()}-cafe"
-    live.write_bytes(b"x")
+    """An arena whose owner provably died (this pid, another start time) goes;
+    a live owner's, an old-format name and a foreign file stay."""
+    me = Owner.this_process()
+    dead = tmp_path / f"radixmux-kv-{Owner(me.pid, me.start + 1, me.host).token}-deadbeef"
+    live = tmp_path / f"radixmux-kv-{me.token}-cafecafe"
+    old_format = tmp_path / "radixmux-kv-999999999-deadbeef"  # owner unprovable: kept
+    foreign = tmp_path / "notes.txt"
+    for path in (dead, live, old_format, foreign):
+        path.write_bytes(b"x")
     arena = KVArena.create(num_blocks=1, block_bytes=4096, directory=str(tmp_path))
-    assert not dead.exists() and live.exists()
+    assert not dead.exists()
+    assert live.exists() and old_format.exists() and foreign.exists()
     arena.destroy()
 
 

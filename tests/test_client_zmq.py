@@ -111,3 +111,18 @@ def test_async_client_concurrent(front: RunningFront) -> None:
     texts = asyncio.run(main())
     assert texts[:8] == ["".join(f"w{i} " for i in range(n)) for n in range(1, 9)]
     assert texts[8] == "w0 w1 "
+
+
+def test_lists_are_bounded_as_over_http(front: RunningFront, client: Client) -> None:
+    """The ZMQ path applies the HTTP APIs' bounds: a stop list or a chat past
+    them is refused before it reaches a worker, naming the field."""
+    with pytest.raises(ClientError) as err:
+        client.generate("m", prompt="x", stop=[f"s{i}" for i in range(65)])
+    assert (err.value.status, err.value.param) == (400, "stop")
+    with pytest.raises(ClientError) as err:
+        client.generate("m", prompt="x", stop=["y" * 5000])
+    assert (err.value.status, err.value.param) == (400, "stop")
+    with pytest.raises(ClientError) as err:
+        client.generate("m", messages=[{"role": "user", "content": "x"}] * 5000)
+    assert (err.value.status, err.value.param) == (400, "messages")
+    assert front.peers.requests.empty()

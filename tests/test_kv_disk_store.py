@@ -12,19 +12,27 @@ load must either return exactly the reference bytes or report the chunk bad:
 never other bytes, never a key the store does not hold.
 
 Unit tests cover the directory lock, key separation between namespaces, the
-hash chain, the start-up scan and ``read_chunk``'s size checks.
+hash chain, the start-up scan and the read's size checks, and that the store
+owns only what it made: it takes only an empty or marked directory (or an
+unmarked one of the earlier layout), follows no link, makes temporaries under
+fresh names with O_EXCL, and its scan and flush delete only its chunk files.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,21 +40,32 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixmux.memory import kv_disk_store
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import (
     FORMAT_VERSION,
+    LOCK_NAME,
     MAGIC,
+    MARK_NAME,
     SUFFIX,
     DiskKVStore,
+    NotAStore,
     StoreLocked,
+    StoreRefused,
     checksum,
     chunk_keys,
     namespace,
     namespace_dir,
-    read_chunk,
-    write_chunk,
 )
-from radixmux.memory.kv_transfer import ChunkRef, DeleteJob, KVTransfer, LoadJob, SaveJob, byte_view
+from radixmux.memory.kv_transfer import (
+    ChunkRef,
+    ClearJob,
+    DeleteJob,
+    KVTransfer,
+    LoadJob,
+    SaveJob,
+    byte_view,
+)
 from radixmux.memory.layout import BlockGeometry, KVLayout
 
 CHUNK = 4  # tokens per chunk
@@ -118,7 +137,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
         self.base_capacity = self.capacity = int(cap_chunks * max(sizes))
         self.store = DiskKVStore(self.dir, self.capacity)
         assert len(self.store) == 0 and self.store.dropped_at_start == 0
-        self.transfer = KVTransfer()
+        self.transfer = KVTransfer(self.store.files)
         self.ref: OrderedDict[bytes, Chunk] = OrderedDict()  # LRU order, oldest first
         self.gone: dict[bytes, int] = {}  # evicted or dropped keys: no file, no index
         self.seqs: list[tuple[int, list[int]]] = []  # token sequences put so far
@@ -158,6 +177,9 @@ class DiskStoreMachine(RuleBasedStateMachine):
     def _path(self, key: bytes, ns: int) -> str:
         return self.store.path(self.spaces[ns].ns_dir, key)
 
+    def _ref(self, key: bytes, ns: int) -> ChunkRef:
+        return ChunkRef(key, self.spaces[ns].ns_dir)
+
     def _tick(self) -> int:
         self.clock += 1
         return self.clock
@@ -181,7 +203,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
             assert r.fatal is None, r.fatal
         return results
 
-    def _model_add(self, key: bytes, chunk: Chunk) -> list[str]:
+    def _model_add(self, key: bytes, chunk: Chunk) -> list[ChunkRef]:
         """The reference's ``added``: insert last, then evict least recently used."""
         self.ref.pop(key, None)
         self.gone.pop(key, None)
@@ -190,14 +212,14 @@ class DiskStoreMachine(RuleBasedStateMachine):
         while sum(c.size for c in self.ref.values()) > self.capacity and len(self.ref) > 1:
             victim, old = self.ref.popitem(last=False)
             self.gone[victim] = old.ns
-            victims.append(self._path(victim, old.ns))
+            victims.append(self._ref(victim, old.ns))
         return victims
 
-    def _delete(self, victims: list[str]) -> None:
+    def _delete(self, victims: list[ChunkRef]) -> None:
         if victims:
             self._run(DeleteJob(victims))
-            for path in victims:
-                assert not os.path.exists(path), path
+            for ref in victims:
+                assert not os.path.exists(self.store.path(ref.ns_dir, ref.key)), ref
 
     def _drop_bad(self, bad: list[tuple[bytes, str]]) -> None:
         """What the scheduler does with bad chunks: forget them in the index."""
@@ -236,7 +258,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
     def _load(self, ns: int, keys: list[bytes], slots: np.ndarray, skip: int) -> list:
         """Load ``keys`` into ``slots`` as the scheduler does, checking every byte."""
         space = self.spaces[ns]
-        refs = [ChunkRef(k, self._path(k, ns)) for k in keys]
+        refs = [self._ref(k, ns) for k in keys]
         self._write_slots(slots, self._random_payload(len(slots), len(self.seqs) + 7))
         before = self._np().copy()
         for k in keys:  # start_load touches the run before the I/O thread reads it
@@ -317,7 +339,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
         payload = self._random_payload(len(slots), seed)
         self._write_slots(slots, payload)
         rows = payload.reshape(len(todo), CHUNK * int(np.prod(payload.shape[1:])))
-        refs = [ChunkRef(k, self._path(k, ns)) for k in todo]
+        refs = [self._ref(k, ns) for k in todo]
         jobs: list[object] = [SaveJob(self.view, slots, refs, space.ns, CHUNK)]
         # A load into the very slots the save reads, submitted right behind it: the
         # FIFO must let the save read them first.
@@ -333,7 +355,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
                     LoadJob(
                         self.view,
                         slots[:CHUNK],
-                        [ChunkRef(victim_of_overwrite, self._path(victim_of_overwrite, other.ns))],
+                        [self._ref(victim_of_overwrite, other.ns)],
                         self.spaces[other.ns].ns,
                         CHUNK,
                     )
@@ -355,8 +377,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
             assert loaded == self.ref[victim_of_overwrite].payload
             self._used(victim_of_overwrite, self.ref[victim_of_overwrite])
         # The scheduler's _finished: record each written chunk, delete the victims.
-        victims: list[str] = []
-        expected: list[str] = []
+        victims: list[ChunkRef] = []
+        expected: list[ChunkRef] = []
         for (key, sz), chunk in zip(save.written, chunks, strict=True):
             expected += self._model_add(key, chunk)
             victims += self.store.added(key, space.ns_dir, sz)
@@ -364,7 +386,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
         # A resave can evict a chunk and then write it back within the same loop:
         # its file (written by this job) stays. The scheduler never resaves a
         # stored key, so its keys are evicted at most once and never come back.
-        indexed = {self._path(k, c.ns) for k, c in self.ref.items()}
+        indexed = {self._ref(k, c.ns) for k, c in self.ref.items()}
         self._delete(list(dict.fromkeys(p for p in victims if p not in indexed)))
         if load_back:
             first = keys.index(todo[0])
@@ -473,6 +495,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
         """A new store on the same directory (same capacity, or a new one) indexes
         exactly the files left."""
         self.steps += 1
+        self.transfer.close()
         self.store.close()
         self.capacity = int(self.base_capacity * resize)
         # What the files say: sound chunks as recorded, damaged ones as they are now.
@@ -496,6 +519,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
             total -= expected.pop(key)[1]
             trimmed.append(key)
         self.store = DiskKVStore(self.dir, self.capacity)
+        self.transfer = KVTransfer(self.store.files)
         assert self.store.dropped_at_start == len(trimmed)
         index = self.store._index
         assert {k: (m.ns_dir, m.size) for k, m in index.items()} == expected
@@ -629,46 +653,58 @@ def _payload(n_tokens: int, seed: int = 0) -> memoryview:
     return memoryview(data).cast("B")
 
 
+def _refs(n: int, ns: bytes = NS, first_token: int = 0) -> list[ChunkRef]:
+    keys = chunk_keys(ns, pack(list(range(first_token, first_token + n * CHUNK))), CHUNK)
+    return [ChunkRef(k, namespace_dir(ns)) for k in keys]
+
+
 def test_scan_removes_leftover_temporaries(tmp_path) -> None:
     store = DiskKVStore(str(tmp_path), 1 << 20)
-    ns_dir = namespace_dir(NS)
-    key_a, key_b = chunk_keys(NS, pack(list(range(2 * CHUNK))), CHUNK)
-    size = write_chunk(store.path(ns_dir, key_a), key_a, NS, CHUNK, _payload(CHUNK))
-    leftover = f"{store.path(ns_dir, key_b)}.12345.tmp"  # a write a crash interrupted
-    with open(leftover, "wb") as f:
-        f.write(b"half a chunk")
+    a, b = _refs(2)
+    size = store.files.write(a, NS, CHUNK, _payload(CHUNK))
+    path_b = store.path(b.ns_dir, b.key)
+    # Writes a crash interrupted: a random temporary name, and the per-pid one
+    # of the layout before the random names.
+    leftovers = [f"{path_b}.0123456789abcdef.tmp", f"{path_b}.12345.tmp"]
+    for leftover in leftovers:
+        with open(leftover, "wb") as f:
+            f.write(b"half a chunk")
     store.close()
 
     store = DiskKVStore(str(tmp_path), 1 << 20)
     try:
-        assert not os.path.exists(leftover)
-        assert store.dropped_at_start == 1
-        assert key_a in store and key_b not in store and len(store) == 1
-        assert store.size_bytes == size == os.path.getsize(store.path(ns_dir, key_a))
-        assert sorted(os.listdir(os.path.join(store.root, ns_dir))) == [key_a.hex() + SUFFIX]
+        assert not any(os.path.exists(p) for p in leftovers)
+        assert store.dropped_at_start == 2
+        assert a.key in store and b.key not in store and len(store) == 1
+        assert store.size_bytes == size == os.path.getsize(store.path(a.ns_dir, a.key))
+        assert sorted(os.listdir(os.path.join(store.root, a.ns_dir))) == [a.name]
     finally:
         store.close()
 
 
-def test_read_chunk_checks_sizes(tmp_path) -> None:
-    (key,) = chunk_keys(NS, pack(list(range(CHUNK))), CHUNK)
-    path = str(tmp_path / "chunk.kv")
+def test_read_checks_sizes(tmp_path) -> None:
+    store = DiskKVStore(str(tmp_path), 1 << 20)
+    files = store.files
+    (ref,) = _refs(1)
+    key = ref.key
+    path = store.path(ref.ns_dir, key)
     payload = _payload(CHUNK, seed=3)
-    size = write_chunk(path, key, NS, CHUNK, payload)
+    size = files.write(ref, NS, CHUNK, payload)
     assert size == os.path.getsize(path) == HEADER + len(NS) + payload.nbytes
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    assert os.listdir(os.path.dirname(path)) == [ref.name]  # no temporary left
 
     out = np.zeros(payload.nbytes, dtype=np.uint8)
-    assert read_chunk(path, key, NS, CHUNK, memoryview(out)) is None
+    assert files.read(ref, NS, CHUNK, memoryview(out)) is None
     assert out.tobytes() == payload.tobytes()
 
     # The caller expects another payload size (a bigger or smaller buffer).
     for n in (payload.nbytes - 1, payload.nbytes + 1, payload.nbytes * 2):
-        assert read_chunk(path, key, NS, CHUNK, memoryview(np.zeros(n, np.uint8))) is not None
+        assert files.read(ref, NS, CHUNK, memoryview(np.zeros(n, np.uint8))) is not None
     # Another token count, namespace or key.
-    assert read_chunk(path, key, NS, CHUNK + 1, memoryview(out)) is not None
-    assert read_chunk(path, key, NS[:-1] + b"X", CHUNK, memoryview(out)) is not None
-    assert read_chunk(path, bytes(32), NS, CHUNK, memoryview(out)) is not None
+    assert files.read(ref, NS, CHUNK + 1, memoryview(out)) is not None
+    assert files.read(ref, NS[:-1] + b"X", CHUNK, memoryview(out)) is not None
+    os.link(path, store.path(ref.ns_dir, bytes(32)))
+    assert files.read(ChunkRef(bytes(32), ref.ns_dir), NS, CHUNK, memoryview(out)) is not None
 
     # A file whose payload is shorter or longer than its header says.
     with open(path, "rb") as f:
@@ -676,43 +712,350 @@ def test_read_chunk_checks_sizes(tmp_path) -> None:
     for bad in (raw[:-1], raw + b"\0", raw[: HEADER + len(NS)], raw[: HEADER - 1]):
         with open(path, "wb") as f:
             f.write(bad)
-        assert read_chunk(path, key, NS, CHUNK, memoryview(out)) is not None, len(bad)
+        assert files.read(ref, NS, CHUNK, memoryview(out)) is not None, len(bad)
     # A header claiming a payload of a size other than the one written.
     fields = list(struct.unpack("<8sIIQQI32s", raw[:HEADER]))
     fields[3] += 4
     with open(path, "wb") as f:
         f.write(struct.pack("<8sIIQQI32s", *fields) + raw[HEADER:] + b"\0" * 4)
-    assert read_chunk(path, key, NS, CHUNK, memoryview(out)) is not None
+    assert files.read(ref, NS, CHUNK, memoryview(out)) is not None
+    # A header claiming a 4 GiB namespace: refused before anything that size is allocated.
+    fields = list(struct.unpack("<8sIIQQI32s", raw[:HEADER]))
+    fields[5] = 2**32 - 1
+    with open(path, "wb") as f:
+        f.write(struct.pack("<8sIIQQI32s", *fields) + raw[HEADER:])
+    tracemalloc.start()
+    try:
+        assert files.read(ref, NS, CHUNK, memoryview(out)) == "namespace differs"
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
     os.unlink(path)
-    assert read_chunk(path, key, NS, CHUNK, memoryview(out)) == "file missing"
+    assert files.read(ref, NS, CHUNK, memoryview(out)) == "file missing"
+    store.close()
 
 
 def test_scan_trims_to_capacity(tmp_path) -> None:
     """A restart with a smaller ``--kv-disk-bytes`` must not keep more than that."""
     store = DiskKVStore(str(tmp_path), 1 << 20)
-    ns_dir = namespace_dir(NS)
-    keys = chunk_keys(NS, pack(list(range(5 * CHUNK))), CHUNK)
     size = 0
-    for i, key in enumerate(keys):
-        size = write_chunk(store.path(ns_dir, key), key, NS, CHUNK, _payload(CHUNK, i))
-        assert store.added(key, ns_dir, size) == []
+    for i, ref in enumerate(_refs(5)):
+        size = store.files.write(ref, NS, CHUNK, _payload(CHUNK, i))
+        assert store.added(ref.key, ref.ns_dir, size) == []
     store.close()
     store = DiskKVStore(str(tmp_path), 2 * size)
     try:
         assert store.size_bytes <= store.capacity_bytes, (len(store), store.size_bytes)
+        assert len(os.listdir(os.path.join(store.root, namespace_dir(NS)))) == len(store)
     finally:
         store.close()
 
 
-def test_scan_drops_a_stray_file_with_a_non_hex_name(tmp_path) -> None:
-    store = DiskKVStore(str(tmp_path), 1 << 20)
-    ns_dir = namespace_dir(NS)
-    stray = os.path.join(store.root, ns_dir, "z" * 64 + SUFFIX)
-    os.makedirs(os.path.dirname(stray))
-    open(stray, "wb").close()
+# ---- the store owns only what it made ---------------------------------------------------
+NS2 = namespace("w1", LAYOUT, CHUNK)
+_NS_NAME = re.compile(r"[0-9a-f]{16}")
+_CHUNK_NAME = re.compile(r"[0-9a-f]{64}\.kv")
+
+
+def _tree(root: Path) -> dict[str, object]:
+    """Every entry under ``root``, no link followed: a link's target, a file's
+    bytes, ``"fifo"`` or ``"dir"``."""
+    out: dict[str, object] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            mode = os.lstat(path).st_mode
+            rel = os.path.relpath(path, root)
+            if stat.S_ISLNK(mode):
+                out[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(mode):
+                out[rel] = "dir"
+            elif stat.S_ISFIFO(mode):
+                out[rel] = "fifo"
+            else:
+                out[rel] = Path(path).read_bytes()
+    return out
+
+
+def _is_ours(rel: str, what: object) -> bool:
+    """Whether an entry of ``_tree`` is one a store makes (its lock, its mark,
+    ``v1``, namespace directories and the chunk files in them)."""
+    parts = rel.split(os.sep)
+    if parts[0] != "v1":
+        return parts[0] in (LOCK_NAME, MARK_NAME) and len(parts) == 1 and isinstance(what, bytes)
+    if len(parts) < 3:
+        return what == "dir" and (len(parts) == 1 or bool(_NS_NAME.fullmatch(parts[1])))
+    return (
+        len(parts) == 3
+        and bool(_NS_NAME.fullmatch(parts[1]) and _CHUNK_NAME.fullmatch(parts[2]))
+        and isinstance(what, bytes)
+    )
+
+
+def _foreign(top: Path) -> dict[str, object]:
+    return {rel: what for rel, what in _tree(top).items() if not _is_ours(rel, what)}
+
+
+def _chunk_files(top: Path) -> list[str]:
+    return sorted(
+        rel for rel, what in _tree(top).items() if _is_ours(rel, what) and rel.endswith(SUFFIX)
+    )
+
+
+def _plant(top: Path, outside: Path) -> None:
+    """Put things radixmux did not make everywhere in a store: files, directories,
+    a FIFO, and links to ``outside`` (a file, and a file named like a chunk)
+    under a chunk's, a temporary's and a namespace's name."""
+    outside.mkdir()
+    (outside / "precious.txt").write_bytes(b"not yours")
+    stray = _refs(1, first_token=500)[0]
+    (outside / stray.name).write_bytes(b"named like a chunk, not one")
+    ns = top / "v1" / namespace_dir(NS)
+    chunk_like = "ab" * 32 + SUFFIX
+    (top / "notes.txt").write_bytes(b"mine")
+    (top / "link-to-outside").symlink_to(outside)
+    (top / "v1" / "README").write_bytes(b"mine too")
+    (top / "v1" / "photos" / "2024").mkdir(parents=True)
+    (top / "v1" / "photos" / "2024" / "a.jpg").write_bytes(b"\xff\xd8")
+    (top / "v1" / namespace_dir(namespace("elsewhere", LAYOUT, CHUNK))).symlink_to(outside)
+    (top / "v1" / "0123456789abcdef").mkdir()  # a namespace's name, holding no chunk
+    (top / "v1" / "0123456789abcdef" / "diary.txt").write_bytes(b"dear diary")
+    ns.mkdir(parents=True, exist_ok=True)
+    (ns / "keep.txt").write_bytes(b"keep")
+    (ns / ("Z" * 64 + SUFFIX)).write_bytes(b"not hex")
+    (ns / chunk_like.upper()).write_bytes(b"upper-case hex")
+    (ns / (chunk_like + ".bak")).write_bytes(b"a suffix more")
+    (ns / chunk_like / "inner").mkdir(parents=True)  # a directory named like a chunk
+    (ns / stray.name).symlink_to(outside / stray.name)  # a chunk-named link
+    temporary = f"{_refs(1, first_token=900)[0].name}.{os.getpid()}.tmp"
+    (ns / temporary).symlink_to(outside / "precious.txt")  # a temporary-named link
+    os.mkfifo(ns / _refs(1, first_token=700)[0].name)  # a chunk-named FIFO
+
+
+def test_scan_and_flush_leave_everything_the_store_did_not_make(tmp_path, caplog) -> None:
+    top, outside = tmp_path / "kv", tmp_path / "outside"
+    store = DiskKVStore(str(top), 1 << 20)
+    refs = _refs(3) + _refs(2, ns=NS2)
+    for i, ref in enumerate(refs):
+        store.files.write(ref, NS if i < 3 else NS2, CHUNK, _payload(CHUNK, i))
     store.close()
+    _plant(top, outside)
+    planted, beyond = _foreign(top), _tree(outside)
+    assert len(planted) == 17, sorted(planted)
+    assert len(_chunk_files(top)) == len(refs)
+
+    with caplog.at_level(logging.WARNING, logger="radixmux.scheduler"):
+        store = DiskKVStore(str(top), 1 << 20)
+    try:
+        assert sorted(store._index) == sorted(r.key for r in refs)
+        assert store.dropped_at_start == 0
+        # Every entry not ours in v1 or a namespace directory (3 + 8 + 1); the
+        # insides of foreign directories are not looked into.
+        assert store.left_alone == 12
+        warned = [r for r in caplog.records if "left alone" in r.getMessage()]
+        assert len(warned) == 1, "one line for all of them"
+        assert _foreign(top) == planted and _tree(outside) == beyond
+
+        transfer = KVTransfer(store.files)
+        try:
+            store.clear()
+            transfer.submit(ClearJob())
+            (result,) = transfer.wait_idle(WAIT)
+            assert result.fatal is None, result.fatal
+        finally:
+            transfer.close()
+        assert len(store) == 0 and _chunk_files(top) == []
+        assert _foreign(top) == planted and _tree(outside) == beyond
+        # A namespace directory left empty goes; one holding anything else stays.
+        assert not (top / "v1" / namespace_dir(NS2)).exists()
+        assert (top / "v1" / namespace_dir(NS)).is_dir()
+    finally:
+        store.close()
+    store = DiskKVStore(str(top), 1 << 20)  # and starts again on it
+    store.close()
+    assert _foreign(top) == planted and _tree(outside) == beyond
+
+
+def test_a_link_in_the_store_is_never_read_written_or_deleted_through(tmp_path) -> None:
+    """Links at a chunk's name and at a namespace directory's name, to sound
+    chunk files outside: a load reports them bad and loads nothing, a save
+    does not write through (or over) them, a delete leaves them; the files
+    outside are untouched. A FIFO at a chunk's name does not hang a load."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = DiskKVStore(str(tmp_path / "kv"), 1 << 20)
+    geometry = BlockGeometry(LAYOUT, BLOCK, PAGE)
+    arena = KVArena.create(1, BLOCK)
+    transfer = KVTransfer(store.files)
+    try:
+        view = byte_view(arena.bytes, geometry)
+        (a,) = _refs(1)
+        (b,) = _refs(1, ns=NS2)
+        (c,) = _refs(1, first_token=40)
+        for ref, ns in ((a, NS), (b, NS2)):  # sound files, then moved out and linked to
+            store.files.write(ref, ns, CHUNK, _payload(CHUNK, 1))
+            os.rename(store.path(ref.ns_dir, ref.key), outside / ref.name)
+        os.symlink(outside / a.name, store.path(a.ns_dir, a.key))
+        os.rmdir(os.path.join(store.root, b.ns_dir))
+        os.symlink(outside, os.path.join(store.root, b.ns_dir))
+        os.mkfifo(store.path(c.ns_dir, c.key))
+        before, links = _tree(outside), _tree(Path(store.root))
+        slots = np.arange(CHUNK)
+        arena.bytes.zero_()
+        jobs = [
+            LoadJob(view, slots, [a], NS, CHUNK),
+            LoadJob(view, slots, [b], NS2, CHUNK),
+            LoadJob(view, slots, [c], NS, CHUNK),
+            SaveJob(view, slots, [a], NS, CHUNK),
+            SaveJob(view, slots, [b], NS2, CHUNK),
+            DeleteJob([a, b, c]),
+        ]
+        for job in jobs:
+            transfer.submit(job)
+        results = transfer.wait_idle(WAIT)
+        assert [r.job for r in results] == jobs, "a job hung (a FIFO opened for reading?)"
+        for r in results[:3]:
+            assert r.tokens == 0 and len(r.bad) == 1, r.bad
+        assert "symbolic link" in results[0].bad[0][1]
+        assert "symbolic link" in results[1].bad[0][1]
+        assert results[2].bad[0][1] == "not a regular file"
+        for r in results[3:5]:
+            assert r.written == [] and len(r.bad) == 1 and r.fatal is None, (r.bad, r.fatal)
+        assert not arena.bytes.any(), "a load wrote bytes read through a link"
+        assert _tree(outside) == before, "a file outside the store changed"
+        assert _tree(Path(store.root)) == links, "a link (or the FIFO) was replaced or deleted"
+    finally:
+        transfer.close()
+        store.close()
+        arena.destroy()
+
+
+def test_temporaries_are_fresh_names_made_with_o_excl(tmp_path, monkeypatch) -> None:
+    outside = tmp_path / "precious.txt"
+    outside.write_bytes(b"not yours")
+    store = DiskKVStore(str(tmp_path / "kv"), 1 << 20)
+    try:
+        (a,) = _refs(1)
+        ns = Path(store.root) / a.ns_dir
+        ns.mkdir()
+        # The name the layout before used (predictable), and a name planted where
+        # the next random one will be: both links, neither followed nor replaced.
+        predictable = ns / f"{a.name}.{os.getpid()}.tmp"
+        planted = ns / f"{a.name}.{'0' * 16}.tmp"
+        for link in (predictable, planted):
+            link.symlink_to(outside)
+        fresh = kv_disk_store._temporary_name
+        names = iter([planted.name, planted.name])
+        monkeypatch.setattr(
+            kv_disk_store, "_temporary_name", lambda n: next(names, None) or fresh(n)
+        )
+        payload = _payload(CHUNK, 5)
+        store.files.write(a, NS, CHUNK, payload)
+        out = np.zeros(payload.nbytes, dtype=np.uint8)
+        assert store.files.read(a, NS, CHUNK, memoryview(out)) is None
+        assert out.tobytes() == payload.tobytes()
+        assert outside.read_bytes() == b"not yours"
+        assert sorted(os.listdir(ns)) == sorted([a.name, predictable.name, planted.name])
+        assert all(os.readlink(p) == str(outside) for p in (predictable, planted))
+
+        # Every name taken: the write fails and leaves nothing of its own.
+        monkeypatch.setattr(kv_disk_store, "_temporary_name", lambda n: planted.name)
+        (b,) = _refs(1, first_token=40)
+        with pytest.raises(OSError, match="no free temporary name"):
+            store.files.write(b, NS, CHUNK, payload)
+        assert sorted(os.listdir(ns)) == sorted([a.name, predictable.name, planted.name])
+        assert outside.read_bytes() == b"not yours"
+    finally:
+        store.close()
+    assert fresh("x") != fresh("x")  # no one can plant a link ahead of a write
+
+
+def test_a_non_empty_directory_without_the_mark_is_refused(tmp_path) -> None:
+    for i, make in enumerate(
+        [
+            lambda d: (d / "photo.jpg").write_bytes(b"\xff\xd8"),
+            lambda d: (d / "empty-dir").mkdir(),
+            lambda d: (d / "link").symlink_to(tmp_path),
+            # The earlier layout, but with one file it never made.
+            lambda d: (
+                (d / "v1" / namespace_dir(NS)).mkdir(parents=True)
+                or (d / "v1" / namespace_dir(NS) / "keep.txt").write_bytes(b"keep")
+            ),
+            lambda d: (d / "v1").mkdir() or (d / "v1" / "0123456789abcdef").symlink_to(tmp_path),
+            lambda d: (d / "v1").symlink_to(tmp_path),
+            lambda d: (d / LOCK_NAME).mkdir(),
+        ]
+    ):
+        d = tmp_path / f"dir{i}"
+        d.mkdir()
+        make(d)
+        before = _tree(d)
+        with pytest.raises(NotAStore) as caught:
+            DiskKVStore(str(d), 1 << 20)
+        assert isinstance(caught.value, StoreRefused)
+        message = str(caught.value)
+        assert str(d) in message and "not a radixmux KV store" in message, message
+        assert "point --kv-disk-dir at an empty or new directory" in message
+        assert _tree(d) == before, "a refused directory was changed"
+
+
+def test_an_empty_directory_is_taken_and_marked(tmp_path) -> None:
+    store = DiskKVStore(str(tmp_path), 1 << 20)  # exists, empty
+    store.close()
+    mark = (tmp_path / MARK_NAME).read_bytes()
+    assert mark == f"{MARK_NAME} {kv_disk_store.STORE_VERSION}\n".encode()
+    assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, MARK_NAME, "v1"])
+    # Marked: anything else put in it later does not make it refused.
+    (tmp_path / "notes.txt").write_bytes(b"mine")
+    DiskKVStore(str(tmp_path), 1 << 20).close()
+    new = tmp_path / "a" / "b"  # made, parents too
+    DiskKVStore(str(new), 1 << 20).close()
+    assert (new / MARK_NAME).read_bytes() == mark
+    assert stat.S_IMODE(os.stat(new).st_mode) == 0o700
+
+
+def test_an_unmarked_store_of_the_earlier_layout_is_adopted(tmp_path) -> None:
+    """A store an earlier radixmux made (no mark; only its lock, ``v1``, and
+    namespace directories of chunk files and temporaries) keeps its chunks."""
+    store = DiskKVStore(str(tmp_path), 1 << 20)
+    refs = _refs(3)
+    for i, ref in enumerate(refs):
+        store.files.write(ref, NS, CHUNK, _payload(CHUNK, i))
+    store.close()
+    os.unlink(tmp_path / MARK_NAME)
+    leftover = Path(store.path(refs[0].ns_dir, refs[0].key) + ".4242.tmp")
+    leftover.write_bytes(b"half")
+    (tmp_path / "v1" / namespace_dir(NS2)).mkdir()  # an empty namespace
     store = DiskKVStore(str(tmp_path), 1 << 20)
     try:
-        assert len(store) == 0 and not os.path.exists(stray)
+        assert sorted(store._index) == sorted(r.key for r in refs)
+        assert store.dropped_at_start == 1 and not leftover.exists()
+        assert (tmp_path / MARK_NAME).is_file()
     finally:
         store.close()
+
+
+def test_a_bad_mark_or_a_link_for_the_stores_own_parts_is_refused(tmp_path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_bytes(b"not yours")
+    cases = {
+        "another layout": lambda d: (d / MARK_NAME).write_bytes(f"{MARK_NAME} 2\n".encode()),
+        "not a mark": lambda d: (d / MARK_NAME).write_bytes(b"hello"),
+        "mark is a link": lambda d: (
+            (d / MARK_NAME).unlink() or (d / MARK_NAME).symlink_to(outside / "precious.txt")
+        ),
+        "lock is a link": lambda d: (
+            (d / LOCK_NAME).unlink() or (d / LOCK_NAME).symlink_to(outside / "precious.txt")
+        ),
+        "v1 is a link": lambda d: shutil.rmtree(d / "v1") or (d / "v1").symlink_to(outside),
+    }
+    for i, (case, spoil) in enumerate(cases.items()):
+        d = tmp_path / f"store{i}"
+        DiskKVStore(str(d), 1 << 20).close()
+        spoil(d)
+        before, beyond = _tree(d), _tree(outside)
+        with pytest.raises(NotAStore, match=re.escape(str(d))) as caught:
+            DiskKVStore(str(d), 1 << 20)
+        assert "point --kv-disk-dir at an empty or new directory" in str(caught.value), case
+        assert _tree(d) == before and _tree(outside) == beyond, case

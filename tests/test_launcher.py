@@ -289,3 +289,15 @@ def test_dtype_auto_follows_the_cpu():
     assert dtype == ("bfloat16" if native else "float32") and why.startswith("auto:")
     assert resolve_dtype("float32") == ("float32", "as asked")
     assert ServerArgs(models=[ModelArg("smollm2", "s")]).dtype == "auto"
+
+
+@pytest.mark.timeout(60)
+def test_a_runtime_dir_that_cannot_hold_sockets_is_a_clear_error(tmp_path, tiny):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("the user's")
+    args = ServerArgs(models=[ModelArg(str(tiny["a"]), "a")], runtime_dir=str(not_a_dir), **SMALL)
+    launcher = Launcher(args)
+    with pytest.raises(LaunchError, match=r"--runtime-dir .*file: .*File exists"):
+        launcher.start()
+    assert not_a_dir.read_text() == "the user's"
+    assert_nothing_left(launcher)

@@ -1,0 +1,309 @@
+"""Host and Origin checks and JSON-only bodies: a web page must not drive a local server.
+
+Every page the user opens can send requests to any server their machine
+reaches, 127.0.0.1 included. Three shapes of that are refused here, before
+the API key guard and the routes see the request:
+
+- **DNS rebinding.** A page re-points its own name at 127.0.0.1; the browser
+  then treats the server as the page's own origin and lets it read the
+  answers (Ollama's CVE-2024-28224). Such a request carries the page's name
+  in ``Host``: a Host outside the allow-list (loopback names and addresses,
+  the bind address, ``--allowed-hosts``) is a 421.
+- **Cross-site requests.** A page's fetch or form POST carries ``Origin``.
+  One that is neither the server's own origin nor in ``--allowed-origins``
+  is a 403, preflights included; CORS headers go to allowed origins only.
+- **No-CORS bodies.** ``text/plain``, form and multipart bodies are sent
+  cross-site without a preflight, so a body of any type other than JSON is a
+  415 on every route (OpenAI and SGLang clients send ``application/json``).
+
+GET never changes state (the routes say so): an ``<img>`` or a link, which
+carries no Origin, can only read what it cannot see.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import urllib.parse
+from collections.abc import Sequence
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixmux.runtime.api_common import APIError, check_json_content_type
+
+log = logging.getLogger("radixmux.front")
+
+ANY = "*"
+DEFAULT_PORTS = {"http": 80, "https": 443}
+CORS_METHODS = "GET, POST, DELETE"
+CORS_HEADERS = "authorization, content-type"
+CORS_MAX_AGE_S = 600
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-._")
+
+
+def split_host(value: str) -> tuple[str, int | None] | None:
+    """A ``Host`` value (``name[:port]``, ``[v6]:port``) as (host, port), the host
+    lower-cased without brackets or a trailing dot; None when malformed."""
+    value = value.strip()
+    if value.startswith("["):
+        host, bracket, rest = value[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        port_text = rest[1:]
+    else:
+        host, _, port_text = value.partition(":")
+    port = None
+    if port_text:
+        if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
+            return None
+        port = int(port_text)
+    host = host.lower().removesuffix(".")
+    return (host, port) if host else None
+
+
+def canonical_origin(text: str) -> str | None:
+    """``scheme://host[:port]`` spelled one way (lower case, default port dropped),
+    or None when ``text`` is not an origin (``null``, a path, credentials)."""
+    try:
+        parts = urllib.parse.urlsplit(text.strip())
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return None
+    if (
+        not parts.scheme
+        or not parts.netloc
+        or "@" in parts.netloc
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        return None
+    hostport = split_host(parts.netloc)
+    if hostport is None:
+        return None
+    host, port = hostport
+    scheme = parts.scheme.lower()
+    shown = f"[{host}]" if ":" in host else host
+    if port == DEFAULT_PORTS.get(scheme):
+        port = None
+    return f"{scheme}://{shown}" + ("" if port is None else f":{port}")
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _normal(host: str) -> str:
+    """A host as compared: an IP address in its one compressed spelling, a name as is."""
+    ip = _ip(host)
+    return host if ip is None else ip.compressed
+
+
+def _host_entry(text: str) -> str:
+    """One ``--allowed-hosts`` entry, normalized: ``*``, a name (a leading dot: it
+    and its subdomains) or an IP address; ValueError naming the flag otherwise."""
+    entry = text.strip().lower()
+    if entry == ANY:
+        return ANY
+    name = entry[1:-1] if entry.startswith("[") and entry.endswith("]") else entry
+    if _ip(name) is not None:
+        return _normal(name)
+    name = name.removesuffix(".")
+    if name.strip(".") and set(name) <= _HOST_CHARS and ".." not in name:
+        return name
+    raise ValueError(
+        f"--allowed-hosts {text!r}: give a host name (.example.com: it and its subdomains), "
+        "an IP address or '*', without scheme or port"
+    )
+
+
+def _origin_entry(text: str) -> str:
+    """One ``--allowed-origins`` entry, canonical; ValueError naming the flag otherwise."""
+    if text.strip() == ANY:
+        return ANY
+    origin = canonical_origin(text)
+    if origin is None:
+        raise ValueError(
+            f"--allowed-origins {text!r}: give an origin (scheme://host[:port], e.g. "
+            "http://localhost:3000) or '*'"
+        )
+    return origin
+
+
+def is_wildcard_address(host: str) -> bool:
+    """``--host`` 0.0.0.0 or :: (every interface): the server cannot know its names."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host == ""
+
+
+class HostAllowList:
+    """The hosts a request's ``Host`` may name: ``localhost`` and its subdomains,
+    loopback addresses, the bind address and ``--allowed-hosts``.
+
+    Bound to every interface (0.0.0.0, ::) with no ``--allowed-hosts``, any
+    Host is served: the server cannot know the names clients reach it by.
+    """
+
+    def __init__(self, bind_host: str, allowed: Sequence[str]) -> None:
+        entries = [_host_entry(e) for e in allowed]
+        self.any = ANY in entries or (is_wildcard_address(bind_host) and not entries)
+        self.bound_to_all = is_wildcard_address(bind_host)
+        names = {"localhost", ".localhost", *entries}
+        bound = bind_host.strip().strip("[]").lower().removesuffix(".")
+        if bound:
+            names.add(_normal(bound))
+        self.exact = frozenset(n.lstrip(".") for n in names if n != ANY)
+        self.suffixes = tuple(n for n in names if n.startswith("."))
+
+    def allows(self, host: str) -> bool:
+        """Whether ``host`` (as :func:`split_host` gives it) may be served."""
+        if self.any or _normal(host) in self.exact or host.endswith(self.suffixes):
+            return True
+        ip = _ip(host)
+        return ip is not None and ip.is_loopback
+
+
+class OriginAllowList:
+    """The browser origins (``--allowed-origins``) that may call the API cross-origin."""
+
+    def __init__(self, allowed: Sequence[str]) -> None:
+        entries = {_origin_entry(e) for e in allowed}
+        self.any = ANY in entries
+        self.origins = frozenset(entries - {ANY})
+
+    def allows(self, origin: str | None) -> bool:
+        """Whether a canonical origin (None: not an origin, e.g. ``null``) is allowed."""
+        return self.any or (origin is not None and origin in self.origins)
+
+
+def check_flags(
+    bind_host: str, allowed_hosts: Sequence[str], allowed_origins: Sequence[str]
+) -> None:
+    """ValueError naming the flag when an ``--allowed-hosts`` / ``--allowed-origins``
+    entry cannot be parsed (checked with the other flags, at start)."""
+    HostAllowList(bind_host, allowed_hosts)
+    OriginAllowList(allowed_origins)
+
+
+class HttpGuard:
+    """ASGI middleware: 421 for a Host outside the allow-list, 403 for an Origin
+    that is neither the server's own nor allowed (preflights answered for
+    allowed ones), 415 for a body that is not JSON; CORS headers for allowed
+    cross-origin requests."""
+
+    def __init__(self, app: ASGIApp, hosts: HostAllowList, origins: OriginAllowList) -> None:
+        self.app = app
+        self.hosts = hosts
+        self.origins = origins
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if host is not None and not self.hosts.any:  # HTTP/1.0 may omit it; browsers never do
+            hostport = split_host(host)
+            if hostport is None or not self.hosts.allows(hostport[0]):
+                await _refuse(scope, receive, send, _host_refused(host))
+                return
+        cors: list[tuple[bytes, bytes]] = []
+        origin = headers.get("origin")
+        if origin is not None:
+            canonical = canonical_origin(origin)
+            same = _same_origin(canonical, host)
+            if not same and not self.origins.allows(canonical):
+                await _refuse(scope, receive, send, _origin_refused(origin))
+                return
+            if not same:
+                cors = [
+                    (b"access-control-allow-origin", origin.encode("latin-1")),
+                    (b"vary", b"Origin"),
+                ]
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                await _preflight(send, cors, headers)
+                return
+        send = _with_headers(send, cors) if cors else send
+        if _has_body(headers):
+            try:
+                check_json_content_type(headers.get("content-type"))
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _same_origin(origin: str | None, host: str | None) -> bool:
+    """Whether a canonical ``origin`` is the server's own: the Host it was sent to."""
+    if origin is None or host is None:
+        return False
+    scheme = origin.split("://", 1)[0]  # behind a TLS proxy the page's is https
+    return origin == canonical_origin(f"{scheme}://{host}")
+
+
+def _has_body(headers: Headers) -> bool:
+    length = headers.get("content-length")
+    return "transfer-encoding" in headers or (length is not None and length.strip() != "0")
+
+
+def _shown(value: str) -> str:
+    return repr(value if len(value) <= 100 else value[:100] + "...")
+
+
+def _host_refused(host: str) -> APIError:
+    return APIError(
+        421,
+        f"Host {_shown(host)} is not served here (a web page reaching a local server "
+        "through DNS rebinding looks like this); to serve it, start the server with "
+        "--allowed-hosts NAME",
+        "host",
+        "host_not_allowed",
+    )
+
+
+def _origin_refused(origin: str) -> APIError:
+    return APIError(
+        403,
+        f"cross-origin request from {_shown(origin)} refused; to allow a browser "
+        "application at that origin, start the server with --allowed-origins ORIGIN",
+        "origin",
+        "origin_not_allowed",
+    )
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
+    log.debug("%s %s refused: %s", scope["method"], scope["path"], error.message)
+    await error.response()(scope, receive, send)
+
+
+async def _preflight(send: Send, cors: list[tuple[bytes, bytes]], asked: Headers) -> None:
+    """A CORS preflight's answer (204) for an allowed origin."""
+    wanted = asked.get("access-control-request-headers") or CORS_HEADERS
+    headers = [
+        *cors,
+        (b"access-control-allow-methods", CORS_METHODS.encode()),
+        (b"access-control-allow-headers", wanted.encode("latin-1")),
+        (b"access-control-max-age", str(CORS_MAX_AGE_S).encode()),
+        (b"content-length", b"0"),
+    ]
+    if "access-control-request-private-network" in asked:
+        # Chrome asks before a public page may reach a loopback or private address.
+        headers.append((b"access-control-allow-private-network", b"true"))
+    await send({"type": "http.response.start", "status": 204, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` adding ``extra`` to the response's headers."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return wrapped
