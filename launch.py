@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from radixmux.common.process import setup_logging
+    from radixmux.common.server_args import parse_args
     from radixmux.runtime.launcher import Launcher, LaunchError
-    from radixmux.runtime.process import setup_logging
-    from radixmux.runtime.server_args import parse_args
 
     args = parse_args(argv)
     log = setup_logging(args.log_level, "launcher")

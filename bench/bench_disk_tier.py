@@ -165,7 +165,7 @@ class Setup:
 
 
 def model_arg(text: str) -> Any:
-    from radixmux.runtime.server_args import parse_model_arg
+    from radixmux.common.server_args import parse_model_arg
 
     return parse_model_arg(text)
 

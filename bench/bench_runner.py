@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.paged_attention import ATTN_NAME
 from radixmux.protocol import (
-    ATTENTION_BACKENDS,
     ForwardBatch,
     SeqInput,
     pack_ids,

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from radixmux import protocol
+from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners import paged_attention
@@ -65,7 +66,6 @@ from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.packed_linear import PackedLinear
 from radixmux.protocol import (
-    ATTENTION_BACKENDS,
     ForwardBatch,
     SeqInput,
     pack_ids,

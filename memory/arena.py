@@ -10,12 +10,9 @@ same ``ArenaSpec`` / ``KVArena.attach`` / ``view`` contract once a GPU can test 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import re
-import stat
 import tempfile
 import uuid
 from typing import TYPE_CHECKING
@@ -23,7 +20,6 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixmux.memory.layout import BlockGeometry
-from radixmux.os_process import Owner
 
 if TYPE_CHECKING:
     import torch
@@ -56,43 +52,7 @@ def default_arena_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-# An arena's file name: who made it (``Owner.token``: pid, start time, host
-# key), then a random part. Only names of exactly this shape are ours.
 ARENA_PREFIX = "radixmux-kv-"
-_ARENA_NAME = re.compile(rf"{ARENA_PREFIX}(?P<owner>{Owner.PATTERN})-[0-9a-f]{{8}}")
-
-
-def arena_file_name() -> str:
-    """A new arena file name, owned by this process."""
-    return f"{ARENA_PREFIX}{Owner.this_process().token}-{uuid.uuid4().hex[:8]}"
-
-
-def remove_stale_arenas(directory: str | None = None) -> list[str]:
-    """Delete arena files whose creating process is gone (a launcher killed
-    with SIGKILL, say), so shared memory does not fill up across crashes.
-
-    Only a regular file of this user with an arena's exact name, whose owner
-    is provably dead (``Owner.is_dead``: a reused pid or a file of another pid
-    namespace sharing this directory is left alone), is removed; nothing is
-    followed. Returns the names removed.
-    """
-    directory = directory or default_arena_dir()
-    removed = []
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            m = _ARENA_NAME.fullmatch(entry.name)
-            if m is None:
-                continue
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                owner = Owner.parse(m["owner"])
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                    continue
-                if owner is not None and owner.is_dead():
-                    os.unlink(entry.path)
-                    removed.append(entry.name)
-                    log.info("removed the arena %s of dead process %d", entry.path, owner.pid)
-    return removed
 
 
 class KVArena:
@@ -111,15 +71,23 @@ class KVArena:
         self.bytes = flat.view(spec.num_blocks, spec.block_bytes)
 
     @classmethod
-    def create(cls, num_blocks: int, block_bytes: int, directory: str | None = None) -> KVArena:
-        """Create a zero-filled arena file of ``num_blocks * block_bytes`` bytes."""
+    def create(
+        cls,
+        num_blocks: int,
+        block_bytes: int,
+        directory: str | None = None,
+        name: str | None = None,
+    ) -> KVArena:
+        """Create a zero-filled arena file of ``num_blocks * block_bytes`` bytes,
+        named ``name`` (default: ``ARENA_PREFIX`` and a random part; the
+        launcher names it after its owner, so a dead one's can be removed:
+        ``common/owner.py``)."""
         if num_blocks <= 0:
             raise ValueError("an arena needs at least one block")
         if block_bytes <= 0 or block_bytes % BLOCK_ALIGN:
             raise ValueError(f"block_bytes must be a positive multiple of {BLOCK_ALIGN}")
         directory = directory or default_arena_dir()
-        remove_stale_arenas(directory)
-        path = os.path.join(directory, arena_file_name())
+        path = os.path.join(directory, name or f"{ARENA_PREFIX}{uuid.uuid4().hex}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, num_blocks * block_bytes)

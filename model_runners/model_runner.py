@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.model_runners import paged_decode
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.lean_stack import LeanStack
@@ -23,7 +24,6 @@ from radixmux.model_runners.paged_attention import (
 )
 from radixmux.model_runners.sampling import sample
 from radixmux.protocol import (
-    ATTENTION_BACKENDS,
     ForwardBatch,
     ForwardResult,
     PrefixGroup,

@@ -27,8 +27,9 @@ import traceback
 
 import msgspec
 
+from radixmux.common.cpu import cpu_cores
+from radixmux.common.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
 from radixmux.memory.arena import ArenaSpec
-from radixmux.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
 
 PARENT_CHECK_MS = 1000
 
@@ -56,12 +57,6 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     # Most sequences one batch can hold (--max-running-requests): the rows the
     # output projection sees (0: as many as max_batch_tokens).
     max_batch_sequences: int = 0
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
 
 
 def default_threads(num_runners: int) -> int:

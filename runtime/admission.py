@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import msgspec
 
-from radixmux.model_runners.cpu_features import BF16_FLAGS, cpu_flags
+from radixmux.common.cpu import BF16_FLAGS, cpu_flags
 
 if TYPE_CHECKING:
-    from radixmux.runtime.server_args import ServerArgs
+    from radixmux.common.server_args import ServerArgs
 
 log = logging.getLogger("radixmux.launcher")
 

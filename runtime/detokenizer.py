@@ -37,8 +37,8 @@ import msgspec
 import zmq
 
 from radixmux import protocol
-from radixmux.runtime.ipc import socket
-from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
+from radixmux.common.ipc import socket
+from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
 from radixmux.runtime.tokenizer_worker import TableThread, load_missing_tokenizers
 
 log = logging.getLogger("radixmux.detokenizer")

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from radixmux.common.server_args import ServerArgs, parse_model_arg
 from radixmux.protocol import ModelArg
 from radixmux.runtime.launcher import Launcher
-from radixmux.runtime.server_args import ServerArgs, parse_model_arg
 
 MAX_IN_FLIGHT = 64  # concurrent requests an Engine keeps open
 

@@ -21,13 +21,13 @@ import uvloop
 import zmq
 
 from radixmux import protocol
+from radixmux.common.process import ProcessContext, report, run_process
 from radixmux.runtime import warmup_api
 from radixmux.runtime.front_app import build_app
 from radixmux.runtime.front_hub import RequestHub
 from radixmux.runtime.front_zmq import ClientServer
 from radixmux.runtime.metrics import FrontMetrics
 from radixmux.runtime.models_api import ModelManager
-from radixmux.runtime.process import ProcessContext, report, run_process
 
 log = logging.getLogger("radixmux.front")
 

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmux import __name__ as _pkg
+from radixmux.common.allowed_names import HostAllowList, OriginAllowList
 from radixmux.runtime import (
     dashboard,
     models_api,
@@ -38,7 +39,7 @@ from radixmux.runtime.api_common import (
     json_response,
     read_body,
 )
-from radixmux.runtime.http_guard import HostAllowList, HttpGuard, OriginAllowList
+from radixmux.runtime.http_guard import HttpGuard
 from radixmux.runtime.openapi import docs_page, openapi_document
 from radixmux.runtime.ops_api import server_version
 

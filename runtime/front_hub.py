@@ -21,8 +21,8 @@ import zmq
 import zmq.asyncio
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, socket
 from radixmux.runtime.api_common import APIError
-from radixmux.runtime.ipc import Endpoints, socket
 from radixmux.runtime.metrics import FrontMetrics
 
 log = logging.getLogger("radixmux.front")

@@ -16,6 +16,8 @@ import zmq
 import zmq.asyncio
 
 from radixmux import protocol
+from radixmux.common.ipc import socket
+from radixmux.common.server_args import ServerArgs
 from radixmux.runtime.api_common import (
     MAX_CHAT_MESSAGES,
     APIError,
@@ -34,9 +36,7 @@ from radixmux.runtime.client_protocol import (
     ClientModelChanged,
 )
 from radixmux.runtime.front_hub import Generation, RequestHub, new_rid
-from radixmux.runtime.ipc import socket
 from radixmux.runtime.models_api import LoadModelBody, ModelManager, ReloadModelBody
-from radixmux.runtime.server_args import ServerArgs
 
 log = logging.getLogger("radixmux.front")
 

@@ -41,18 +41,29 @@ import msgspec
 import zmq
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.common.owner import arena_file_name, remove_stale_arenas
+from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.runtime.model_lifecycle import ModelLifecycle
-from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
+from radixmux.runtime.model_sources import LaunchError, resolve_models
 
 if TYPE_CHECKING:
     from radixmux.model_runners.runner_process import RunnerConfig
 
 log = logging.getLogger("radixmux.launcher")
+
+# The module each runtime process runs (by the part of its name before "-"):
+# started by name, so the launcher imports none of them.
+PROCESS_MODULES = {
+    "scheduler": "radixmux.scheduler.scheduler",
+    "detokenizer": "radixmux.runtime.detokenizer",
+    "tokenizer": "radixmux.runtime.tokenizer_worker",
+    "front": "radixmux.runtime.front",
+}
 
 SCHEDULER_READY_TIMEOUT_S = 900.0  # runners load weights (and may convert) first
 READY_TIMEOUT_S = 120.0
@@ -68,10 +79,6 @@ MAX_RESTARTS = 10
 RESTART_WINDOW_S = 600.0
 
 
-class LaunchError(RuntimeError):
-    """The server could not start; the message names the process and why."""
-
-
 @dataclass
 class Child:
     """One started process."""
@@ -81,44 +88,11 @@ class Child:
     runner_id: str | None = None  # set for runners: their death is not fatal
 
 
-def resolve_source(source: str) -> str:
-    """A ``--model`` source as a local path: a HF folder or a ``.gguf`` file."""
-    from radixmux.model_runners import fetch, loader
-
-    if source in fetch.EMBEDDED:
-        try:
-            return str(fetch.fetch(source, progress=True))
-        except fetch.FetchError as exc:
-            raise LaunchError(f"--model {source}: {exc}") from None
-        except Exception as exc:  # a failed conversion: say so without a traceback
-            raise LaunchError(
-                f"--model {source}: fetch failed: {type(exc).__name__}: {exc}"
-            ) from None
-    try:
-        folder, gguf = loader.resolve(source)
-    except (FileNotFoundError, OSError) as exc:
-        raise LaunchError(f"--model {source}: {exc}") from None
-    return str(folder / gguf) if gguf else str(folder.resolve())
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
     with pysocket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def resolve_models(args: ServerArgs) -> ServerArgs:
-    """``args`` with every model's source replaced by its local folder (or
-    .gguf file) and its dtype made concrete (``auto`` resolved, logged)."""
-    from radixmux.model_runners.cpu_features import resolve_dtype
-
-    models = []
-    for m in args.models:
-        dtype, why = resolve_dtype(m.dtype or args.dtype)
-        log.info("model %s: dtype %s (%s)", m.name, dtype, why)
-        models.append(msgspec.structs.replace(m, source=resolve_source(m.source), dtype=dtype))
-    return msgspec.structs.replace(args, models=models)
 
 
 class Launcher:
@@ -183,8 +157,11 @@ class Launcher:
             raise LaunchError(f"--runtime-dir {args.runtime_dir}: {exc}") from None
         eps = self.endpoints = Endpoints.in_dir(self._runtime_dir, args.zmq_endpoint)
         try:
+            remove_stale_arenas()
             self._arena = KVArena.create(
-                args.kv_cache_bytes // args.kv_block_bytes, args.kv_block_bytes
+                args.kv_cache_bytes // args.kv_block_bytes,
+                args.kv_block_bytes,
+                name=arena_file_name(),
             )
         except (ValueError, OSError) as exc:
             raise LaunchError(
@@ -205,7 +182,7 @@ class Launcher:
         )
 
         self._spawn(
-            "radixmux.scheduler.scheduler", ProcessContext("scheduler", args, eps, arena=spec)
+            PROCESS_MODULES["scheduler"], ProcessContext("scheduler", args, eps, arena=spec)
         )
         self._spawn_runners()
         self._wait_ready(["scheduler"], SCHEDULER_READY_TIMEOUT_S)
@@ -213,7 +190,7 @@ class Launcher:
 
         names = ["detokenizer", *(f"tokenizer-{i}" for i in range(args.tokenizer_workers)), "front"]
         for name in names:
-            module = "tokenizer_worker" if name.startswith("tokenizer-") else name
+            module = PROCESS_MODULES[name.partition("-")[0]]
             self._spawn(
                 module, ProcessContext(name, args, eps, served=self.served, arena=spec), name
             )

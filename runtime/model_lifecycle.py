@@ -46,6 +46,7 @@ import msgspec
 from radixmux import protocol
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
+from radixmux.runtime.model_sources import LaunchError, resolve_source
 
 if TYPE_CHECKING:
     from radixmux.runtime.launcher import Child, Launcher
@@ -135,9 +136,7 @@ class ModelLifecycle:
     def _resolve(self, cmd: protocol.ModelCommand) -> None:
         """Thread: fetch/resolve the source, estimate its memory; the loop picks
         the result up."""
-        from radixmux.model_runners.cpu_features import resolve_dtype
-        from radixmux.runtime.launcher import LaunchError, resolve_source
-
+        from radixmux.common.cpu import resolve_dtype
         arg = cmd.model
         try:
             dtype, why = resolve_dtype(arg.dtype or self.launcher.args.dtype)

@@ -32,12 +32,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux import protocol
+from radixmux.common.server_args import DTYPES, check_model_name, default_model_name
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission, openai_api
 from radixmux.runtime.api_common import APIError, json_response, served_model
 from radixmux.runtime.front_hub import Generation, new_rid
 from radixmux.runtime.openapi import Body, Endpoint, Handler
-from radixmux.runtime.server_args import DTYPES, check_model_name, default_model_name
 
 if TYPE_CHECKING:
     from radixmux.runtime.front import Front

@@ -26,8 +26,8 @@ from typing import Any
 import zmq
 
 from radixmux import protocol
-from radixmux.runtime.ipc import socket
-from radixmux.runtime.process import ProcessContext, inbox_messages, report, run_process
+from radixmux.common.ipc import socket
+from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
 
 log = logging.getLogger("radixmux.tokenizer")
 

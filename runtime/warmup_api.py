@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux import protocol
+from radixmux.common.process import report
 from radixmux.runtime.api_common import (
     APIError,
     check_input_ids,
@@ -40,7 +41,6 @@ from radixmux.runtime.api_common import (
 from radixmux.runtime.front_hub import RequestHub, new_rid
 from radixmux.runtime.openai_api import ChatMessageIn
 from radixmux.runtime.openapi import Body, Endpoint, Handler
-from radixmux.runtime.process import report
 from radixmux.runtime.tokenize_api import TokenizeBody, tokenize_request
 
 if TYPE_CHECKING:

@@ -30,16 +30,16 @@ import numpy as np
 import zmq
 
 from radixmux import protocol
+from radixmux.common.cpu import cpu_cores
+from radixmux.common.ipc import socket
+from radixmux.common.process import ProcessContext, report, run_process
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import DiskKVStore, StoreRefused
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
-from radixmux.model_runners.runner_process import cpu_cores
 from radixmux.protocol import ModelArg, ModelInfo
-from radixmux.runtime.ipc import socket
-from radixmux.runtime.process import ProcessContext, report, run_process
-from radixmux.runtime.server_args import ServerArgs
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState, ScheduledBatch
 from radixmux.scheduler.dashboard import dashboard_snapshot
 from radixmux.scheduler.disk_tier import DiskTier

@@ -23,11 +23,11 @@ import msgspec
 import zmq
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
+from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
-from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
 
 VOCAB = 1000
 # What a script yields: a message to push to the front, or seconds to wait first.
@@ -279,7 +279,7 @@ class RunningFront:
         self.peers = Peers(self.endpoints, [m.name for m in served])
         self.peers.start()
         ctx = ProcessContext("front", server_args, self.endpoints, served)
-        self.proc: subprocess.Popen = spawn("front", ctx)
+        self.proc: subprocess.Popen = spawn("radixmux.runtime.front", ctx)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_announced(self, timeout: float = 20.0) -> None:

@@ -7,9 +7,9 @@ import stat
 import pytest
 import torch
 
+from radixmux.common.owner import Owner, remove_stale_arenas
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.memory.layout import BlockGeometry, KVLayout
-from radixmux.os_process import Owner
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 GEO = BlockGeometry(LAYOUT, block_bytes=4096, page_size=1)
@@ -74,10 +74,9 @@ def test_stale_arena_of_a_dead_process_is_removed(tmp_path) -> None:
     foreign = tmp_path / "notes.txt"
     for path in (dead, live, old_format, foreign):
         path.write_bytes(b"x")
-    arena = KVArena.create(num_blocks=1, block_bytes=4096, directory=str(tmp_path))
+    assert remove_stale_arenas(str(tmp_path)) == [dead.name]
     assert not dead.exists()
     assert live.exists() and old_format.exists() and foreign.exists()
-    arena.destroy()
 
 
 def test_populate_maps_every_page_and_keeps_contents() -> None:

@@ -11,12 +11,12 @@ import zmq
 from tiny_models import make_tiny_model_dir
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
+from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
 from radixmux.runtime.detokenizer import STOPPED_TTL_S, Detokenizer, IncrementalText
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
-from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
 
 # Emoji (with a skin-tone modifier) and CJK: byte-level BPE splits each
 # character over several tokens, so naive per-token decoding prints U+FFFD.
@@ -164,7 +164,9 @@ class Peers:
         )
         served = [protocol.ServedModel("m", str(folder), info)]
         args = ServerArgs(models=[ModelArg(str(folder), "m")])
-        self.proc = spawn("detokenizer", ProcessContext("detokenizer", args, self.eps, served))
+        self.proc = spawn(
+            "radixmux.runtime.detokenizer", ProcessContext("detokenizer", args, self.eps, served)
+        )
 
     def _sock(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
         sock = self.zctx.socket(kind)

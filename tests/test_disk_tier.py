@@ -349,7 +349,7 @@ def test_gather_and_scatter_copy_exactly_the_rows_of_their_slots(tmp_path, kind)
 
 
 def test_disk_flags_are_checked_and_default_off() -> None:
-    from radixmux.runtime.server_args import DEFAULT_KV_DISK_DIR, ServerArgs, parse_args
+    from radixmux.common.server_args import DEFAULT_KV_DISK_DIR, ServerArgs, parse_args
 
     assert not ServerArgs().disk_tier and ServerArgs().kv_disk_dir is None
     on = parse_args(["--kv-disk-bytes", "1000000"])

@@ -27,9 +27,9 @@ import pytest
 from front_harness import RunningFront, chat_and_base_front, stats, words
 from tiny_models import make_tiny_model_dir
 
+from radixmux.common.allowed_names import HostAllowList
+from radixmux.common.server_args import parse_args
 from radixmux.runtime.engine import Engine
-from radixmux.runtime.http_guard import HostAllowList
-from radixmux.runtime.server_args import parse_args
 
 pytestmark = pytest.mark.timeout(180)
 

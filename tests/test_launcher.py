@@ -23,10 +23,10 @@ import httpx
 import pytest
 from tiny_models import make_tiny_model_dir
 
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import default_arena_dir
 from radixmux.protocol import ModelArg
 from radixmux.runtime.launcher import Launcher, LaunchError
-from radixmux.runtime.server_args import ServerArgs
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_SCHEDULER = importlib.util.find_spec("radixmux.scheduler.scheduler") is not None
@@ -282,7 +282,7 @@ def _zombie_or_gone(pid: int) -> bool:
 
 
 def test_dtype_auto_follows_the_cpu():
-    from radixmux.model_runners.cpu_features import BF16_FLAGS, cpu_flags, resolve_dtype
+    from radixmux.common.cpu import BF16_FLAGS, cpu_flags, resolve_dtype
 
     native = any(f in cpu_flags() for f in BF16_FLAGS)
     dtype, why = resolve_dtype("auto")

@@ -29,12 +29,13 @@ from pathlib import Path
 import pytest
 from tiny_models import make_tiny_model_dir
 
-from radixmux.memory.arena import ARENA_PREFIX, default_arena_dir, remove_stale_arenas
-from radixmux.os_process import PARENT_GONE, Owner, child_command
+from radixmux.common.ipc import OWNER_FILE, RUNTIME_PREFIX, remove_stale_runtime_dirs
+from radixmux.common.os_process import PARENT_GONE, child_command
+from radixmux.common.owner import Owner, remove_stale_arenas
+from radixmux.common.server_args import ServerArgs
+from radixmux.memory.arena import ARENA_PREFIX, default_arena_dir
 from radixmux.protocol import ModelArg
-from radixmux.runtime.ipc import OWNER_FILE, RUNTIME_PREFIX, remove_stale_runtime_dirs
 from radixmux.runtime.launcher import Launcher
-from radixmux.runtime.server_args import ServerArgs
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(kv_cache_bytes=8 << 20, kv_block_bytes=64 << 10, port=0, runner_threads=1)

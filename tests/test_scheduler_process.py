@@ -26,12 +26,12 @@ import zmq
 from tiny_models import make_tiny_model_dir
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.protocol import ModelArg, SamplingParams
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
-from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -287,7 +287,7 @@ def test_two_models_and_replicas_share_one_arena(tiny_dirs: dict[str, Path]) -> 
 def test_cores_follow_the_busy_model(tiny_dirs: dict[str, Path], fixed: int) -> None:
     """With two models and only "a" busy, a's runner gets every core (it
     starts with half); ``--runner-threads N`` pins it at N instead."""
-    from radixmux.model_runners.runner_process import cpu_cores
+    from radixmux.common.cpu import cpu_cores
 
     models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
     with start_runtime(models, runner_threads=fixed) as rt:

@@ -34,13 +34,13 @@ from test_scheduler_process import Runtime, hf_greedy
 from tiny_models import make_tiny_model_dir
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
+from radixmux.common.process import ProcessContext
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import KVArena
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.protocol import ModelArg
 from radixmux.runtime.engine import Engine
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
-from radixmux.runtime.process import ProcessContext
-from radixmux.runtime.server_args import ServerArgs
 from radixmux.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(300)
@@ -367,9 +367,12 @@ def test_get_server_info_does_not_walk_the_invariants_each_call(server) -> None:
     elapsed = time.monotonic() - t0
     during = server_info(server)["invariant_checks"] - walks
     assert calls > 2 * (elapsed + 2), f"only {calls} calls: the test asked too slowly"
-    assert 1 <= during <= elapsed + 2, f"{during} walks for {calls} calls in {elapsed:.1f} s"
-    # Once the traffic is over, a second later the check covers the state as it is.
-    time.sleep(1.1)
-    after = server_info(server)
-    assert after["invariants"] == "ok" and after["invariants_current"]
+    # At most one a second (fewer when a walk is slow: 1% of the loop at most).
+    assert during <= elapsed + 2, f"{during} walks for {calls} calls in {elapsed:.1f} s"
+    # Once the traffic is over, the check soon covers the state as it is.
+    deadline = time.monotonic() + 30
+    while not (after := server_info(server))["invariants_current"]:
+        assert time.monotonic() < deadline, "the walk never caught up with an idle server"
+        time.sleep(0.2)
+    assert after["invariants"] == "ok" and after["invariant_checks"] > walks
     assert after["locks_held"] == 0 and after["request_owned_slots"] == 0

@@ -18,11 +18,11 @@ import zmq
 from tiny_models import make_tiny_model_dir
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
+from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.layout import KVLayout
 from radixmux.protocol import ModelArg, ModelInfo
-from radixmux.runtime.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
-from radixmux.runtime.process import ProcessContext, spawn
-from radixmux.runtime.server_args import ServerArgs
 
 CONTEXT = 64
 
@@ -62,7 +62,8 @@ class Peers:
         self.front = self._bind(zmq.PULL, self.eps.front)
         args = ServerArgs(models=[ModelArg(m.folder, m.name) for m in served], **flags)
         self.proc = spawn(
-            "tokenizer_worker", ProcessContext("tokenizer-0", args, self.eps, served=served)
+            "radixmux.runtime.tokenizer_worker",
+            ProcessContext("tokenizer-0", args, self.eps, served=served),
         )
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:

@@ -4,7 +4,7 @@ All sockets are ``ipc://`` files in one directory created with mode 0700, so
 no other user can connect to a runtime's internals. The directory is always a
 new one (``radixmux-rt-XXXXXXXX``) inside a parent: the temp directory, or
 ``--runtime-dir``, whose own mode is never touched (it may be ``/tmp``). An
-``owner`` file in it names the launcher (``os_process.Owner``), so a start
+``owner`` file in it names the launcher (``owner.Owner``), so a start
 can remove the directories that launchers killed with SIGKILL left behind,
 and nothing else. Who binds what:
 
@@ -35,7 +35,7 @@ import tempfile
 import msgspec
 import zmq
 
-from radixmux.os_process import Owner
+from radixmux.common.owner import Owner
 
 log = logging.getLogger("radixmux.ipc")
 

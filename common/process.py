@@ -21,10 +21,10 @@ import msgspec
 import zmq
 
 from radixmux import protocol
+from radixmux.common.ipc import Endpoints, socket
+from radixmux.common.os_process import child_command, die_with_parent, exit_now
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import ArenaSpec
-from radixmux.os_process import child_command, die_with_parent, exit_now
-from radixmux.runtime.ipc import Endpoints, socket
-from radixmux.runtime.server_args import ServerArgs
 
 
 class ProcessContext(msgspec.Struct, frozen=True):
@@ -116,7 +116,6 @@ def run_process(main: Callable[[ProcessContext, zmq.Context], int]) -> None:
 
 
 def spawn(module: str, context: ProcessContext) -> subprocess.Popen:
-    """Start ``radixmux.runtime.<module>`` (or a full dotted module) with ``context``."""
-    full = module if "." in module else f"radixmux.runtime.{module}"
+    """Start the process whose ``main`` module is ``module`` (dotted) with ``context``."""
     payload = msgspec.json.encode(context).decode()
-    return subprocess.Popen(child_command(full, payload))
+    return subprocess.Popen(child_command(module, payload))

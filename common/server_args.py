@@ -11,12 +11,14 @@ from collections.abc import Sequence
 
 import msgspec
 
+from radixmux.common.allowed_names import check_flags as check_allowed_names
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
-from radixmux.protocol import ATTENTION_BACKENDS, ModelArg
-from radixmux.runtime.http_guard import check_flags as check_http_guard_flags
+from radixmux.protocol import ModelArg
 
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")  # scheduler/policy.py
+# Decode attention: auto = the C++ kernel where it builds, else torch (gather + SDPA).
+ATTENTION_BACKENDS = ("auto", "cpp", "torch")
 KV_PARTITIONS = ("unified", "static")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -153,7 +155,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port}: must be in [0, 65535]")
-        check_http_guard_flags(self.host, self.allowed_hosts, self.allowed_origins)
+        check_allowed_names(self.host, self.allowed_hosts, self.allowed_origins)
         if self.prefill_tokens_during_decode < 0:
             raise ValueError("--prefill-tokens-during-decode must be >= 0 (0: no extra bound)")
         if self.runner_threads < 0:

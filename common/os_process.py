@@ -14,25 +14,20 @@ launcher killed while its children still import torch or load weights so
 leaves no orphan behind; a signal asked for after those imports came seconds
 too late.
 
-``Owner`` names the process that made a shared file (the KV arena in
-``/dev/shm``, a runtime directory): a launcher killed with SIGKILL leaves
-both behind, and the next start removes them once their owner is provably
-dead (see ``Owner.is_dead``).
+A launcher killed with SIGKILL still leaves its arena and runtime
+directory behind: ``common/owner.py`` names who made them, and the next start
+removes a dead owner's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import hashlib
 import logging
 import os
-import re
 import runpy
 import signal
 import sys
-from dataclasses import dataclass
 
 PR_SET_PDEATHSIG = 1
 # Exit code of a process that found its parent gone (runners use it too).
@@ -55,7 +50,7 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-_RUN_CHILD = "from radixmux.os_process import run_child; run_child()"
+_RUN_CHILD = "from radixmux.common.os_process import run_child; run_child()"
 
 
 def child_command(module: str, *args: str) -> list[str]:
@@ -72,72 +67,6 @@ def run_child() -> None:
         os._exit(PARENT_GONE)
     sys.argv = [module, *sys.argv[3:]]  # runpy puts the module's path in argv[0]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
-
-
-@functools.cache
-def _host_key() -> str | None:
-    """This boot's and this pid namespace's identity (8 hex digits), or None
-    where /proc does not tell. A pid means one process only within both."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    return hashlib.blake2b(f"{boot}|{pidns}".encode(), digest_size=4).hexdigest()
-
-
-def _start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot); None if no such process
-    runs (gone, or a zombie: it has exited and only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name may hold spaces and parentheses: count from the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])  # field 22 of the line: starttime
-
-
-_OWNER = re.compile(r"(\d+)-(\d+)-([0-9a-f]{8}|unknown)")
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The process that made a file: pid, start time and host key, so a
-    reused pid or another pid namespace never passes for the owner."""
-
-    pid: int
-    start: int
-    host: str
-
-    PATTERN = _OWNER.pattern  # ``token``'s shape, for names that embed it
-
-    @classmethod
-    def this_process(cls) -> Owner:
-        pid = os.getpid()
-        return cls(pid, _start_time(pid) or 0, _host_key() or "unknown")
-
-    @classmethod
-    def parse(cls, token: str) -> Owner | None:
-        m = _OWNER.fullmatch(token.strip())
-        return cls(int(m[1]), int(m[2]), m[3]) if m else None
-
-    @property
-    def token(self) -> str:
-        return f"{self.pid}-{self.start}-{self.host}"
-
-    def is_dead(self) -> bool:
-        """True only when the owner provably runs no more: same boot and pid
-        namespace as this process (else its pid means nothing here), and no
-        live process with its pid and start time. Unsure is alive."""
-        here = _host_key()
-        if here is None or self.host != here:
-            return False
-        return _start_time(self.pid) != self.start
 
 
 def exit_now(code: int) -> None:

@@ -1,8 +1,10 @@
-"""What this CPU can do natively, for choices made at start-up (e.g. ``--dtype auto``)."""
+"""What this CPU can do natively (for choices made at start-up, e.g. ``--dtype auto``)
+and the cores this process may use."""
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -32,3 +34,9 @@ def resolve_dtype(dtype: str) -> tuple[str, str]:
     if native:
         return "bfloat16", f"auto: the CPU has {'/'.join(native)}"
     return "float32", "auto: the CPU has no native bfloat16 (AVX512-BF16 or AMX)"
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1

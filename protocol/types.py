@@ -1,0 +1,119 @@
+"""The domain types every process carries: models, sampling parameters, chat messages,
+logprobs. Plain frozen Structs, no behaviour beyond naming."""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixmux.memory.layout import KVLayout
+
+
+class ModelArg(msgspec.Struct, frozen=True):
+    """One ``--model`` flag: ``SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]``."""
+
+    source: str
+    name: str
+    dtype: str | None = None
+    priority: float = 1.0
+    replicas: int = 1
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """Layout, limits and fingerprints of a loaded model (sent in the ready message).
+
+    ``sliding_windows`` has one entry per layer: the window in tokens, or
+    ``None`` for full attention. ``kv_share_key`` is the weights fingerprint.
+    """
+
+    name: str
+    architecture: str
+    layout: KVLayout
+    context_length: int
+    sliding_windows: list[int | None]
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer_fingerprint: str
+    kv_share_key: str
+    has_chat_template: bool
+    dtype: str
+    device: str
+
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to pick a sequence's next token. Defaults mean greedy, no penalties.
+
+    ``temperature <= 0`` or ``top_k == 1`` is greedy. ``top_k = 0``, ``top_p =
+    1``, ``min_p = 0`` switch those filters off. Penalties apply over the
+    sequence's ``output_ids``. ``seed`` makes sampling reproducible: the same
+    seed, step and logits give the same token, whatever else is in the batch.
+    ``logprobs`` asks for the chosen token's log-probability and the
+    ``top_logprobs`` most likely alternatives. ``logit_bias`` adds to the
+    logits of the listed token ids (after penalties, before everything else).
+    ``prompt_logprobs_start >= 0`` asks for the log-probability (and the top
+    alternatives) of every prompt token from that index on (the first prompt
+    token has none): the scheduler then computes those positions instead of
+    taking them from the cache.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    max_new_tokens: int = 128
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    prompt_logprobs_start: int = -1
+
+
+
+class ServedModel(msgspec.Struct, frozen=True):
+    """A model as every process sees it once its runners are up.
+
+    ``version`` counts reloads of one served name; each version is its own
+    *instance* inside the runtime (runners, tree entries, tokenizer), so a
+    request bound to one version at the front never runs on another.
+    """
+
+    name: str  # the served name clients use
+    folder: str  # local HF folder (tokenizer, config, chat template)
+    info: ModelInfo
+    replicas: int = 1
+    priority: float = 1.0
+    version: int = 1
+
+    @property
+    def instance(self) -> str:
+        """The name this version has inside the runtime (scheduler, tree, tokenizers)."""
+        return instance_name(self.name, self.version)
+
+
+def instance_name(name: str, version: int) -> str:
+    """A served name's internal name at ``version``: the name itself for the
+    first version, so a server whose models never change keeps its names."""
+    return name if version == 1 else f"{name}@v{version}"
+
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """A sampled token's log-probability and the top alternatives'. ``text`` and
+    ``top_text`` (the tokens as text) are filled in by the detokenizer."""
+
+    token_id: int
+    logprob: float | None  # None only for a prompt's first token (nothing scores it)
+    top: list[tuple[int, float]] | None = None
+    text: str | None = None
+    top_text: list[str] | None = None
