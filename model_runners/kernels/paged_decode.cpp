@@ -239,6 +239,31 @@ inline void row_accumulate_any(const T* v, const float* p, int64_t stride, int64
   }
 }
 
+// attend_state's two passes (K rows into scores, V rows into acc) walk the
+// keys alike and differ only in what they do with a row: four(rows, j) takes
+// keys j..j + 3 where a head fits the registers four rows at a time (NV <= 4),
+// one(row, j) the others. Each key is prefetched kPrefetch keys ahead of use.
+template <int NV, typename T, typename Four, typename One>
+inline void walk_keys(const T* base, const int64_t* addr, int64_t len, int64_t row_stride,
+                      int64_t slice_bytes, Four&& four, One&& one) {
+  int64_t j = 0;
+#ifdef RADIXMUX_KEY_VECTORS
+  if constexpr (NV > 0 && NV <= 4) {
+    for (; j + 4 <= len; j += 4) {
+      for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
+        prefetch_slice(base + addr[t] * row_stride, slice_bytes);
+      const T* rows[4];
+      for (int t = 0; t < 4; ++t) rows[t] = base + addr[j + t] * row_stride;
+      four(rows, j);
+    }
+  }
+#endif
+  for (; j < len; ++j) {
+    if (j + kPrefetch < len) prefetch_slice(base + addr[j + kPrefetch] * row_stride, slice_bytes);
+    one(base + addr[j] * row_stride, j);
+  }
+}
+
 // Buffers one thread reuses across its tasks.
 struct Scratch {
   std::vector<float> scores, qf, qt, state, row, kf, vf, rowstate;
@@ -267,29 +292,21 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
   float* scores = sc.scores.data();
   float* row = sc.row.data();  // scratch row (scalar path)
   const int64_t slice_bytes = dim * static_cast<int64_t>(sizeof(T));
-  int64_t j = 0;
+  // The four-row lambdas take `auto` rows so that they are instantiated only
+  // for the head sizes walk_keys calls them with.
+  walk_keys<NV>(
+      k_base, addr, len, row_stride, slice_bytes,
+      [&](auto ks, int64_t j) {
 #ifdef RADIXMUX_KEY_VECTORS
-  if constexpr (NV > 0 && NV <= 4) {
-    for (; j + 4 <= len; j += 4) {
-      for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
-        prefetch_slice(k_base + addr[t] * row_stride, slice_bytes);
-      const T* ks[4];
-      for (int t = 0; t < 4; ++t) ks[t] = k_base + addr[j + t] * row_stride;
-      four_row_scores<T, NV>(qf, ks, rows, scores + j, len);
-    }
-  }
+        four_row_scores<T, NV>(qf, ks, rows, scores + j, len);
 #endif
-  for (; j < len; ++j) {
-    if (j + kPrefetch < len) prefetch_slice(k_base + addr[j + kPrefetch] * row_stride, slice_bytes);
+      },
+      [&](const T* k, int64_t j) {
 #ifdef RADIXMUX_KEY_VECTORS
-    if constexpr (NV > 0) {
-      row_scores<T, NV>(qf, k_base + addr[j] * row_stride, rows, scores + j, len);
-    } else
+        if constexpr (NV > 0) return row_scores<T, NV>(qf, k, rows, scores + j, len);
 #endif
-    {
-      row_scores_any<T>(qf, k_base + addr[j] * row_stride, rows, dim, row, scores + j, len);
-    }
-  }
+        row_scores_any<T>(qf, k, rows, dim, row, scores + j, len);
+      });
   if (softcap > 0.f) {
     for (int64_t i = 0; i < rows * len; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
   }
@@ -311,29 +328,19 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
     s[r] = t;
   }
   std::fill(acc, acc + rows * dim, 0.f);
-  j = 0;
+  walk_keys<NV>(
+      v_base, addr, len, row_stride, slice_bytes,
+      [&](auto vs, int64_t j) {
 #ifdef RADIXMUX_KEY_VECTORS
-  if constexpr (NV > 0 && NV <= 4) {
-    for (; j + 4 <= len; j += 4) {
-      for (int64_t t = j + kPrefetch; t < std::min(j + kPrefetch + 4, len); ++t)
-        prefetch_slice(v_base + addr[t] * row_stride, slice_bytes);
-      const T* vs[4];
-      for (int t = 0; t < 4; ++t) vs[t] = v_base + addr[j + t] * row_stride;
-      four_row_accumulate<T, NV>(vs, scores + j, len, rows, acc);
-    }
-  }
+        four_row_accumulate<T, NV>(vs, scores + j, len, rows, acc);
 #endif
-  for (; j < len; ++j) {
-    if (j + kPrefetch < len) prefetch_slice(v_base + addr[j + kPrefetch] * row_stride, slice_bytes);
+      },
+      [&](const T* v, int64_t j) {
 #ifdef RADIXMUX_KEY_VECTORS
-    if constexpr (NV > 0) {
-      row_accumulate<T, NV>(v_base + addr[j] * row_stride, scores + j, len, rows, acc);
-    } else
+        if constexpr (NV > 0) return row_accumulate<T, NV>(v, scores + j, len, rows, acc);
 #endif
-    {
-      row_accumulate_any<T>(v_base + addr[j] * row_stride, scores + j, len, rows, dim, row, acc);
-    }
-  }
+        row_accumulate_any<T>(v, scores + j, len, rows, dim, row, acc);
+      });
 }
 
 #ifdef __AVX512F__
@@ -376,29 +383,71 @@ inline void rows_to_float(const T* base, const int64_t* addr, int64_t row_stride
   }
 }
 
-// Asks for every cache line of n rows' head slices (bytes long) ahead of
-// use, into L2: a tile's worth of requests at once would fill L1's miss
-// buffers and stall the core.
+// Asks for every cache line of the K, then the V, head slices (bytes long)
+// of the tile of keys j0 .. min(j0 + n, len) - 1 ahead of use, into L2: a
+// tile's worth of requests at once would fill L1's miss buffers and stall
+// the core. Always inlined: called out of line, GCC 12 (modref) finds that
+// it has no side effects, prefetches having none it can see, and deletes
+// the call.
 template <typename T>
-inline void prefetch_rows(const T* base, const int64_t* addr, int64_t row_stride, int64_t n,
-                          int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j) prefetch_slice<2>(base + addr[j] * row_stride, bytes);
+__attribute__((always_inline)) inline void prefetch_tile(const T* k_base, const T* v_base,
+                                                         int64_t row_stride, const int64_t* addr,
+                                                         int64_t j0, int64_t n, int64_t len,
+                                                         int64_t bytes) {
+  const int64_t end = std::min(j0 + n, len);
+  for (int64_t j = j0; j < end; ++j) prefetch_slice<2>(k_base + addr[j] * row_stride, bytes);
+  for (int64_t j = j0; j < end; ++j) prefetch_slice<2>(v_base + addr[j] * row_stride, bytes);
 }
 
-// st[k, 16 * RV lanes] = q . k_k for KB keys given as float rows kf [KB, dim]
-// and float queries qt [dim, rp]: per head dimension, RV loads and KB
-// broadcast-FMAs into KB * RV accumulators.
-template <int NV, int KB, int RV>
-inline void score_block(const float* qt, int64_t rp, const float* kf, float* st) {
+// The tiles' two products (scores, P.V) are each one loop nest over a lane
+// type L: FloatLanes, one float per 32-bit lane and an FMA per step, or, with
+// AVX512-BF16, Bf16PairLanes, a bfloat16 pair per lane and vdpbf16ps per
+// step (two multiply-adds per lane per instruction; bfloat16 products are
+// exact in float, so its scores are as accurate as the float path's).
+struct FloatLanes {
+  using Elem = float;  // one lane of an operand row
+  using Vec = __m512;
+  using Keys = const float*;  // a block's keys: float rows [KB, dim]
+  static constexpr int kPer = 1;  // values per lane
+  template <int NV>
+  static Elem key(Keys kf, int k, int d) { return kf[k * NV * 16 + d]; }
+  static Vec load(const Elem* p) { return _mm512_loadu_ps(p); }
+  static Vec broadcast(Elem x) { return _mm512_set1_ps(x); }
+  static __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
+#ifdef __AVX512BF16__
+struct Bf16PairLanes {
+  using Elem = uint32_t;
+  using Vec = __m512bh;
+  using Keys = const c10::BFloat16* const*;  // a block's key rows, read in place
+  static constexpr int kPer = 2;
+  template <int NV>
+  static Elem key(Keys keys, int k, int d) {
+    uint32_t pair;
+    std::memcpy(&pair, keys[k] + 2 * d, sizeof(pair));
+    return pair;
+  }
+  static Vec load(const Elem* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Vec broadcast(Elem x) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(x)); }
+  static __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+#endif
+
+// st[k, 16 * RV lanes] = q . k_k for KB keys and queries qt [dim / L::kPer,
+// rp]: per step d, RV loads and KB broadcasts of lane d of key k into KB * RV
+// accumulators.
+template <typename L, int NV, int KB, int RV>
+inline void score_block(const typename L::Elem* qt, int64_t rp, typename L::Keys keys, float* st) {
   __m512 acc[KB][RV];
   for (int k = 0; k < KB; ++k)
     for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
-  for (int d = 0; d < NV * 16; ++d) {
-    __m512 qv[RV];
-    for (int v = 0; v < RV; ++v) qv[v] = _mm512_loadu_ps(qt + d * rp + 16 * v);
+  for (int d = 0; d < NV * 16 / L::kPer; ++d) {
+    typename L::Vec qv[RV];
+    for (int v = 0; v < RV; ++v) qv[v] = L::load(qt + d * rp + 16 * v);
     for (int k = 0; k < KB; ++k) {
-      const __m512 kb = _mm512_set1_ps(kf[k * NV * 16 + d]);
-      for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_fmadd_ps(qv[v], kb, acc[k][v]);
+      const typename L::Vec kb = L::broadcast(L::template key<NV>(keys, k, d));
+      for (int v = 0; v < RV; ++v) acc[k][v] = L::madd(acc[k][v], qv[v], kb);
     }
   }
   for (int k = 0; k < KB; ++k)
@@ -406,31 +455,6 @@ inline void score_block(const float* qt, int64_t rp, const float* kf, float* st)
 }
 
 #ifdef __AVX512BF16__
-// The same for bfloat16 queries and keys: qt [dim / 2, rp] holds pairs of
-// bfloat16 (one 32-bit lane each) and the keys are read in place, one pair
-// broadcast per step; vdpbf16ps does two multiply-adds per lane per
-// instruction, and bfloat16 products are exact in float, so the scores are
-// as accurate as the float path's.
-template <int NV, int KB, int RV>
-inline void score_block_bf16(const uint32_t* qt, int64_t rp, const c10::BFloat16* const* keys,
-                             float* st) {
-  __m512 acc[KB][RV];
-  for (int k = 0; k < KB; ++k)
-    for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
-  for (int d = 0; d < NV * 8; ++d) {
-    __m512bh qv[RV];
-    for (int v = 0; v < RV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(qt + d * rp + 16 * v);
-    for (int k = 0; k < KB; ++k) {
-      uint32_t pair;
-      std::memcpy(&pair, keys[k] + 2 * d, sizeof(pair));
-      const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], qv[v], kb);
-    }
-  }
-  for (int k = 0; k < KB; ++k)
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + k * rp + 16 * v, acc[k][v]);
-}
-
 // P.V for bfloat16 V the same way: keys go in pairs, V rows interleaved lane
 // by lane and the weights rounded to bfloat16 pairs, half the instructions
 // of float FMAs. torch's own CPU attention rounds the weights to bfloat16 for
@@ -466,48 +490,26 @@ inline void pair_weights(const float* pa, const float* pb, int64_t rp, uint32_t*
     _mm512_storeu_si512(dst + r, _mm512_permutexvar_epi16(idx, (__m512i)both));
   }
 }
-
-// accumulate_block over key pairs: p2 [pairs, rp] and v2 [pairs, dim] from
-// pair_weights and interleave_rows.
-template <int NV, int RB>
-inline void accumulate_block_bf16(const uint32_t* p2, int64_t rp, const uint32_t* v2,
-                                  int64_t pairs, const float* rescale, int64_t r0, float* acc) {
-  __m512 a[RB][NV];
-  for (int i = 0; i < RB; ++i) {
-    const __m512 c = _mm512_set1_ps(rescale[r0 + i]);
-    for (int v = 0; v < NV; ++v)
-      a[i][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + ((r0 + i) * NV + v) * 16));
-  }
-  for (int64_t k = 0; k < pairs; ++k) {
-    const uint32_t* pk = p2 + k * rp + r0;
-    for (int v = 0; v < NV; ++v) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(v2 + (k * NV + v) * 16);
-      for (int i = 0; i < RB; ++i)
-        a[i][v] = _mm512_dpbf16_ps(a[i][v], (__m512bh)_mm512_set1_epi32(static_cast<int>(pk[i])),
-                                   vv);
-    }
-  }
-  for (int i = 0; i < RB; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + ((r0 + i) * NV + v) * 16, a[i][v]);
-}
 #endif
 
 // acc[r0 + i] = acc[r0 + i] * rescale[r0 + i] + sum_k pt[k, r0 + i] * v_k for
-// RB rows: the accumulators stay in registers for the whole tile.
-template <int NV, int RB>
-inline void accumulate_block(const float* pt, int64_t rp, const float* vf, int64_t n,
-                             const float* rescale, int64_t r0, float* acc) {
+// RB rows: the accumulators stay in registers for the whole tile. A step k
+// is one key (FloatLanes: pt [n, rp], vt [n, dim] floats) or a key pair
+// (Bf16PairLanes: pt and vt from pair_weights and interleave_rows).
+template <typename L, int NV, int RB>
+inline void accumulate_block(const typename L::Elem* pt, int64_t rp, const typename L::Elem* vt,
+                             int64_t steps, const float* rescale, int64_t r0, float* acc) {
   __m512 a[RB][NV];
   for (int i = 0; i < RB; ++i) {
     const __m512 c = _mm512_set1_ps(rescale[r0 + i]);
     for (int v = 0; v < NV; ++v)
       a[i][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + ((r0 + i) * NV + v) * 16));
   }
-  for (int64_t k = 0; k < n; ++k) {
-    const float* pk = pt + k * rp + r0;
+  for (int64_t k = 0; k < steps; ++k) {
+    const typename L::Elem* pk = pt + k * rp + r0;
     for (int v = 0; v < NV; ++v) {
-      const __m512 vv = _mm512_loadu_ps(vf + (k * NV + v) * 16);
-      for (int i = 0; i < RB; ++i) a[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(pk[i]), vv, a[i][v]);
+      const typename L::Vec vv = L::load(vt + (k * NV + v) * 16);
+      for (int i = 0; i < RB; ++i) a[i][v] = L::madd(a[i][v], L::broadcast(pk[i]), vv);
     }
   }
   for (int i = 0; i < RB; ++i)
@@ -526,11 +528,14 @@ inline __m512 exp_nonpositive(__m512 x) { return radixmux::exp16(x); }
 // (2k, 2k + 1) for k < pairs (zeros past n), st keeping the scaled scores.
 // Maxima and sums run as four interleaved chains (keys k mod 4): a single
 // chain waits on each add's latency; the order is fixed, so a row's result
-// still depends only on its own scores.
-inline void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0, bool masked,
-                         const int32_t* first, const int32_t* last, float scale, float softcap,
-                         float* m, float* s, float* rescale, uint32_t* p2 = nullptr,
-                         int64_t pairs = 0) {
+// still depends only on its own scores. Never inlined: -ffast-math lets GCC
+// reassociate the sums differently in each place it is compiled, and a
+// caller inlining it would change the weights in the last bit.
+__attribute__((noinline)) void softmax_tile(float* st, int64_t n, int64_t rp, int64_t j0,
+                                            bool masked, const int32_t* first,
+                                            const int32_t* last, float scale, float softcap,
+                                            float* m, float* s, float* rescale,
+                                            uint32_t* p2 = nullptr, int64_t pairs = 0) {
   if (softcap > 0.f) {  // vectorised through the vector math library's tanh
     const float inner = scale / softcap;
     for (int64_t i = 0; i < n * rp; ++i) st[i] = std::tanh(st[i] * inner) * softcap;
@@ -639,16 +644,11 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
   const int32_t first_all = *std::max_element(first, first + rows);
   const int32_t last_all = *std::min_element(last, last + rows);
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
-  prefetch_rows(k_base, addr, row_stride, std::min(kTile, len), bytes);
-  prefetch_rows(v_base, addr, row_stride, std::min(kTile, len), bytes);
+  prefetch_tile(k_base, v_base, row_stride, addr, 0, kTile, len, bytes);
   for (int64_t j0 = 0; j0 < len; j0 += kTile) {
     const int64_t n = std::min(kTile, len - j0);
     // The next tile's K and V arrive while this one is computed.
-    if (j0 + kTile < len) {
-      const int64_t ahead = std::min(kTile, len - j0 - kTile);
-      prefetch_rows(k_base, addr + j0 + kTile, row_stride, ahead, bytes);
-      prefetch_rows(v_base, addr + j0 + kTile, row_stride, ahead, bytes);
-    }
+    prefetch_tile(k_base, v_base, row_stride, addr, j0 + kTile, kTile, len, bytes);
     auto score_rows = [&](auto rv, int64_t v) {
       constexpr int RV = decltype(rv)::value;
       // Blocks of 8 keys, a piece's last few one by one (two block shapes
@@ -659,13 +659,13 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
         if constexpr (DP) {
           const c10::BFloat16* keys[KB];
           for (int k = 0; k < KB; ++k) keys[k] = k_base + addr[j0 + k0 + k] * row_stride;
-          score_block_bf16<NV, KB, RV>(static_cast<const uint32_t*>(qt) + v, rp, keys,
-                                       st + k0 * rp + v);
+          score_block<Bf16PairLanes, NV, KB, RV>(static_cast<const uint32_t*>(qt) + v, rp, keys,
+                                                 st + k0 * rp + v);
           return;
         }
 #endif
-        score_block<NV, KB, RV>(static_cast<const float*>(qt) + v, rp, kf + k0 * dim,
-                                st + k0 * rp + v);
+        score_block<FloatLanes, NV, KB, RV>(static_cast<const float*>(qt) + v, rp, kf + k0 * dim,
+                                            st + k0 * rp + v);
       };
       int64_t k0 = 0;
       for (; k0 + 8 <= n; k0 += 8) block(std::integral_constant<int, 8>{}, k0);
@@ -690,14 +690,15 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
         pair_weights(st + 2 * k * rp, two ? st + (2 * k + 1) * rp : nullptr, rp, p2 + k * rp);
       }
       blocks_of<RB>(0, rows, [&](auto rb, int64_t r0) {
-        accumulate_block_bf16<NV, decltype(rb)::value>(p2, rp, v2, pairs, rescale, r0, acc);
+        accumulate_block<Bf16PairLanes, NV, decltype(rb)::value>(p2, rp, v2, pairs, rescale, r0,
+                                                                 acc);
       });
       continue;
     }
 #endif
     rows_to_float<T, NV>(v_base, addr + j0, row_stride, n, vf);
     blocks_of<RB>(0, rows, [&](auto rb, int64_t r0) {
-      accumulate_block<NV, decltype(rb)::value>(st, rp, vf, n, rescale, r0, acc);
+      accumulate_block<FloatLanes, NV, decltype(rb)::value>(st, rp, vf, n, rescale, r0, acc);
     });
   }
   std::copy(mr, mr + rows, m);
@@ -750,7 +751,57 @@ inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t
 // Whether this process may use AMX tiles (asked once).
 inline bool amx_ready() { return radixmux::request_amx(); }
 
-// Tiles: 0-3 accumulators, 4-5 A operands, 6-7 B operands (all 16 x 64 bytes).
+// C (+)= A . B over one row of 32 x 32 blocks: both of attend_state_amx's
+// products (S^T = K . Q^T, O^T += V^T . P^T) are this loop nest. A is 32 rows
+// of `steps` 64-byte chunks of bfloat16 pairs, lda bytes apart; B [16 * steps,
+// 16 * groups] pairs and C [32, 16 * groups] floats have rows of rp lanes. C
+// starts from zero, or with Accumulate from what it holds. Tiles: 0-3 C,
+// 4-5 A, 6-7 B (all 16 x 64 bytes).
+template <bool Accumulate>
+inline void amx_block_row(const void* a, int64_t lda, int64_t steps, const uint32_t* b, float* c,
+                          int64_t rp, int64_t groups) {
+  const int64_t ld = rp * 4;  // bytes per row of B and C
+  const char* a0 = static_cast<const char*>(a);
+  const char* a1 = a0 + 16 * lda;
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    float* c0 = c + 16 * g;
+    float* c1 = c0 + 16 * rp;
+    if constexpr (Accumulate) {
+      _tile_loadd(0, c0, ld);
+      _tile_loadd(1, c1, ld);
+      if (two) {
+        _tile_loadd(2, c0 + 16, ld);
+        _tile_loadd(3, c1 + 16, ld);
+      }
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k = 0; k < steps; ++k) {
+      const uint32_t* bk = b + 16 * k * rp + 16 * g;
+      _tile_loadd(4, a0 + 64 * k, lda);
+      _tile_loadd(5, a1 + 64 * k, lda);
+      _tile_loadd(6, bk, ld);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_loadd(7, bk + 16, ld);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c0, ld);
+    _tile_stored(1, c1, ld);
+    if (two) {
+      _tile_stored(2, c0 + 16, ld);
+      _tile_stored(3, c1 + 16, ld);
+    }
+  }
+}
+
 template <int NV>
 __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows, int64_t rp,
                                                 const c10::BFloat16* k_base,
@@ -762,7 +813,6 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 32 (one tile's k)");
   constexpr int64_t dim = NV * 16, KT = kAmxKeys, pairs = KT / 2;
   const int64_t groups = rp / 16;
-  const int64_t lq = rp * 4;  // bytes per row of qt, st, p2, acc_t
   sc.kf.resize(static_cast<size_t>(KT * dim / 2 + pairs * rp));  // K rows, then P^T pairs
   sc.vf.resize(static_cast<size_t>(2 * pairs * dim));            // V pairs, then V^T
   sc.scores.resize(static_cast<size_t>(KT * rp));
@@ -779,16 +829,11 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
   const int32_t first_all = *std::max_element(first, first + rows);
   const int32_t last_all = *std::min_element(last, last + rows);
   constexpr int64_t bytes = dim * static_cast<int64_t>(sizeof(c10::BFloat16));
-  prefetch_rows(k_base, addr, row_stride, std::min(KT, len), bytes);
-  prefetch_rows(v_base, addr, row_stride, std::min(KT, len), bytes);
+  prefetch_tile(k_base, v_base, row_stride, addr, 0, KT, len, bytes);
   radixmux::configure_full_tiles();
   for (int64_t j0 = 0; j0 < len; j0 += KT) {
     const int64_t n = std::min(KT, len - j0);
-    if (j0 + KT < len) {
-      const int64_t ahead = std::min(KT, len - j0 - KT);
-      prefetch_rows(k_base, addr + j0 + KT, row_stride, ahead, bytes);
-      prefetch_rows(v_base, addr + j0 + KT, row_stride, ahead, bytes);
-    }
+    prefetch_tile(k_base, v_base, row_stride, addr, j0 + KT, KT, len, bytes);
     // K rows into whole tiles (zero rows past n: their scores are never used).
     for (int64_t k = 0; k < n; ++k)
       std::memcpy(kb + k * dim, k_base + addr[j0 + k] * row_stride, bytes);
@@ -796,35 +841,8 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
     // S^T [KT, rp] = K . Q^T in 2 x 2 blocks of 16 keys x 16 query rows
     // (key groups wholly past n skipped).
     const int64_t key_groups = (n + 15) / 16;
-    for (int64_t kg = 0; kg < key_groups; kg += 2) {
-      const uint16_t* k0 = kb + 16 * kg * dim;
-      float* s0 = st + 16 * kg * rp;
-      for (int64_t g = 0; g < groups; g += 2) {
-        const bool two = g + 1 < groups;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c < NV / 2; ++c) {
-          _tile_loadd(4, k0 + 32 * c, dim * 2);
-          _tile_loadd(5, k0 + 16 * dim + 32 * c, dim * 2);
-          _tile_loadd(6, qt + 16 * c * rp + 16 * g, lq);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (two) {
-            _tile_loadd(7, qt + 16 * c * rp + 16 * g + 16, lq);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, s0 + 16 * g, lq);
-        _tile_stored(1, s0 + 16 * rp + 16 * g, lq);
-        if (two) {
-          _tile_stored(2, s0 + 16 * g + 16, lq);
-          _tile_stored(3, s0 + 16 * rp + 16 * g + 16, lq);
-        }
-      }
-    }
+    for (int64_t kg = 0; kg < key_groups; kg += 2)
+      amx_block_row<false>(kb + 16 * kg * dim, dim * 2, NV / 2, qt, st + 16 * kg * rp, rp, groups);
     // P^T and V as key pairs (zeros past n: weight 0 on a zero row adds nothing).
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
@@ -854,38 +872,9 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
     }
     // O^T [dim, rp] += V^T . P^T in 2 x 2 blocks of 16 dims x 16 rows, the
     // accumulators in tiles over the step's key chunks.
-    for (int64_t dg = 0; dg < NV; dg += 2) {
-      const uint32_t* a0 = vt + 16 * dg * pairs;
-      for (int64_t g = 0; g < groups; g += 2) {
-        const bool two = g + 1 < groups;
-        float* c0 = acc_t + 16 * dg * rp + 16 * g;
-        float* c1 = c0 + 16 * rp;
-        _tile_loadd(0, c0, lq);
-        _tile_loadd(1, c1, lq);
-        if (two) {
-          _tile_loadd(2, c0 + 16, lq);
-          _tile_loadd(3, c1 + 16, lq);
-        }
-        for (int64_t kc = 0; kc < chunks; ++kc) {
-          _tile_loadd(4, a0 + 16 * kc, pairs * 4);
-          _tile_loadd(5, a0 + 16 * pairs + 16 * kc, pairs * 4);
-          _tile_loadd(6, p2 + 16 * kc * rp + 16 * g, lq);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 5, 6);
-          if (two) {
-            _tile_loadd(7, p2 + 16 * kc * rp + 16 * g + 16, lq);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, c0, lq);
-        _tile_stored(1, c1, lq);
-        if (two) {
-          _tile_stored(2, c0 + 16, lq);
-          _tile_stored(3, c1 + 16, lq);
-        }
-      }
-    }
+    for (int64_t dg = 0; dg < NV; dg += 2)
+      amx_block_row<true>(vt + 16 * dg * pairs, pairs * 4, chunks, p2, acc_t + 16 * dg * rp, rp,
+                          groups);
   }
   // acc [rows, dim] = acc_t^T: whole 16-row groups by blocks, the rest by element.
   const int64_t whole = rows / 16 * 16;
@@ -1077,6 +1066,18 @@ struct Groups {
   int64_t count = 0;
 };
 
+// Runs task(i, scratch) for i = 0..n-1, every thread taking the next task
+// not yet taken (callers put the costliest first): a core slowed by other
+// work simply takes fewer.
+template <typename F>
+void run_tasks(int64_t n, F&& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch s;
+    for (int64_t i; (i = next.fetch_add(1)) < n;) task(i, s);
+  });
+}
+
 template <typename T, typename Q>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
          const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
@@ -1208,8 +1209,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   };
 
   // ---- tasks -------------------------------------------------------------------------
-  // Costliest first, then any thread takes the next: a core slowed by other
-  // work simply takes fewer.
+  // Costliest first, for run_tasks.
   const int64_t num_pieces = static_cast<int64_t>(pieces.size());
   auto cost = [&](int64_t i) {
     const Piece& p = pieces[i];
@@ -1259,11 +1259,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // A thread takes a piece's KV heads together: a K or V row holds every
   // head, so the first head's reads bring the others' bytes into this core's
   // L2 (a head per thread made both cores pull every line from memory).
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch s;
-    for (int64_t i; (i = next.fetch_add(1)) < num_pieces;)
-      for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[i] * kv_heads + h, s);
+  run_tasks(num_pieces, [&](int64_t i, Scratch& s) {
+    for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[i] * kv_heads + h, s);
   });
 }
 
@@ -1321,37 +1318,30 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // Costliest first, then any thread takes the next (as for decodes).
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch s;
-    std::vector<float> state;
-    for (int64_t i; (i = next.fetch_add(1)) < num_tasks;) {
-      const Task& t = tasks[i];
-      const int64_t n = qoffs[t.seq + 1] - qoffs[t.seq];
-      const int64_t cached = offs[t.seq + 1] - offs[t.seq] - n;
-      const int64_t begin = oldest(cached + t.t0), end = cached + t.t1;  // keys [begin, end)
-      const int64_t rows = (t.t1 - t.t0) * qpk;
-      state.resize(static_cast<size_t>(rows * (dim + 2)));
-      float *m = state.data(), *sum = m + rows, *acc = sum + rows;
-      // Row r: token t0 + r / qpk (context index c), query head h * qpk + r % qpk.
-      auto row = [&](int64_t r) {
-        const int64_t token = t.t0 + r / qpk, c = cached + token;
-        return QueryRow<Q>{qp + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim,
-                           oldest(c) - begin, c - begin};
-      };
-      dispatch_dim(dim, [&](auto nv) {
-        attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
-                                               row_stride, ap + offs[t.seq] + begin,
-                                               end - begin, dim, sc, cap, s, m, sum, acc,
-                                               /*amx_any=*/true);
-      });
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t token = t.t0 + r / qpk;
-        Q* dst = op + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim;
-        write_normalised(acc + r * dim, sum[r], dim, dst);
-      }
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, Scratch& s) {
+    const Task& t = tasks[i];
+    const int64_t n = qoffs[t.seq + 1] - qoffs[t.seq];
+    const int64_t cached = offs[t.seq + 1] - offs[t.seq] - n;
+    const int64_t begin = oldest(cached + t.t0), end = cached + t.t1;  // keys [begin, end)
+    const int64_t rows = (t.t1 - t.t0) * qpk;
+    s.state.resize(static_cast<size_t>(rows * (dim + 2)));
+    float *m = s.state.data(), *sum = m + rows, *acc = sum + rows;
+    // Row r: token t0 + r / qpk (context index c), query head h * qpk + r % qpk.
+    auto row = [&](int64_t r) {
+      const int64_t token = t.t0 + r / qpk, c = cached + token;
+      return QueryRow<Q>{qp + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim,
+                         oldest(c) - begin, c - begin};
+    };
+    dispatch_dim(dim, [&](auto nv) {
+      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
+                                             row_stride, ap + offs[t.seq] + begin,
+                                             end - begin, dim, sc, cap, s, m, sum, acc,
+                                             /*amx_any=*/true);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = t.t0 + r / qpk;
+      Q* dst = op + ((qoffs[t.seq] + token) * heads + t.head * qpk + r % qpk) * dim;
+      write_normalised(acc + r * dim, sum[r], dim, dst);
     }
   });
 }
