@@ -100,7 +100,7 @@ def test_no_package_imports_one_above_or_beside_it() -> None:
             continue  # the package's own __init__: imports nothing
         for dep in deps:
             theirs = layer_part(dep)
-            if theirs == mine or theirs == PKG:
+            if theirs in (mine, PKG):
                 continue
             if theirs not in LEVEL:
                 bad.append(f"{module} -> {dep}: {theirs!r} is in no layer (add it to LAYERS)")
