@@ -197,7 +197,7 @@ class Server:
     """An in-process ``Engine`` with its base URL; ``stop()`` is graceful."""
 
     def __init__(self, label: str, **flags: Any) -> None:
-        from radixmux.runtime.engine import Engine
+        from radixmux.runtime.client.engine import Engine
 
         self.label = label
         shown = {k: v for k, v in flags.items() if k not in ("log_level",)}

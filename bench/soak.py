@@ -39,12 +39,18 @@ and checks (one PASS/FAIL line each):
 - the launcher alive throughout and stopping cleanly;
 - the load exercised what it claims (every kind of request, eviction, retraction).
 
+``--hostile`` adds hostile clients beside this load (``bench/soak_hostile.py``:
+lists at and past every bound, slow and stalled readers, model changes under
+them, cross-site request shapes, traps planted in the disk tier's store) and
+their checks.
+
 It writes ``bench/results/soak.json`` (checks, summaries, every request),
 ``soak.png`` (requests by status and TTFT p50/p99 per minute, RSS per process,
 kill markers) and ``soak-server.log``, and exits 1 when a check fails.
 
     .venv/bin/python bench/soak.py --minutes 30                # the README run (real models)
     .venv/bin/python bench/soak.py --minutes 2 --tiny          # what tests/test_soak.py runs
+    .venv/bin/python bench/soak.py --minutes 30 --hostile      # with hostile clients
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `bench.` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import soak_hostile
 from bench.bench_serving import chat_messages, completion_prompt
 from bench.workloads import WordSource, resolve_tokenizer, vocabulary_words
 
@@ -224,6 +231,8 @@ class SoakConfig:
     server_args: tuple[str, ...]
     profile: Profile
     dtype: str = "float32"  # the models' dtype ("": the server's default)
+    hostile: bool = False  # hostile clients beside the load (bench/soak_hostile.py)
+    hostile_dir: str = ""  # their temporary directory: the disk store, canaries
 
     @property
     def load_s(self) -> float:
@@ -247,7 +256,8 @@ class RequestRecord:
     stream_error (an error event, then ``[DONE]``), abandoned / disconnected (the
     client hung up on purpose), timeout, transport (connection failed), incomplete
     (no finish reason, or a stream cut without ``[DONE]``), bad_body (an answer
-    that is not the documented JSON).
+    that is not the documented JSON), drain_cut (a stream whose client stopped
+    reading, cut when an unload's drain timed out, as documented).
     """
 
     task: str
@@ -382,6 +392,8 @@ class RunState:
     restarts: dict[str, int] = field(default_factory=dict)  # latest seen, for progress
     watchers: list[asyncio.Task] = field(default_factory=list)  # kill recovery watchers
     server_exit: tuple[float, int] | None = None  # the launcher died mid-run: (t, code)
+    drains: list[Outage] = field(default_factory=list)  # model changes: 503s documented
+    hostile: Any = None  # soak_hostile.HostileRun with --hostile
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -539,6 +551,8 @@ def server_command(config: SoakConfig, sources: Sequence[str]) -> list[str]:
     ]
     if config.runner_timeout_s > 0:
         cmd += ["--runner-timeout", f"{config.runner_timeout_s:g}"]
+    if config.hostile:
+        cmd += soak_hostile.server_flags(config)
     return [*cmd, *config.server_args]
 
 
@@ -1423,7 +1437,7 @@ def outages(run: RunState) -> list[Outage]:
         for model, state in sample.states.items():
             if state != "serving":
                 out.append(Outage(model, sample.t - HEALTH_EVERY_S, sample.t + HEALTH_EVERY_S))
-    return out
+    return out + run.drains
 
 
 def in_outage(rec: RequestRecord, windows: Sequence[Outage]) -> bool:
@@ -1439,7 +1453,7 @@ def problems(rec: RequestRecord, windows: Sequence[Outage]) -> list[tuple[str, s
     """(check name, why) for everything wrong with ``rec``'s answer; [] when it is fine."""
     stream = " stream" if rec.stream else ""
     where = f"{rec.kind} {rec.model} {rec.endpoint}{stream} @{rec.t_start:.0f}s"
-    if rec.outcome in ("abandoned", "disconnected"):
+    if rec.outcome in ("abandoned", "disconnected", "drain_cut"):
         return []
     if rec.outcome == "timeout":
         return [("no_hangs", f"{where}: {rec.detail}")]
@@ -1896,6 +1910,7 @@ def load_tasks(run: RunState) -> list[Callable[[], Awaitable[None]]]:
         lambda: health_task(run),
         lambda: rss_task(run),
         lambda: progress_task(run),
+        *(soak_hostile.load_tasks(run) if run.config.hostile else []),
     ]
 
 
@@ -1935,19 +1950,30 @@ async def soak(config: SoakConfig, server: SoakServer, sources: Sequence[str]) -
     print(f"[soak] server ready: {server.url}; load for {config.minutes:g} min", flush=True)
     sample_rss(run)
     await probe_all(run, "before")
+    if config.hostile:
+        await soak_hostile.before_load(run)
     shift_origin(run)
     await drive(run)
     end = await end_phase(run)
+    if config.hostile:
+        await soak_hostile.after_load(run)
     procs = list(server.processes())
     end.exit_code = server.stop()
     end.leftover = [p for p in procs if p != server.pid and _alive(p)]
+    if config.hostile:
+        await soak_hostile.restart_phase(run)
     checks, rss_detail = all_checks(run, end)
+    checks += soak_hostile.checks(run) if config.hostile else []
     data = report(run, end, checks, rss_detail)
+    if config.hostile:
+        data["hostile"] = soak_hostile.report(run)
     print_summary(data, checks)  # first: a half-hour's verdict must not hang on a file write
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(data, indent=1) + "\n")
     plot(data, config.png)
     print(f"[soak] wrote {config.out} and {config.png}; server log {config.log}")
+    if config.hostile:
+        soak_hostile.cleanup(run, data["passed"])
     return 0 if data["passed"] else 1
 
 
@@ -1986,6 +2012,11 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         "decode in another cascade group, rounds differently and near-ties flip (README), "
         "the more often in the tiny random-weight models",
     )
+    p.add_argument(
+        "--hostile",
+        action="store_true",
+        help="hostile clients beside the load, with the disk tier on (bench/soak_hostile.py)",
+    )
     a = p.parse_args(argv)
     profile = TINY if a.tiny else REAL
     port = a.port or free_port()
@@ -2000,6 +2031,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         server_args=tuple(a.server_args.split()),
         profile=profile,
         dtype=a.dtype or "float32",
+        hostile=a.hostile,
     )
 
 
@@ -2017,6 +2049,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    if config.hostile:
+        config = soak_hostile.prepare(config)
     sources = model_sources(config.tiny)
     cmd = server_command(config, sources)
     print(f"[soak] starting {' '.join(cmd)}", flush=True)
@@ -2037,4 +2071,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Through the package, so bench.soak_hostile and this run share one copy of the module.
+    from bench import soak as _soak
+
+    raise SystemExit(_soak.main())

@@ -50,6 +50,7 @@ from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
 from radixmux.runtime.model_lifecycle import ModelLifecycle
 from radixmux.runtime.model_sources import LaunchError, resolve_models
+from radixmux.runtime.warmup_file import load_warmup_file
 
 if TYPE_CHECKING:
     from radixmux.model_runners.runner_process import RunnerConfig
@@ -62,7 +63,7 @@ PROCESS_MODULES = {
     "scheduler": "radixmux.scheduler.scheduler",
     "detokenizer": "radixmux.runtime.detokenizer",
     "tokenizer": "radixmux.runtime.tokenizer_worker",
-    "front": "radixmux.runtime.front",
+    "front": "radixmux.runtime.front.server",
 }
 
 SCHEDULER_READY_TIMEOUT_S = 900.0  # runners load weights (and may convert) first
@@ -139,8 +140,6 @@ class Launcher:
         if args.chat_template is not None and not os.path.isfile(args.chat_template):
             raise LaunchError(f"--chat-template {args.chat_template}: no such file")
         if args.warmup is not None:  # a bad line fails now, before anything starts
-            from radixmux.runtime.warmup_api import load_warmup_file
-
             try:
                 load_warmup_file(args.warmup, [m.name for m in args.models])
             except ValueError as exc:

@@ -279,7 +279,7 @@ class RunningFront:
         self.peers = Peers(self.endpoints, [m.name for m in served])
         self.peers.start()
         ctx = ProcessContext("front", server_args, self.endpoints, served)
-        self.proc: subprocess.Popen = spawn("radixmux.runtime.front", ctx)
+        self.proc: subprocess.Popen = spawn("radixmux.runtime.front.server", ctx)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_announced(self, timeout: float = 20.0) -> None:

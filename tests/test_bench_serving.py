@@ -40,7 +40,7 @@ from bench.workloads import (
     vocabulary_words,
     zipf_weights,
 )
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(180)
 

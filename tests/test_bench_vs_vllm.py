@@ -239,7 +239,7 @@ def test_vllm_bench_client_gets_the_greedy_text_curl_gets(tmp_path: Path) -> Non
     import httpx
     from tiny_models import make_tiny_model_dir
 
-    from radixmux.runtime.engine import Engine
+    from radixmux.runtime.client.engine import Engine
 
     folder = make_tiny_model_dir(tmp_path / "m", seed=3)
     prompts = [f"Story {i}: the lighthouse keeper and the {w} sea" for i, w in enumerate("abcdef")]

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_model_dir
 
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from tiny_models import make_tiny_model_dir
 
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 from radixmux.runtime.launcher import LaunchError
 
 pytestmark = pytest.mark.timeout(300)

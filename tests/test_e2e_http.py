@@ -20,7 +20,7 @@ import torch
 from tiny_models import make_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -28,7 +28,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[str]:
-    from radixmux.runtime.engine import Engine
+    from radixmux.runtime.client.engine import Engine
 
     engine = Engine(
         model=[f"{folder},name=m"],

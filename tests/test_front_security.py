@@ -29,7 +29,7 @@ from tiny_models import make_tiny_model_dir
 
 from radixmux.common.allowed_names import HostAllowList
 from radixmux.common.server_args import parse_args
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -36,7 +36,8 @@ from tiny_models import make_tiny_model_dir, tokenizer_source
 
 from radixmux import protocol
 from radixmux.protocol import ForwardBatch, SamplingParams, pack_ids, unpack_bias, unpack_ids
-from radixmux.runtime.api_common import (
+from radixmux.runtime.detokenizer import IncrementalText, stop_matcher
+from radixmux.runtime.front.api.common import (
     MAX_CHAT_MESSAGES,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -46,7 +47,6 @@ from radixmux.runtime.api_common import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from radixmux.runtime.detokenizer import IncrementalText, stop_matcher
 from radixmux.scheduler.batch_builder import ScheduledBatch
 from radixmux.scheduler.request import Req
 from tests.front_harness import RunningFront, out, running_front, served_model, stats, words
@@ -485,7 +485,7 @@ def test_runner_honours_packed_lists_as_it_does_params(arena) -> None:
 # ---- (b) the stall test -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from radixmux.runtime.engine import Engine
+    from radixmux.runtime.client.engine import Engine
 
     root: Path = tmp_path_factory.mktemp("stall_models")
     a = make_tiny_model_dir(root / "a", seed=21)

@@ -23,7 +23,7 @@ from tiny_models import make_tiny_model_dir
 
 from radixmux.model_runners.fingerprint import weights_fingerprint
 from radixmux.model_runners.loader import load_model
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from radixmux.runtime.launcher import Launcher, LaunchError
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_SCHEDULER = importlib.util.find_spec("radixmux.scheduler.scheduler") is not None
-HAVE_FRONT = importlib.util.find_spec("radixmux.runtime.front") is not None
+HAVE_FRONT = importlib.util.find_spec("radixmux.runtime.front.server") is not None
 needs_scheduler = pytest.mark.skipif(not HAVE_SCHEDULER, reason="scheduler not in the tree yet")
 needs_stack = pytest.mark.skipif(
     not (HAVE_SCHEDULER and HAVE_FRONT), reason="scheduler or front not in the tree yet"
@@ -124,7 +124,7 @@ def test_failing_runner_names_it(tmp_path):
 @needs_stack
 @pytest.mark.timeout(90)
 def test_engine_generates_survives_runner_death_stops_on_core_death(tiny):
-    from radixmux.runtime.engine import Engine
+    from radixmux.runtime.client.engine import Engine
 
     engine = Engine(model=[f"{tiny['a']},name=a", f"{tiny['b']},name=b"], **SMALL)
     launcher = engine.launcher

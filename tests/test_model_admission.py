@@ -27,8 +27,8 @@ from tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.protocol import ModelArg
 from radixmux.runtime.admission import usable_cores
-from radixmux.runtime.engine import Engine
-from radixmux.runtime.front_hub import new_rid
+from radixmux.runtime.client.engine import Engine
+from radixmux.runtime.front.hub import new_rid
 from radixmux.runtime.launcher import Child
 
 pytestmark = pytest.mark.timeout(900)

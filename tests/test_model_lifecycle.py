@@ -17,7 +17,7 @@ import pytest
 from tiny_models import make_tiny_model_dir
 
 from radixmux.runtime.client import Client, ClientError
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(600)
 PROMPT = "The quick brown fox jumps over the lazy dog because"

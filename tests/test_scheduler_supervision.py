@@ -40,7 +40,7 @@ from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import KVArena
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.protocol import ModelArg
-from radixmux.runtime.engine import Engine
+from radixmux.runtime.client.engine import Engine
 from radixmux.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,19 +1,30 @@
-"""The soak and chaos harness (``bench/soak.py``, issue 9) for two minutes on tiny models.
+"""The soak and chaos harness (``bench/soak.py``, issue 9) for two minutes on tiny
+models, with its hostile clients (``--hostile``, issue 27).
 
 The real two-model server runs as a subprocess on a small arena under the
 harness's whole mixed load (shared prefixes, multi-turn chats, abandoned
 streams, bursts that outgrow the arena, disconnects during tokenization, bad
 input, invalidations and flushes); a minute in, model ``a``'s runner is
 SIGKILLed (one kill, so ``b``'s runner lives through the memory check from the
-halfway point to the end). Every check the harness makes must pass, and the run
-must have exercised what it claims (a kill and a restart, every kind of
-request, eviction and retraction, a runner in the memory check), so the test
-cannot pass vacuously. The judging logic also has fast tests on hand-made records.
+halfway point to the end). Beside that load run the hostile clients (lists at
+and past every bound, slow and stalled readers, model changes under streams
+that are never read, cross-site request shapes, traps in the disk store), and
+before it they run alone beside a probe of the idle server's latency. One run
+holds both, so the suite pays for one server's start, load and end phase.
+
+Every check the harness makes must pass, and the run must have exercised what
+it claims (a kill and a restart, every kind of request, eviction and
+retraction, a runner in the memory check, every hostile class, a drain that
+met streams in flight, traps in namespace directories), so the test cannot
+pass vacuously. The judging logic, the stream parsing and the trap
+bookkeeping also have fast tests on hand-made data.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +33,33 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import soak
+from bench import soak, soak_hostile
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RUN_TIMEOUT_S = 1200  # start (~40 s), 2 min of load, end phase, stop; slow when shared
+# Start (~40 s), the hostile clients alone (~1 min), 2 min of load, end phase,
+# a restart on the same disk store, stop; slow when the machine is shared.
+RUN_TIMEOUT_S = 1500
 
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+
+HOSTILE_CHECKS = (
+    "hostile_bounds_refused",
+    "hostile_at_bound_served",
+    "hostile_no_5xx",
+    "hostile_cross_site_refused",
+    "hostile_slow_readers",
+    "hostile_drains_end",
+    "hostile_disk_traps_intact",
+    "hostile_stall_ratio",
+)
 
 
 def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "2", "--tiny"]
     proc = subprocess.run(
-        [*cmd, "--kill-every", "60", "--out", str(out)],
+        [*cmd, "--hostile", "--kill-every", "60", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -61,6 +85,21 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert statuses.get("200", 0) > 50 and statuses.get("400", 0) > 0, statuses
     assert any(p["phase"] == "during" and p["status"] == 200 for p in data["probes"])
 
+    # The hostile clients: every check ran, every class sent requests, a drain
+    # met streams still in flight, traps sat in namespace directories, the state
+    # was compared before and after, the server restarted on the same store.
+    assert {c["name"] for c in data["checks"]} >= set(HOSTILE_CHECKS)
+    hostile = data["hostile"]
+    by_kind = hostile["requests_by_kind_and_status"]
+    assert all(by_kind[kind] for kind in soak_hostile.HOSTILE_KINDS), by_kind
+    assert by_kind["bound_past"].get("400", 0) > 10, by_kind["bound_past"]
+    assert any(c["aborted"] for c in hostile["changes"] if c["op"] != "load"), hostile["changes"]
+    assert len(hostile["trapped_directories"]) >= 3, hostile["trapped_directories"]
+    assert [s["when"] for s in hostile["state_checks"]] == ["before", "after"]
+    assert hostile["restart"]["ready"] and hostile["restart"]["exit_code"] == 0
+    assert {"idle", "hostile", "load"} <= hostile["stall"].keys(), hostile["stall"]
+    assert not Path(data["config"]["hostile_dir"]).exists()  # removed after a pass
+
 
 # ---- the judging logic on hand-made records (milliseconds, no server) -------------------
 def _rec(outcome: str, status: int = 200, **kw: object) -> soak.RequestRecord:
@@ -79,6 +118,7 @@ def test_problems_judges_every_kind_of_answer() -> None:
     down = [soak.Outage("a", 11.0, 30.0)]
     assert _names(_rec("ok"), []) == []
     assert _names(_rec("abandoned"), []) == []
+    assert _names(_rec("drain_cut"), []) == []  # cut at an unload's drain timeout (hostile)
     assert _names(_rec("error", 429, error_code=429), []) == []
     assert _names(_rec("error", 503, error_code=503), down) == []
     assert _names(_rec("error", 503, error_code=503), []) == ["503_only_while_down"]
@@ -119,3 +159,130 @@ def test_rss_growth_is_judged_over_each_process_warm_life() -> None:
     killed = soak.ProcessSeries(3, "runner b#0", [-1.0, 60.0, 150.0], [100, 100, 110])
     assert soak.rss_growth(killed, 60.0, 200.0) == pytest.approx(0.10)
     assert soak.rss_baseline_s(120.0) == 60.0 and soak.rss_baseline_s(1800.0) == 120.0
+
+
+# ---- the hostile-client mode (issue 27): its parsing and bookkeeping ----------------------
+
+
+def _chunked(body: bytes, rng: random.Random) -> list[bytes]:
+    """``body`` in HTTP/1.1 chunked encoding, cut into random pieces as a socket gives them."""
+    wire, i = bytearray(), 0
+    while i < len(body):
+        n = rng.randint(1, 300)
+        wire += b"%x\r\n" % len(body[i : i + n]) + body[i : i + n] + b"\r\n"
+        i += n
+    wire += b"0\r\n\r\n"
+    cuts = sorted(rng.sample(range(1, len(wire)), 20))
+    return [bytes(wire[a:b]) for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True)]
+
+
+def _generate_events(tokens: int, deltas: bool) -> list[dict[str, object]]:
+    """Streamed /generate chunks with cumulative text and ids; logprobs as deltas or not."""
+    events = []
+    for i in range(1, tokens + 1):
+        new = range(i - 1, i) if deltas else range(i)
+        finish = {"type": "length", "length": tokens} if i == tokens else None
+        meta = {
+            "finish_reason": finish,
+            "output_token_logprobs": [[-0.5, 100 + k, "w"] for k in new],
+            "output_top_logprobs": [[[-1.0, 5, "x"]] * 20 for _ in new],
+        }
+        events.append({"text": "w" * i, "output_ids": list(range(100, 100 + i)), "meta_info": meta})
+    return events
+
+
+def _sse(events: list[object]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def test_hostile_stream_parsing_judges_streams_and_logprob_deltas() -> None:
+    rng = random.Random(5)
+    rec = _rec("")
+    body = _sse(_generate_events(6, deltas=True)) + b"data: [DONE]\n\n"
+    decoder = soak_hostile.Dechunker()
+    for piece in _chunked(body, rng):
+        decoder.feed(piece)
+    assert decoder.done and bytes(decoder.data) == body
+    facts = soak_hostile.judge_events(rec, bytes(decoder.data), True)
+    assert rec.outcome == "ok" and facts == {"tokens": 6, "entries": 6, "widest": 20}
+    # Logprobs re-sent in full every chunk (the issue's quadratic stream): entries > tokens.
+    cumulative = _sse(_generate_events(6, deltas=False)) + b"data: [DONE]\n\n"
+    assert soak_hostile.judge_events(_rec(""), cumulative, True)["entries"] == 21
+    # A stream cut before [DONE]; an error event, then [DONE].
+    cut = _rec("")
+    soak_hostile.judge_events(cut, _sse(_generate_events(3, deltas=True)), False)
+    assert cut.outcome == "incomplete" and cut.detail == "stream cut"
+    err = {"error": {"message": "unloaded", "type": "service_unavailable", "param": None}}
+    err["error"]["code"] = 503
+    failed = _rec("")
+    soak_hostile.judge_events(failed, _sse([err]) + b"data: [DONE]\n\n", True)
+    assert failed.outcome == "stream_error" and failed.error_code == 503
+
+
+def test_hostile_traps_report_every_change(tmp_path: Path) -> None:
+    """Planted files, directories, FIFOs and links, and canaries outside the store:
+    untouched, nothing is reported; each kind of damage is."""
+    store = tmp_path / "store"
+    (store / "v1" / "0123456789abcdef").mkdir(parents=True)
+    profile = soak_hostile.TINY_HOSTILE
+    hs = soak_hostile.HostileRun(profile, store, tmp_path / "canary", "", "")
+    soak_hostile.make_canary(hs)
+    assert soak_hostile.plant_traps(hs) == 3  # the store, v1, one namespace
+    assert soak_hostile.plant_traps(hs) == 0  # each planted once
+    assert soak_hostile.trap_problems(hs) == []
+
+    by_kind = {t.kind: Path(t.path) for t in hs.traps if "0123456789abcdef" in t.path}
+    by_kind["fifo"].unlink()  # deleted
+    link = by_kind["symlink"]
+    link.unlink()
+    link.write_text("replaced")  # a link replaced by a file
+    next(hs.canary.glob("*.kv")).unlink()  # a canary deleted through a link
+    problems = soak_hostile.trap_problems(hs)
+    assert any("is gone" in p for p in problems), problems
+    assert any("no longer a symlink" in p for p in problems), problems
+    assert any("canaries outside the store changed" in p for p in problems), problems
+
+
+def _hostile_run(tmp_path: Path) -> soak.RunState:
+    config = soak.parse_args(["--tiny", "--hostile", "--port", "1"])
+    run = soak.RunState(config, None, {}, [], 0.0, asyncio.Event())  # type: ignore[arg-type]
+    profile = soak_hostile.TINY_HOSTILE
+    run.hostile = soak_hostile.HostileRun(profile, tmp_path, tmp_path, "", "")
+    return run
+
+
+def _probe(run: soak.RunState, phase: str, seconds: float) -> None:
+    rec = run.new_record("stall_probe", "stall_probe", "a", "/v1/completions", False)
+    rec.case, rec.outcome, rec.e2e, rec.t_end = phase, "ok", seconds, rec.t_start + seconds
+
+
+def test_hostile_stall_verdict_is_the_hostile_window_against_idle(tmp_path: Path) -> None:
+    run = _hostile_run(tmp_path)
+    for seconds in (0.10, 0.11, 0.09):
+        _probe(run, "idle", seconds)
+    for seconds in (0.25, 0.28, 0.2):
+        _probe(run, "hostile", seconds)
+    _probe(run, "load", 5.0)  # the soak's own load: reported, not judged
+    for seconds in (0.5, 0.6, 0.55):  # idle again, on a machine busy with other work
+        _probe(run, "idle_after", seconds)
+    check = soak_hostile.stall_check(run)
+    assert check.passed and "2.50x idle" in check.detail, check.detail  # the quieter idle
+    for seconds in (0.4, 0.5, 0.45):
+        _probe(run, "hostile", seconds)
+    assert not soak_hostile.stall_check(run).passed
+
+
+def test_hostile_drain_verdict_needs_a_drain_that_met_streams_and_ended(tmp_path: Path) -> None:
+    run = _hostile_run(tmp_path)
+    hs = run.hostile
+    hs.states.append(soak_hostile.StateCheck("after", 17, True, {}, ["a", "b"]))
+    hs.changes = [soak_hostile.ChangeRecord("unload", 5.0, 0.3, 200, 0)]
+    assert not soak_hostile.drain_check(run).passed  # no drain met a stream in flight
+    hs.changes.append(soak_hostile.ChangeRecord("reload", 9.0, 14.0, 200, 2))
+    assert soak_hostile.drain_check(run).passed
+    limit = hs.profile.drain_timeout_s + soak_hostile.DRAIN_SLACK_S
+    hs.changes.append(soak_hostile.ChangeRecord("unload", 30.0, limit + 1, 200, 2))
+    assert not soak_hostile.drain_check(run).passed  # one took too long
+    hs.changes.pop()
+    hs.states[-1].served = ["a", "b", soak_hostile.EXTRA]
+    assert not soak_hostile.drain_check(run).passed  # the extra model left behind

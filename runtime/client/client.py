@@ -34,14 +34,14 @@ from radixmux.protocol import (
     TextOutput,
     encode,
 )
-from radixmux.runtime.client_protocol import (
+from radixmux.runtime.client.messages import (
     ClientAbort,
     ClientGenerate,
     ClientModelChange,
     ClientModelChanged,
     ClientReply,
+    ModelChange,
 )
-from radixmux.runtime.models_api import ModelChange
 
 _PARAM_NAMES = {f.name for f in msgspec.structs.fields(SamplingParams)}
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from radixmux.common.server_args import ServerArgs, parse_model_arg
 from radixmux.protocol import ModelArg
+from radixmux.runtime.client.client import Client, Completion
 from radixmux.runtime.launcher import Launcher
 
 MAX_IN_FLIGHT = 64  # concurrent requests an Engine keeps open
@@ -48,7 +49,7 @@ class Engine:
         self.args = self.launcher.args
         self.models = [m.name for m in self.launcher.served]
         self._local = threading.local()
-        self._clients: list[Any] = []
+        self._clients: list[Client] = []
         self._lock = threading.Lock()
         # Long-lived threads, so each keeps its one client across calls.
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="radixmux-engine")
@@ -59,12 +60,10 @@ class Engine:
         )
         self._monitor.start()
 
-    def _client(self) -> Any:
+    def _client(self) -> Client:
         """One ZeroMQ client per thread (ZeroMQ sockets are not thread-safe)."""
         client = getattr(self._local, "client", None)
         if client is None:
-            from radixmux.runtime.client import Client
-
             client = self._local.client = Client(self.launcher.endpoints.client, self.args.api_key)
             with self._lock:
                 self._clients.append(client)
@@ -75,7 +74,7 @@ class Engine:
         prompts: str | Sequence[str],
         sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
         model: str | None = None,
-    ) -> list[Any]:
+    ) -> list[Completion]:
         """Generate for every prompt (one result each, in order).
 
         ``sampling_params`` is one dict for all prompts or one per prompt;
@@ -94,7 +93,7 @@ class Engine:
         if not prompts:
             return []
 
-        def one(i: int) -> Any:
+        def one(i: int) -> Completion:
             return self._client().generate(name, prompt=prompts[i], **params[i])
 
         return list(self._pool.map(one, range(len(prompts))))
@@ -106,9 +105,7 @@ class Engine:
         self._monitor.join()  # it uses the launcher's sockets: done before stop()
         with self._lock:
             for client in self._clients:
-                close = getattr(client, "close", None)
-                if close is not None:
-                    close()
+                client.close()
             self._clients.clear()
         self.launcher.stop()
 

@@ -1,18 +1,24 @@
-"""Messages between the Python ZMQ client and the front (DEALER -> ROUTER).
+"""Messages between the Python ZMQ client and the front (DEALER -> ROUTER), and the
+model-change bodies and answer that the HTTP API shares with them.
 
 One msgpack message per frame. The client sends :class:`ClientGenerate` (and
 :class:`ClientAbort` when it stops reading a stream); the front answers each
 request, under the client's own ``rid``, with ``TextBatch`` frames of one
 ``TextOutput`` each (every delta when streaming, one merged output otherwise)
 or one ``RequestError``. The output whose ``finish_reason`` is set is the last.
+A :class:`ClientModelChange` is answered by a :class:`ClientModelChanged`
+holding the same :class:`ModelChange` that ``POST /models``, ``DELETE
+/models/{name}`` and ``POST /models/{name}/reload`` answer with; those routes
+take :class:`LoadModelBody` and :class:`ReloadModelBody`. They live here, not
+in the front, so that the client never imports the front.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from radixmux import protocol
 from radixmux.protocol import ChatMessage, RequestError, SamplingParams, TextBatch
-from radixmux.runtime.models_api import ModelChange
 
 
 class ClientGenerate(msgspec.Struct, tag="client_generate", frozen=True):
@@ -49,6 +55,73 @@ class ClientModelChange(msgspec.Struct, tag="client_model_change", frozen=True):
     replicas: int = 1
     timeout: float | None = None  # unload / reload: fail what still runs after this
     api_key: str | None = None
+
+
+# ---- model changes (HTTP and ZMQ alike) ------------------------------------------
+class LoadModelBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /models``: the ``--model`` flag's fields."""
+
+    source: str
+    name: str | None = None  # default: the source's last path part
+    dtype: str | None = None  # default: --dtype
+    priority: float = 1.0
+    replicas: int = 1
+
+
+class ReloadModelBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /models/{name}/reload``: a new version of a served name."""
+
+    source: str | None = None  # default: the current version's folder (new weights there)
+    dtype: str | None = None  # default: the current version's
+
+
+class ModelCard(msgspec.Struct):
+    """OpenAI's model object, plus what a multi-model client needs to route by:
+    the context length (vLLM's ``max_model_len``), which models share one
+    tokenizer (``tokenizer_group``: same ids for the same text) and which share
+    KV (``kv_share_key``: same weights, so one cached prefix serves both)."""
+
+    id: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    architecture: str
+    dtype: str
+    tokenizer_group: str
+    kv_share_key: str
+    object: str = "model"
+    version: int = 1  # radixmux: counts reloads of this name (POST /models/{name}/reload)
+
+
+def model_card(m: protocol.ServedModel, created: int) -> ModelCard:
+    """``m``'s card (``GET /v1/models``, a model change's answer)."""
+    info = m.info
+    return ModelCard(
+        id=m.name,
+        created=created,
+        owned_by="radixmux",
+        root=m.folder,
+        max_model_len=info.context_length,
+        architecture=info.architecture,
+        dtype=info.dtype,
+        tokenizer_group=info.tokenizer_fingerprint,
+        kv_share_key=info.kv_share_key,
+        version=m.version,
+    )
+
+
+class ModelChange(msgspec.Struct):
+    """What a load, unload or reload did."""
+
+    name: str
+    version: int
+    message: str
+    seconds: float
+    model: ModelCard | None = None  # after a load or reload
+    freed_tokens: int = 0  # cached tokens the old or unloaded instance gave back
+    aborted: int = 0  # requests still running at ?timeout=, failed with a 503
+    ok: bool = True
 
 
 class ClientModelChanged(msgspec.Struct, tag="client_model_changed", frozen=True):

@@ -1,7 +1,7 @@
 """The front's HTTP routes: OpenAI, SGLang-native and operations endpoints.
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``.
-Before anything else, ``http_guard.HttpGuard`` refuses a foreign Host (421),
+Before anything else, ``guard.HttpGuard`` refuses a foreign Host (421),
 a foreign browser Origin (403) and a body that is not JSON (415). With
 ``--api-key`` every route then needs ``Authorization: Bearer KEY`` except
 ``/health`` and ``/metrics``, which probes and scrapers reach without secrets,
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,28 +22,21 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmux import __name__ as _pkg
 from radixmux.common.allowed_names import HostAllowList, OriginAllowList
-from radixmux.runtime import (
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api import (
     dashboard,
-    models_api,
-    native_api,
-    openai_api,
-    ops_api,
-    tokenize_api,
-    warmup_api,
+    models,
+    native,
+    openai,
+    ops,
+    tokenize,
+    warmup,
 )
-from radixmux.runtime.api_common import (
-    APIError,
-    check_json_content_type,
-    decode_body,
-    json_response,
-    read_body,
-)
-from radixmux.runtime.http_guard import HttpGuard
-from radixmux.runtime.openapi import docs_page, openapi_document
-from radixmux.runtime.ops_api import server_version
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.front.api.common import error_response, json_response
+from radixmux.runtime.front.api.ops import server_version
+from radixmux.runtime.front.guard import HttpGuard
+from radixmux.runtime.front.openapi import docs_page, openapi_document
+from radixmux.runtime.front.state import Front
 
 log = logging.getLogger("radixmux.front")
 
@@ -52,30 +44,15 @@ log = logging.getLogger("radixmux.front")
 # Nor does the dashboard page: it sends the key (from its URL fragment) to
 # /dashboard.json, which needs it like every other route.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/dashboard"})
-HEALTH_TIMEOUT_S = 5.0
-HEALTH_GENERATE_TIMEOUT_S = 60.0
+# Each API's routes, in the order the app tries them and the document lists them.
+APIS = (openai, native, tokenize, ops, models, dashboard, warmup)
 
 
 def build_app(front: Front) -> ASGIApp:
     """The ASGI app of one front: every API module's routes, the OpenAPI
     document made from them, JSON errors, the Host / Origin / content-type
     guard and the API key guard."""
-
-    async def body(request: Request, type_: type) -> Any:
-        # HttpGuard checked it already for every request with a body; checked
-        # again where the body is decoded so no route depends on the wrapping.
-        check_json_content_type(request.headers.get("content-type"))
-        return decode_body(await read_body(request, front.args.max_request_bytes), type_)
-
-    endpoints = [
-        *openai_api.endpoints(front, body),
-        *native_api.endpoints(front, body),
-        *tokenize_api.endpoints(front, body),
-        *ops_api.endpoints(front),
-        *models_api.endpoints(front, body),
-        *dashboard.endpoints(front),
-        *warmup_api.endpoints(front, body),
-    ]
+    endpoints = [route for api in APIS for route in api.endpoints(front)]
     doc = openapi_document([ep for ep, _ in endpoints], _pkg, server_version())
     page = docs_page(doc)
 
@@ -112,14 +89,14 @@ def build_app(front: Front) -> ASGIApp:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return error_response(exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    response = APIError(
-        exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
-    ).response()
+    response = error_response(
+        APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+    )
     response.headers.update(exc.headers or {})  # a 405's Allow: the methods the route takes
     return response
 
@@ -127,7 +104,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _server_error(request: Request, exc: Exception) -> Response:
     # The details are for the operator, not the client.
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return APIError(500, "internal server error (the server log has details)").response()
+    return error_response(APIError(500, "internal server error (the server log has details)"))
 
 
 class ApiKeyGuard:
@@ -145,6 +122,6 @@ class ApiKeyGuard:
         scheme, _, token = auth.partition(b" ")
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
             error = APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
-            await error.response()(scope, receive, send)
+            await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)

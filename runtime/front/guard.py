@@ -33,7 +33,8 @@ from radixmux.common.allowed_names import (
     canonical_origin,
     split_host,
 )
-from radixmux.runtime.api_common import APIError, check_json_content_type
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import check_json_content_type, error_response
 
 log = logging.getLogger("radixmux.front")
 
@@ -85,7 +86,7 @@ class HttpGuard:
             try:
                 check_json_content_type(headers.get("content-type"))
             except APIError as exc:
-                await exc.response()(scope, receive, send)
+                await error_response(exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -130,7 +131,7 @@ def _origin_refused(origin: str) -> APIError:
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
     log.debug("%s %s refused: %s", scope["method"], scope["path"], error.message)
-    await error.response()(scope, receive, send)
+    await error_response(error)(scope, receive, send)
 
 
 async def _preflight(send: Send, cors: list[tuple[bytes, bytes]], asked: Headers) -> None:

@@ -22,8 +22,8 @@ import zmq.asyncio
 
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, socket
-from radixmux.runtime.api_common import APIError
-from radixmux.runtime.metrics import FrontMetrics
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.metrics import FrontMetrics
 
 log = logging.getLogger("radixmux.front")
 
@@ -279,7 +279,7 @@ class RequestHub:
     async def launcher_call(
         self, cmd: protocol.ModelCommand, timeout: float
     ) -> protocol.ModelCommandReply:
-        """A model load or unload done by the launcher (``models_api``)."""
+        """A model load or unload done by the launcher (``model_changes``)."""
         self._check_ready()
         return await self._ask(self.launcher, cmd.req_id, cmd, timeout, "the launcher")
 

@@ -18,13 +18,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.runtime.api_common import ErrorResponse
+from radixmux.runtime.api_error import ErrorResponse
 
-# What every API module hands the app: (Endpoint, Handler) pairs. ``Body``
-# decodes a request's JSON body into a type (size, nesting and content type
-# checked first); the app passes its own to each module.
+# What every API module hands the app: (Endpoint, Handler) pairs.
 Handler = Callable[[Request], Awaitable[Response]]
-Body = Callable[[Request, type], Awaitable[Any]]
 
 REF = "#/components/schemas/{name}"
 

@@ -1,6 +1,6 @@
 """The front process: HTTP (OpenAI + SGLang-native + operations) and the ZMQ client socket.
 
-Started by the launcher as ``python -m radixmux.runtime.front '<ProcessContext JSON>'``.
+Started by the launcher as ``python -m radixmux.runtime.front.server '<ProcessContext JSON>'``.
 One asyncio (uvloop) event loop runs uvicorn, the reader of downstream replies
 and the ZMQ-client server; the process reports ready once uvicorn listens and
 exits with code 0 on SIGTERM / SIGINT.
@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket as pysocket
-import time
 
 import uvicorn
 import uvloop
@@ -22,28 +21,12 @@ import zmq
 
 from radixmux import protocol
 from radixmux.common.process import ProcessContext, report, run_process
-from radixmux.runtime import warmup_api
-from radixmux.runtime.front_app import build_app
-from radixmux.runtime.front_hub import RequestHub
-from radixmux.runtime.front_zmq import ClientServer
-from radixmux.runtime.metrics import FrontMetrics
-from radixmux.runtime.models_api import ModelManager
+from radixmux.runtime.front.api import warmup
+from radixmux.runtime.front.app import build_app
+from radixmux.runtime.front.state import Front
+from radixmux.runtime.front.zmq_server import ClientServer
 
 log = logging.getLogger("radixmux.front")
-
-
-class Front:
-    """Everything one front holds: flags, served models, metrics, sockets."""
-
-    def __init__(self, ctx: ProcessContext, zctx: zmq.Context) -> None:
-        self.ctx = ctx
-        self.args = ctx.args
-        self.served = {m.name: m for m in ctx.served}
-        self.started = int(time.time())
-        self.metrics = FrontMetrics()
-        self.hub = RequestHub(zctx, ctx.endpoints, self.metrics)
-        self.model_manager = ModelManager(self)
-        self.clients = ClientServer(zctx, ctx.endpoints.client, self.hub, self.model_manager)
 
 
 class _Server(uvicorn.Server):
@@ -71,8 +54,9 @@ def _listen(host: str, port: int) -> pysocket.socket:
 
 async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
     front = Front(ctx, zctx)
+    clients = ClientServer(zctx, front)
     if ctx.args.warmup is not None:  # run before /health turns 200
-        front.hub.before_ready = warmup_api.at_start(front, zctx)
+        front.hub.before_ready = warmup.at_start(front, zctx)
     sock = _listen(ctx.args.host, ctx.args.port)
     config = uvicorn.Config(
         build_app(front),
@@ -97,7 +81,7 @@ async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
             loop.add_signal_handler(sig, stop, sig)
     readers = [
         asyncio.create_task(front.hub.run(), name="front-reader"),
-        asyncio.create_task(front.clients.run(), name="zmq-client-server"),
+        asyncio.create_task(clients.run(), name="zmq-client-server"),
     ]
     http = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     try:
@@ -120,7 +104,7 @@ async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
         front.hub.close()
-        front.clients.router.close(linger=0)
+        clients.router.close(linger=0)
     return 0
 
 

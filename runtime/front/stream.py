@@ -20,8 +20,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from radixmux import protocol
-from radixmux.runtime.api_common import APIError, json_response
-from radixmux.runtime.front_hub import Generation, RequestHub
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import error_response, json_response
+from radixmux.runtime.front.hub import Generation, RequestHub
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -105,7 +106,7 @@ async def serve_generation(
         raise
     except APIError as exc:
         await stack.aclose()
-        return exc.response()
+        return error_response(exc)
     except ClientGone:
         await stack.aclose()
         return Response(status_code=499)
@@ -116,7 +117,7 @@ async def serve_generation(
         outputs = await unless_gone(request, work)
         return json_response(fmt.full(outputs, gens), 200, headers)
     except APIError as exc:
-        return exc.response()
+        return error_response(exc)
     except ClientGone:
         return Response(status_code=499)
     finally:

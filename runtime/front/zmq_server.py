@@ -17,26 +17,25 @@ import zmq.asyncio
 
 from radixmux import protocol
 from radixmux.common.ipc import socket
-from radixmux.common.server_args import ServerArgs
-from radixmux.runtime.api_common import (
-    MAX_CHAT_MESSAGES,
-    APIError,
-    check_input_ids,
-    check_len,
-    check_sampling,
-    require_chat_template,
-    resolve_model,
-    stop_list,
-)
-from radixmux.runtime.client_protocol import (
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.client.messages import (
     ClientAbort,
     ClientGenerate,
     ClientInbox,
     ClientModelChange,
     ClientModelChanged,
+    LoadModelBody,
+    ReloadModelBody,
 )
-from radixmux.runtime.front_hub import Generation, RequestHub, new_rid
-from radixmux.runtime.models_api import LoadModelBody, ModelManager, ReloadModelBody
+from radixmux.runtime.front.api.common import (
+    check_chat_messages,
+    check_input_ids,
+    check_sampling,
+    resolve_model,
+    stop_list,
+)
+from radixmux.runtime.front.hub import Generation, new_rid
+from radixmux.runtime.front.state import Front
 
 log = logging.getLogger("radixmux.front")
 
@@ -44,18 +43,12 @@ log = logging.getLogger("radixmux.front")
 class ClientServer:
     """Reads the ROUTER socket and runs one task per client request."""
 
-    def __init__(
-        self,
-        zctx: zmq.Context,
-        endpoint: str,
-        hub: RequestHub,
-        models: ModelManager,
-    ) -> None:
+    def __init__(self, zctx: zmq.Context, front: Front) -> None:
+        endpoint = front.ctx.endpoints.client
         self.router = socket(zmq.asyncio.Context.shadow(zctx), zmq.ROUTER, endpoint, bind=True)
-        self.hub = hub
-        self.models = models
-        self.served = models.front.served  # the same dict: models come and go
-        self.args: ServerArgs = models.front.args
+        self.front = front
+        self.hub = front.hub
+        self.models = front.model_manager
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self._decoder = msgspec.msgpack.Decoder(ClientInbox)
 
@@ -102,9 +95,7 @@ class ClientServer:
                     outs = [out async for out in gen]
                     await self._send(ident, protocol.TextBatch([_merged(outs, msg.rid, gen)]))
         except APIError as exc:
-            await self._send(
-                ident, protocol.RequestError(msg.rid, exc.status, exc.message, exc.param)
-            )
+            await self._refuse(ident, msg.rid, exc)
 
     async def _change(self, ident: bytes, msg: ClientModelChange) -> None:
         """A model load, unload or reload, as the HTTP routes do it."""
@@ -126,26 +117,24 @@ class ClientServer:
                 raise APIError(400, "op must be load, unload or reload", "op")
             await self._send(ident, ClientModelChanged(msg.rid, change))
         except APIError as exc:
-            await self._send(
-                ident, protocol.RequestError(msg.rid, exc.status, exc.message, exc.param)
-            )
+            await self._refuse(ident, msg.rid, exc)
+
+    async def _refuse(self, ident: bytes, rid: str, exc: APIError) -> None:
+        await self._send(ident, protocol.RequestError(rid, exc.status, exc.message, exc.param))
 
     def _check_key(self, given: str | None) -> None:
-        key = self.args.api_key
+        key = self.front.args.api_key
         if key and not hmac.compare_digest((given or "").encode(), key.encode()):
             raise APIError(401, "missing or wrong api_key")
 
     def _request(self, msg: ClientGenerate) -> protocol.GenerateRequest:
         self._check_key(msg.api_key)
-        model = resolve_model(self.served, msg.model)
+        model = resolve_model(self.front.served, msg.model)
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
         if sum(given) != 1:
             raise APIError(400, "send exactly one of prompt, input_ids or messages", "prompt")
         if msg.messages is not None:
-            require_chat_template(model, self.args.chat_template is not None)
-            if not msg.messages:
-                raise APIError(400, "'messages' must not be empty", "messages")
-            check_len(msg.messages, MAX_CHAT_MESSAGES, "messages", "messages")
+            check_chat_messages(msg.messages, model, self.front.chat_template_flag)
         if msg.input_ids is not None:
             check_input_ids(msg.input_ids, model.info.vocab_size, "input_ids")
         check_sampling(msg.params, model.info, "", "max_new_tokens")

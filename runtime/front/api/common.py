@@ -1,23 +1,22 @@
-"""What every HTTP endpoint shares: the error type and body, JSON body reading, sampling checks.
+"""What every HTTP endpoint shares: JSON responses (errors included), body reading, the
+bounds on what one request may hold, sampling checks and model lookup.
 
-Errors follow OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
-on every endpoint (OpenAI and native), so one client-side handler fits all.
+Errors are ``APIError``s (``runtime/api_error.py``), answered in OpenAI's shape
+on every endpoint by :func:`error_response`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux.protocol import GenerateRequest, ModelInfo, SamplingParams, ServedModel
-
-T = TypeVar("T")
+from radixmux.runtime.api_error import APIError
 
 FLOAT_PARAMS = (
     "temperature",
@@ -30,62 +29,19 @@ FLOAT_PARAMS = (
 # Past this a repetition penalty only turns logits into extreme values.
 MAX_REPETITION_PENALTY = 100.0
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "method_not_allowed",
-    413: "request_too_large",
-    415: "unsupported_media_type",
-    421: "misdirected_request",
-    429: "rate_limit_exceeded",
-    503: "service_unavailable",
-    507: "insufficient_storage",
-}
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None  # the request field at fault, when one is
-    code: int | str
-
-
-class ErrorResponse(msgspec.Struct):
-    """The body of every error answer, on every endpoint (OpenAI's shape)."""
-
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """A request that ends with an HTTP error status and an OpenAI-style body."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
-        info = ErrorInfo(self.message, kind, self.param, self.code or self.status)
-        return msgspec.to_builtins(ErrorResponse(info))
-
-    def response(self) -> Response:
-        # 429: clients and SGLang's router back off for the time Retry-After says.
-        headers = {"Retry-After": "1"} if self.status == 429 else None
-        return json_response(self.body(), self.status, headers)
-
 
 def json_response(
     content: Any, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     """A JSON response encoded by msgspec (Structs and dicts alike)."""
     return Response(msgspec.json.encode(content), status, headers, "application/json")
+
+
+def error_response(error: APIError) -> Response:
+    """``error`` as an HTTP response: its status and OpenAI-shaped body."""
+    # 429: clients and SGLang's router back off for the time Retry-After says.
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return json_response(error.body(), error.status, headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -107,11 +63,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
-
-
 def check_json_content_type(content_type: str | None) -> None:
     """Refuse (415) a body not declared as JSON instead of parsing it as JSON anyway.
 
@@ -124,28 +75,6 @@ def check_json_content_type(content_type: str | None) -> None:
         return
     shown = f"Content-Type {media!r} is" if media else "a body without a Content-Type is"
     raise APIError(415, f"{shown} not accepted; send application/json", "content-type")
-
-
-def decode_body(data: bytes, type_: type[T]) -> T:
-    """Decode a JSON body into ``type_``; malformed JSON or a bad field is a 400 naming it."""
-    if not data.strip():
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        return msgspec.json.decode(data, type=type_)
-    except RecursionError:
-        # msgspec's decoder stops at the interpreter's recursion limit; no request
-        # type of ours nests more than a few levels.
-        raise APIError(400, "malformed JSON body: nested too deeply") from None
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        named = _MISSING.search(text) or _UNKNOWN.search(text)
-        at = _AT_PATH.search(text)
-        param = named.group(1) if named else None
-        if at and at.group(1):
-            param = f"{at.group(1)}.{param}" if param else at.group(1)
-        raise APIError(400, f"invalid request: {text}", param) from None
-    except msgspec.DecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from None
 
 
 def refuse_unsupported(
@@ -369,8 +298,9 @@ def served_model(served: dict[str, ServedModel], name: str, param: str) -> Serve
     return model
 
 
-def require_chat_template(model: ServedModel, template_flag: bool) -> None:
-    """Chat needs a template: the model's own or the --chat-template flag's."""
+def check_chat_messages(messages: list[Any], model: ServedModel, template_flag: bool) -> None:
+    """Chat needs a template (the model's own or the --chat-template flag's) and
+    1 to MAX_CHAT_MESSAGES messages (HTTP and ZMQ alike)."""
     if not model.info.has_chat_template and not template_flag:
         raise APIError(
             400,
@@ -379,3 +309,6 @@ def require_chat_template(model: ServedModel, template_flag: bool) -> None:
             "messages",
             "no_chat_template",
         )
+    if not messages:
+        raise APIError(400, "'messages' must not be empty", "messages")
+    check_len(messages, MAX_CHAT_MESSAGES, "messages", "messages")

@@ -25,20 +25,18 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from radixmux import protocol
-from radixmux.runtime.api_common import APIError, json_response
-from radixmux.runtime.front_hub import RequestHub, new_rid
-from radixmux.runtime.metrics import FrontMetrics
-from radixmux.runtime.openapi import Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import json_response
+from radixmux.runtime.front.hub import RequestHub, new_rid
+from radixmux.runtime.front.metrics import FrontMetrics
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
 
 log = logging.getLogger("radixmux.front")
 

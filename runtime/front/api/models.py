@@ -1,248 +1,23 @@
 """Models at run time over HTTP: ``POST /models``, ``DELETE /models/{name}``,
 ``POST /models/{name}/reload``.
 
-The front owns *which* instance a served name means: a request is bound to
-one instance when the front accepts it, so a reload can never mix versions.
-A reload is blue/green: the new version loads while the old one keeps
-serving; then the name switches to it at once (requests accepted from then on
-run on the new version), the old version drains (running requests finish on
-it, or fail with a 503 after ``?timeout=``, default ``--drain-timeout``) and is
-unloaded. No request waits for the load. An unload first stops admitting (the
-name answers 404), drains the same way, then the launcher stops the runners
-and the scheduler returns the instance's blocks to the arena. One change runs
-at a time, and every change ends: a drain within its timeout (a stream whose
-client stopped reading is cut), a load within ``--model-load-timeout`` (the
-launcher cancels it; the front, should the launcher not answer, asks it to).
-
-Loads are admitted by ``admission``: at most one replica per usable core
-(400 here), and only when the weights fit the memory left (507, from the
-launcher, which measures it).
+How a change runs (one at a time, blue/green reloads, drains, admission) is
+``front/model_changes.py``, which the ZMQ client's changes go through too;
+the bodies and the answer are ``runtime/client/messages.py``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
-import time
-from typing import TYPE_CHECKING
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux import protocol
-from radixmux.common.server_args import DTYPES, check_model_name, default_model_name
-from radixmux.protocol import ModelArg
-from radixmux.runtime import admission, openai_api
-from radixmux.runtime.api_common import APIError, json_response, served_model
-from radixmux.runtime.front_hub import Generation, new_rid
-from radixmux.runtime.openapi import Body, Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
-
-log = logging.getLogger("radixmux.front")
-
-# The launcher times a load out itself (--model-load-timeout) and answers;
-# the front waits this much longer, so that answer is the one the client gets.
-LAUNCHER_GRACE_S = 60.0
-UNLOAD_TIMEOUT_S = 60.0  # the launcher's part: runners stop within seconds
-DRAIN_POLL_S = 0.05
-# After a drain's timeout: how long a failed stream may take to send its 503
-# event before its writer, stuck on a client that does not read, is cancelled.
-ABORT_GRACE_S = 2.0
-
-
-class LoadModelBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /models``: the ``--model`` flag's fields."""
-
-    source: str
-    name: str | None = None  # default: the source's last path part
-    dtype: str | None = None  # default: --dtype
-    priority: float = 1.0
-    replicas: int = 1
-
-
-class ReloadModelBody(msgspec.Struct, forbid_unknown_fields=True):
-    """``POST /models/{name}/reload``: a new version of a served name."""
-
-    source: str | None = None  # default: the current version's folder (new weights there)
-    dtype: str | None = None  # default: the current version's
-
-
-class ModelChange(msgspec.Struct):
-    """What a load, unload or reload did."""
-
-    name: str
-    version: int
-    message: str
-    seconds: float
-    model: openai_api.ModelCard | None = None  # after a load or reload
-    freed_tokens: int = 0  # cached tokens the old or unloaded instance gave back
-    aborted: int = 0  # requests still running at ?timeout=, failed with a 503
-    ok: bool = True
-
-
-class ModelManager:
-    """The front's side of model changes (see the module docstring)."""
-
-    def __init__(self, front: Front) -> None:
-        self.front = front
-        self.lock = asyncio.Lock()
-
-    async def load(self, body: LoadModelBody) -> ModelChange:
-        name = body.name if body.name is not None else default_model_name(body.source)
-        _check_load_fields(name, body.dtype, body.priority, body.replicas)
-        t0 = time.monotonic()
-        async with self.lock:
-            if name in self.front.served:
-                raise APIError(409, f"model '{name}' is already served", "name")
-            arg = ModelArg(body.source, name, body.dtype, body.priority, body.replicas)
-            model = await self._load(arg, name, 1)
-            self.front.served[name] = model
-        return self._change(model, "loaded", t0)
-
-    async def reload(self, name: str, body: ReloadModelBody, timeout: float | None) -> ModelChange:
-        _check_load_fields(name, body.dtype, 1.0, 1)
-        t0 = time.monotonic()
-        async with self.lock:
-            old = self._served(name)
-            version = old.version + 1
-            arg = ModelArg(
-                body.source or old.folder,
-                protocol.instance_name(name, version),
-                body.dtype or old.info.dtype,
-                old.priority,
-                old.replicas,
-            )
-            model = await self._load(arg, name, version)
-            self.front.served[name] = model  # from here on, new requests run on the new version
-            aborted = await self._drain(old, timeout)
-            freed = await self._unload(old)
-        return self._change(model, "reloaded", t0, freed, aborted)
-
-    async def unload(self, name: str, timeout: float | None) -> ModelChange:
-        t0 = time.monotonic()
-        async with self.lock:
-            model = self._served(name)
-            if len(self.front.served) == 1:
-                raise APIError(409, "the last served model cannot be unloaded", "name")
-            del self.front.served[name]  # stop admitting: the name is not served from here on
-            aborted = await self._drain(model, timeout)
-            freed = await self._unload(model)
-        change = self._change(model, "unloaded", t0, freed, aborted)
-        change.model = None
-        return change
-
-    # ---- steps ----------------------------------------------------------------------
-    def _served(self, name: str) -> protocol.ServedModel:
-        return served_model(self.front.served, name, "name")
-
-    async def _load(self, arg: ModelArg, served: str, version: int) -> protocol.ServedModel:
-        reply = await self._command(protocol.ModelCommand(new_rid(), "load", arg, served, version))
-        assert reply.model is not None
-        return reply.model
-
-    async def _unload(self, model: protocol.ServedModel) -> int:
-        arg = ModelArg(model.folder, model.instance)
-        reply = await self._command(protocol.ModelCommand(new_rid(), "unload", arg))
-        return reply.freed_tokens
-
-    async def _command(self, cmd: protocol.ModelCommand) -> protocol.ModelCommandReply:
-        load = cmd.op == "load"
-        timeout = (
-            self.front.args.model_load_timeout + LAUNCHER_GRACE_S if load else UNLOAD_TIMEOUT_S
-        )
-        # Shielded: a client that leaves must not leave a half-made change behind.
-        ask = self.front.hub.launcher_call(cmd, timeout)
-        try:
-            reply = await asyncio.shield(asyncio.ensure_future(ask))
-        except APIError:
-            if load:  # no answer: whatever the launcher still does must not outlive this
-                await asyncio.shield(asyncio.ensure_future(self._cancel(cmd)))
-            raise
-        if reply.status >= 400:
-            param = "source" if load and reply.status in (400, 507) else None
-            raise APIError(reply.status, reply.message, param)
-        return reply
-
-    async def _cancel(self, load: protocol.ModelCommand) -> None:
-        """Have the launcher undo ``load``: cancelled if still loading, unloaded
-        if its success is late (the front would never serve it)."""
-        cmd = protocol.ModelCommand(new_rid(), "unload", ModelArg("", load.model.name))
-        try:
-            await self.front.hub.launcher_call(cmd, UNLOAD_TIMEOUT_S)
-        except APIError as exc:
-            log.error("model %s: the launcher did not cancel the load: %s", load.model.name, exc)
-
-    async def _drain(self, model: protocol.ServedModel, timeout: float | None) -> int:
-        """Wait until no request of ``model``'s instance is in flight; after
-        ``timeout`` seconds (default ``--drain-timeout``) fail the rest with a
-        503 and end their streams. Returns how many failed."""
-        hub = self.front.hub
-        if timeout is None:
-            timeout = self.front.args.drain_timeout
-        if await self._drained(model, timeout):
-            return 0
-        live = self._live(model)
-        why = f"model '{model.name}' (version {model.version}) was unloaded"
-        for gen in live:
-            gen.queue.put_nowait(protocol.RequestError(gen.rid, 503, why))
-            hub.abort(gen.rid, "unloaded")
-        # A client that reads gets the 503 at once. One that stopped reading
-        # keeps its stream's writer waiting on a full socket, for ever: cut it
-        # (its connection closes without the end of the stream).
-        if not await self._drained(model, ABORT_GRACE_S):
-            for gen in self._live(model):
-                if gen.writer is not None:
-                    gen.writer.cancel()
-            await self._drained(model, ABORT_GRACE_S)
-        return len(live)
-
-    def _live(self, model: protocol.ServedModel) -> list[Generation]:
-        return [g for g in self.front.hub.live.values() if g.model == model.instance]
-
-    async def _drained(self, model: protocol.ServedModel, timeout: float) -> bool:
-        """Whether ``model``'s instance has nothing in flight within ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while self._live(model):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(DRAIN_POLL_S)
-        return True
-
-    def _change(
-        self, model: protocol.ServedModel, what: str, t0: float, freed: int = 0, aborted: int = 0
-    ) -> ModelChange:
-        return ModelChange(
-            name=model.name,
-            version=model.version,
-            message=f"{what} {model.name} (version {model.version})",
-            seconds=round(time.monotonic() - t0, 3),
-            model=openai_api.model_card(model, self.front.started),
-            freed_tokens=freed,
-            aborted=aborted,
-        )
-
-
-def _check_load_fields(name: str, dtype: str | None, priority: float, replicas: int) -> None:
-    try:
-        check_model_name(name)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "name") from None
-    if dtype is not None and dtype not in DTYPES:
-        raise APIError(400, f"dtype must be one of {list(DTYPES)}", "dtype")
-    if not (math.isfinite(priority) and priority > 0):
-        raise APIError(400, "priority must be a finite number > 0", "priority")
-    cores = admission.max_replicas()
-    if not 1 <= replicas <= cores:
-        raise APIError(
-            400,
-            f"replicas must be in [1, {cores}]: each replica is a runner process that needs a "
-            f"core of its own, and this server may use {cores}",
-            "replicas",
-        )
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.client.messages import LoadModelBody, ModelChange, ReloadModelBody
+from radixmux.runtime.front.api.common import json_response
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
 
 
 def _timeout(request: Request) -> float | None:
@@ -260,13 +35,12 @@ def _timeout(request: Request) -> float | None:
     return value
 
 
-def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """The lifecycle routes, for the front's route table and OpenAPI document."""
     manager = front.model_manager
 
     async def load(request: Request) -> Response:
-        req = await body(request, LoadModelBody)
-        assert isinstance(req, LoadModelBody)
+        req = await front.body(request, LoadModelBody)
         return json_response(await manager.load(req))
 
     async def unload(request: Request) -> Response:
@@ -274,8 +48,7 @@ def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
         return json_response(await manager.unload(name, _timeout(request)))
 
     async def reload(request: Request) -> Response:
-        req = await body(request, ReloadModelBody)
-        assert isinstance(req, ReloadModelBody)
+        req = await front.body(request, ReloadModelBody)
         name = request.path_params["name"]
         return json_response(await manager.reload(name, req, _timeout(request)))
 

@@ -12,7 +12,7 @@ Sampling defaults follow SGLang: temperature 1, 128 new tokens.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -20,9 +20,9 @@ from starlette.responses import Response
 
 from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
-from radixmux.runtime.api_common import (
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import (
     MAX_PROMPTS,
-    APIError,
     check_input_ids,
     check_n,
     check_sampling,
@@ -32,12 +32,10 @@ from radixmux.runtime.api_common import (
     resolve_model,
     stop_list,
 )
-from radixmux.runtime.front_hub import Generation, new_rid
-from radixmux.runtime.front_stream import serve_generation
-from radixmux.runtime.openapi import Body, Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.front.hub import Generation, new_rid
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
+from radixmux.runtime.front.stream import serve_generation
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -392,11 +390,11 @@ class NativeFormat:
 
 
 # ---- routes ----------------------------------------------------------------------
-def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """SGLang's ``/generate``, for the front's route table and OpenAPI document."""
 
     async def generate(request: Request) -> Response:
-        req = await body(request, NativeGenerate)
+        req = await front.body(request, NativeGenerate)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
         gens = generate_request(req, rid, model, time.time())

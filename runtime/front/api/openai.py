@@ -1,9 +1,9 @@
 """The OpenAI API: request and response schemas, conversion, formatting, routes.
 
-One module per API (this one, ``native_api``, ``tokenize_api``, ``ops_api``,
-``models_api``, ``warmup_api``): its types, the internal requests made from
-them, the per-request formatters (``CompletionFormat``, ``ChatFormat``) and
-``endpoints``, the routes the app (``front_app``) mounts.
+One module per API under ``front/api/`` (this one, ``native``, ``tokenize``,
+``ops``, ``models``, ``warmup``, ``dashboard``): its types, the internal
+requests made from them, the per-request formatters (``CompletionFormat``,
+``ChatFormat``) and ``endpoints``, the routes the app (``front/app.py``) mounts.
 
 Requests decode straight into these Structs. Nothing a client sends is
 silently ignored: a field outside the OpenAI API (and vLLM's sampling
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -30,12 +30,14 @@ from starlette.responses import Response
 
 from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
-from radixmux.runtime.api_common import (
-    MAX_CHAT_MESSAGES,
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.chat_input import ChatMessageIn
+from radixmux.runtime.client.messages import ModelCard, model_card
+from radixmux.runtime.front.api.common import (
     MAX_CONTENT_PARTS,
     MAX_N,
     MAX_PROMPTS,
-    APIError,
+    check_chat_messages,
     check_input_ids,
     check_len,
     check_metadata,
@@ -46,16 +48,13 @@ from radixmux.runtime.api_common import (
     json_response,
     logit_bias,
     refuse_unsupported,
-    require_chat_template,
     resolve_model,
     stop_list,
 )
-from radixmux.runtime.front_hub import Generation, new_rid
-from radixmux.runtime.front_stream import serve_generation
-from radixmux.runtime.openapi import Body, Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.front.hub import Generation, new_rid
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
+from radixmux.runtime.front.stream import serve_generation
 
 log = logging.getLogger("radixmux.front")
 
@@ -107,23 +106,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
-
-
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    content: str | list[ContentPart] | None = None
-    # Declared only to be refused unless neutral (see UNSUPPORTED_MESSAGE).
-    name: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
-    refusal: str | None = None
-    audio: Any = None
-    function_call: Any = None
 
 
 class ChatRequest(_SamplingFields, kw_only=True):
@@ -277,25 +259,6 @@ class ChatChunk(msgspec.Struct):
     object: str = "chat.completion.chunk"
 
 
-class ModelCard(msgspec.Struct):
-    """OpenAI's model object, plus what a multi-model client needs to route by:
-    the context length (vLLM's ``max_model_len``), which models share one
-    tokenizer (``tokenizer_group``: same ids for the same text) and which share
-    KV (``kv_share_key``: same weights, so one cached prefix serves both)."""
-
-    id: str
-    created: int
-    owned_by: str
-    root: str
-    max_model_len: int
-    architecture: str
-    dtype: str
-    tokenizer_group: str
-    kv_share_key: str
-    object: str = "model"
-    version: int = 1  # radixmux: counts reloads of this name (POST /models/{name}/reload)
-
-
 class ModelList(msgspec.Struct):
     data: list[ModelCard]
     object: str = "list"
@@ -436,10 +399,7 @@ def chat_messages(
     messages: list[ChatMessageIn], model: protocol.ServedModel, template_flag: bool
 ) -> list[protocol.ChatMessage]:
     """Checked chat messages for ``model``'s template (chat and /tokenize alike)."""
-    require_chat_template(model, template_flag)
-    if not messages:
-        raise APIError(400, "'messages' must not be empty", "messages")
-    check_len(messages, MAX_CHAT_MESSAGES, "messages", "messages")
+    check_chat_messages(messages, model, template_flag)
     return [chat_message(m, i) for i, m in enumerate(messages)]
 
 
@@ -529,22 +489,6 @@ def chat_logprobs(lps: list[protocol.TokenLogprob]) -> ChatLogprobs:
 def model_list(served: list[protocol.ServedModel], created: int | None = None) -> ModelList:
     created = int(time.time()) if created is None else created
     return ModelList([model_card(m, created) for m in served])
-
-
-def model_card(m: protocol.ServedModel, created: int) -> ModelCard:
-    info = m.info
-    return ModelCard(
-        id=m.name,
-        created=created,
-        owned_by="radixmux",
-        root=m.folder,
-        max_model_len=info.context_length,
-        architecture=info.architecture,
-        dtype=info.dtype,
-        tokenizer_group=info.tokenizer_fingerprint,
-        kv_share_key=info.kv_share_key,
-        version=m.version,
-    )
 
 
 # ---- response formatting (one formatter per request) ----------------------------
@@ -696,7 +640,7 @@ def _log_user(rid: str, req: CompletionRequest | ChatRequest) -> None:
         log.info("rid=%s user=%r safety_identifier=%r", rid, req.user, req.safety_identifier)
 
 
-def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """The OpenAI routes, for the front's route table and OpenAPI document."""
 
     async def prompt_text(gen: protocol.GenerateRequest) -> str:
@@ -710,7 +654,7 @@ def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
         return reply.text or ""
 
     async def completions(request: Request) -> Response:
-        req = await body(request, CompletionRequest)
+        req = await front.body(request, CompletionRequest)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
         prompts = completion_request(req, rid, model, time.time())
@@ -724,11 +668,10 @@ def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
         return await serve_generation(request, front.hub, gens, fmt, "completions")
 
     async def chat(request: Request) -> Response:
-        req = await body(request, ChatRequest)
+        req = await front.body(request, ChatRequest)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
-        template = front.args.chat_template is not None
-        gen = chat_request(req, rid, model, time.time(), template)
+        gen = chat_request(req, rid, model, time.time(), front.chat_template_flag)
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
         fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)

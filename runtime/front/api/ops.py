@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,12 +23,11 @@ from starlette.responses import Response
 from radixmux import __name__ as _pkg
 from radixmux import protocol
 from radixmux.runtime import admission
-from radixmux.runtime.api_common import APIError, json_response, resolve_model
-from radixmux.runtime.front_hub import new_rid
-from radixmux.runtime.openapi import Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import json_response, resolve_model
+from radixmux.runtime.front.hub import new_rid
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
 
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
@@ -213,8 +213,6 @@ def _down_models(
 
 def server_version() -> str:
     """The installed package version ("unknown" when run from a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(_pkg)
     except PackageNotFoundError:

@@ -7,20 +7,18 @@ generation request with the same prompt or messages would be served with.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux import protocol
-from radixmux.runtime.api_common import APIError, check_input_ids, json_response, resolve_model
-from radixmux.runtime.front_hub import new_rid
-from radixmux.runtime.openai_api import ChatMessageIn, chat_messages
-from radixmux.runtime.openapi import Body, Endpoint, Handler
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.chat_input import ChatMessageIn
+from radixmux.runtime.front.api.common import check_input_ids, json_response, resolve_model
+from radixmux.runtime.front.api.openai import chat_messages
+from radixmux.runtime.front.hub import new_rid
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -93,18 +91,18 @@ def detokenize_request(
     return protocol.DetokenizeRequest(req_id, model.instance, body.tokens)
 
 
-def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """vLLM's ``/tokenize`` and ``/detokenize``."""
 
     async def tokenize(request: Request) -> Response:
-        req = await body(request, TokenizeBody)
+        req = await front.body(request, TokenizeBody)
         model = resolve_model(front.served, req.model)
-        template = front.args.chat_template is not None
-        reply = await front.hub.tokenizer_call(tokenize_request(req, new_rid(), model, template))
+        tokenize = tokenize_request(req, new_rid(), model, front.chat_template_flag)
+        reply = await front.hub.tokenizer_call(tokenize)
         return json_response(tokenize_response(reply, model))
 
     async def detokenize(request: Request) -> Response:
-        req = await body(request, DetokenizeBody)
+        req = await front.body(request, DetokenizeBody)
         model = resolve_model(front.served, req.model)
         reply = await front.hub.tokenizer_call(detokenize_request(req, new_rid(), model))
         return json_response(DetokenizeResponse(reply.text or ""))

@@ -8,9 +8,9 @@ given) and sends one ``WarmupRequest`` to the scheduler, which prefills them
 at low priority, caches (and pins, or unpins) them and answers when all are
 cached. See ``scheduler/warmup.py`` for priority and pins.
 
-``--warmup FILE`` holds one such body per line (JSON lines; blank lines and
-lines starting with ``#`` are skipped). The launcher checks every line before
-it starts anything; the front runs them when every process is up, before
+``--warmup FILE`` holds one such body per line (the body and the file's
+reading are ``runtime/warmup_file.py``'s: the launcher checks every line before
+it starts anything). The front runs them when every process is up, before
 ``/health`` turns 200, and reports the outcome to the launcher, which fails
 the start with the line's error.
 """
@@ -20,9 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import zmq
@@ -31,55 +29,18 @@ from starlette.responses import Response
 
 from radixmux import protocol
 from radixmux.common.process import report
-from radixmux.runtime.api_common import (
-    APIError,
-    check_input_ids,
-    decode_body,
-    json_response,
-    resolve_model,
-)
-from radixmux.runtime.front_hub import RequestHub, new_rid
-from radixmux.runtime.openai_api import ChatMessageIn
-from radixmux.runtime.openapi import Body, Endpoint, Handler
-from radixmux.runtime.tokenize_api import TokenizeBody, tokenize_request
-
-if TYPE_CHECKING:
-    from radixmux.runtime.front import Front
+from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api.common import check_input_ids, json_response, resolve_model
+from radixmux.runtime.front.api.tokenize import TokenizeBody, tokenize_request
+from radixmux.runtime.front.hub import RequestHub, new_rid
+from radixmux.runtime.front.openapi import Endpoint, Handler
+from radixmux.runtime.front.state import Front
+from radixmux.runtime.warmup_file import STARTUP_NAME, WarmupBody, load_warmup_file
 
 log = logging.getLogger("radixmux.front")
 
 # Warm-ups wait behind real requests, so on a busy server they may take long.
 WARMUP_TIMEOUT_S = 600.0
-MAX_PREFIXES = 64  # per warm-up body, as for a batch of prompts
-FORMS = ("prompts", "messages", "token_ids")
-# The name under which the front reports start-up warm-ups to the launcher.
-STARTUP_NAME = "warmup"
-
-
-class WarmupBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /cache/warmup``: exactly one of ``prompts`` (texts), ``messages``
-    (one conversation) or ``token_ids`` (prefixes as ids). ``pin`` True keeps
-    them from eviction; False (default) releases a pin the same prefix holds."""
-
-    model: str | None = None
-    prompts: list[str] | None = None
-    messages: list[ChatMessageIn] | None = None
-    token_ids: list[list[int]] | None = None
-    pin: bool = False
-
-    def check(self) -> None:
-        """What can be checked without a tokenizer (APIError naming the field)."""
-        given = [f for f in FORMS if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise APIError(400, f"send exactly one of {', '.join(FORMS)}", "prompts")
-        form = given[0]
-        items = getattr(self, form)
-        if not items:
-            raise APIError(400, f"'{form}' must not be empty", form)
-        if form != "messages" and len(items) > MAX_PREFIXES:
-            raise APIError(400, f"at most {MAX_PREFIXES} prefixes per warm-up", form)
-        if form == "prompts" and not all(items):
-            raise APIError(400, "'prompts' must not hold an empty prompt", "prompts")
 
 
 class WarmupResponse(msgspec.Struct):
@@ -118,20 +79,15 @@ async def prefix_ids(
                 400,
                 f"prefix {i} has {len(t)} tokens; the model's context is "
                 f"{model.info.context_length}",
-                _form(body),
+                body.form,
             )
     return ids
-
-
-def _form(body: WarmupBody) -> str:
-    return next(f for f in FORMS if getattr(body, f) is not None)
 
 
 async def warm(front: Front, body: WarmupBody, starting: bool = False) -> WarmupResponse:
     """Run one warm-up to the end (APIError on a refusal or failure)."""
     model = resolve_model(front.served, body.model)
-    template = front.args.chat_template is not None
-    ids = await prefix_ids(front.hub, body, model, template, starting)
+    ids = await prefix_ids(front.hub, body, model, front.chat_template_flag, starting)
     msg = protocol.WarmupRequest(
         new_rid(), model.instance, [protocol.pack_ids(t) for t in ids], body.pin
     )
@@ -156,12 +112,11 @@ async def warm(front: Front, body: WarmupBody, starting: bool = False) -> Warmup
     )
 
 
-def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
+def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """The warm-up route, for the front's route table and OpenAPI document."""
 
     async def warmup(request: Request) -> Response:
-        req = await body(request, WarmupBody)
-        assert isinstance(req, WarmupBody)
+        req = await front.body(request, WarmupBody)
         return json_response(await warm(front, req))
 
     return [
@@ -176,31 +131,6 @@ def endpoints(front: Front, body: Body) -> list[tuple[Endpoint, Handler]]:
             warmup,
         )
     ]
-
-
-# ---- --warmup FILE -----------------------------------------------------------------
-def load_warmup_file(path: str, models: Sequence[str]) -> list[tuple[int, WarmupBody]]:
-    """Every warm-up of ``path`` with its line number; ValueError naming the
-    first bad line (unreadable JSON, unknown field or model, no prefix)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"--warmup {path}: {exc.strerror}") from None
-    bodies = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        try:
-            body = decode_body(line.encode(), WarmupBody)
-            body.check()
-            if body.model is not None and body.model not in models:
-                raise APIError(400, f"model {body.model!r} is not served", "model")
-        except APIError as exc:
-            raise ValueError(f"--warmup {path} line {n}: {exc.message}") from None
-        bodies.append((n, body))
-    if not bodies:
-        raise ValueError(f"--warmup {path}: no warm-up in the file")
-    return bodies
 
 
 def at_start(front: Front, zctx: zmq.Context) -> Callable[[], Awaitable[bool]]:
