@@ -158,16 +158,21 @@ class Scheduler:
                     )
                     with self._contained(f"reply of runner {ident.decode()}", rids):
                         self.on_runner_message(ident.decode(), raw)
-            self.check_timeouts()
-            if self.removing:
-                self._finish_removals()
-            if not self.stopping:
-                self.dispatch()
+            self.after_events()
         if self.disk is not None:
             self.disk.close(flush=True)
         for runner in self.runners.values():
             if runner.up:
                 self.outbox.to_runner(runner.runner_id, protocol.Shutdown())
+
+    def after_events(self) -> None:
+        """What the loop does after each round of events: kill hung runners,
+        finish removals, give idle runners their next batch."""
+        self.check_timeouts()
+        if self.removing:
+            self._finish_removals()
+        if not self.stopping:
+            self.dispatch()
 
     def disk_results(self) -> None:
         """Finished disk jobs: loaded requests go back first in their queue;
@@ -771,7 +776,7 @@ class Scheduler:
             model = self.models[name]
             if name in loading or any(r.up and r.inflight is not None for r in model.runners):
                 continue
-                self.removing.discard(name)
+            self.removing.discard(name)
             for runner in model.runners:
                 if runner.up:
                     self.outbox.to_runner(runner.runner_id, protocol.Shutdown())

@@ -96,9 +96,9 @@ class Harness:
     out: RecordingOutbox
 
     def send(self, msg: msgspec.Struct) -> None:
-        """A message on the scheduler's inbox, then the loop's dispatch."""
+        """A message on the scheduler's inbox, then what the loop does next."""
         self.sched.handle(msg)
-        self.sched.dispatch()
+        self.sched.after_events()
 
     def request(
         self, rid: str, model: str = "a", prompt: int = 8, max_tokens: int = 4, start: int = 1
@@ -108,9 +108,9 @@ class Harness:
         self.send(protocol.TokenizedRequest(rid, model, ids, params))
 
     def reply(self, runner_id: str, msg: msgspec.Struct) -> None:
-        """A runner's reply, then the loop's dispatch."""
+        """A runner's reply, then what the loop does next."""
         self.sched.on_runner_message(runner_id, protocol.encode(msg))
-        self.sched.dispatch()
+        self.sched.after_events()
 
     def inflight(self, runner_id: str) -> protocol.ForwardBatch | None:
         runner = self.sched.runners[runner_id]
@@ -355,6 +355,26 @@ def test_model_added_then_removed_at_run_time() -> None:
     assert "c" not in h.sched.models and "c#0" not in h.sched.runners
     h.request("r2", model="c")
     assert [e.status for e in h.out.errors("r2")] == [404]
+    h.request("r3", model="a", max_tokens=2)  # the others serve on
+    h.run_until_idle("a#0")
+    assert h.out.outputs("r3")[-1].finish_reason == "length"
+    assert len(h.out.launcher) == 2  # removed once
+    h.assert_clean()
+
+
+def test_a_model_removed_mid_batch_goes_after_the_batch() -> None:
+    h = harness(models=("a", "b"))
+    h.request("r", model="a", max_tokens=20)
+    h.send(protocol.RemoveModel("a"))
+    assert [e.status for e in h.out.errors("r")] == [503]
+    assert "a" in h.sched.models and not h.out.launcher  # its batch still writes KV
+    h.step("a#0")
+    [removed] = h.out.launcher
+    assert isinstance(removed, protocol.ModelRemoved) and removed.name == "a"
+    assert "a" not in h.sched.models and not h.sched.removing
+    h.request("rb", model="b", max_tokens=1)
+    h.run_until_idle("b#0")
+    assert h.out.outputs("rb")[-1].finish_reason == "length"
     h.assert_clean()
 
 
