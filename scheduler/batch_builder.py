@@ -26,7 +26,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from radixmux.protocol import ForwardBatch, PrefixGroup, SeqInput
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.policy import order_waiting
 from radixmux.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from radixmux.scheduler.runners import RunnerState
 
 log = logging.getLogger("radixmux.scheduler")
 
@@ -47,28 +50,6 @@ DECODE_RESERVE_TOKENS = 64
 MIN_SHARED_PREFIX = 32
 
 _batch_ids = itertools.count()
-
-
-@dataclass(eq=False)
-class RunnerState:
-    """One runner process (a model instance) as the scheduler sees it."""
-
-    runner_id: str
-    model: str
-    state: str = "starting"  # starting, up, restarting (a new process is coming), down
-    error: str | None = None
-    pid: int | None = None
-    restarts: int = 0
-    running: list[Req] = field(default_factory=list)
-    inflight: ScheduledBatch | None = None
-    sent_at: float = 0.0  # time.monotonic() when ``inflight`` was sent
-    steps: int = 0  # batches it has run
-    busy_s: float = 0.0  # seconds it spent in forward passes and sampling
-    threads: int = 0  # torch threads its last batch ran with
-
-    @property
-    def up(self) -> bool:
-        return self.state == "up"
 
 
 @dataclass

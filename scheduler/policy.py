@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixmux.memory.radix_cache import Node, RadixCache
 from radixmux.scheduler.request import Req
@@ -34,6 +34,48 @@ MAX_PROBED_QUEUE = 256
 GROUP_TOKENS = 32
 
 
+Policy = Callable[[Sequence[Req], RadixCache | None, random.Random], list[Req]]
+
+
+def _fcfs(waiting: Sequence[Req], cache: RadixCache | None, rng: random.Random) -> list[Req]:
+    return sorted(waiting, key=lambda r: r.order)
+
+
+def _lof(waiting: Sequence[Req], cache: RadixCache | None, rng: random.Random) -> list[Req]:
+    return sorted(waiting, key=lambda r: (-r.params.max_new_tokens, r.order))
+
+
+def _random(waiting: Sequence[Req], cache: RadixCache | None, rng: random.Random) -> list[Req]:
+    out = list(waiting)
+    rng.shuffle(out)
+    return out
+
+
+def _lpm(waiting: Sequence[Req], cache: RadixCache | None, rng: random.Random) -> list[Req]:
+    assert cache is not None
+    probes = {r: cache.match(r.model, r.tokens[:-1], record=False) for r in waiting}
+    leaders = group_leaders(waiting, {r: probes[r].length for r in waiting})
+    return sorted(waiting, key=lambda r: (r not in leaders, -probes[r].length, r.order))
+
+
+def _dfs(waiting: Sequence[Req], cache: RadixCache | None, rng: random.Random) -> list[Req]:
+    assert cache is not None
+    probes = {r: cache.match(r.model, r.tokens[:-1], record=False) for r in waiting}
+    return _dfs_weight(waiting, {r: probes[r].handle.node for r in waiting})
+
+
+# Every name in ``common.server_args.SCHEDULE_POLICIES`` and nothing else.
+POLICIES: dict[str, Policy] = {
+    "lpm": _lpm,
+    "dfs-weight": _dfs,
+    "fcfs": _fcfs,
+    "lof": _lof,
+    "random": _random,
+}
+# Policies that probe the tree (they fall back to ``fcfs`` without it).
+CACHE_POLICIES = ("lpm", "dfs-weight")
+
+
 def order_waiting(
     policy: str,
     waiting: Sequence[Req],
@@ -41,24 +83,11 @@ def order_waiting(
     rng: random.Random,
 ) -> list[Req]:
     """``waiting`` in the order ``policy`` admits them."""
-    if policy in ("lpm", "dfs-weight") and (cache is None or len(waiting) > MAX_PROBED_QUEUE):
+    if policy in CACHE_POLICIES and (cache is None or len(waiting) > MAX_PROBED_QUEUE):
         policy = "fcfs"
-    if policy == "fcfs":
-        return sorted(waiting, key=lambda r: r.order)
-    if policy == "lof":
-        return sorted(waiting, key=lambda r: (-r.params.max_new_tokens, r.order))
-    if policy == "random":
-        out = list(waiting)
-        rng.shuffle(out)
-        return out
-    assert cache is not None
-    probes = {r: cache.match(r.model, r.tokens[:-1], record=False) for r in waiting}
-    if policy == "lpm":
-        leaders = group_leaders(waiting, {r: probes[r].length for r in waiting})
-        return sorted(waiting, key=lambda r: (r not in leaders, -probes[r].length, r.order))
-    if policy == "dfs-weight":
-        return _dfs_weight(waiting, {r: probes[r].handle.node for r in waiting})
-    raise ValueError(f"unknown schedule policy {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown schedule policy {policy!r}")
+    return POLICIES[policy](waiting, cache, rng)
 
 
 def group_leaders(waiting: Sequence[Req], cached: dict[Req, int]) -> set[Req]:

@@ -23,7 +23,6 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -31,127 +30,56 @@ import zmq
 
 from radixmux import protocol
 from radixmux.common.cpu import cpu_cores
-from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, report, run_process
 from radixmux.common.server_args import ServerArgs
-from radixmux.memory.allocator import KVAllocator
-from radixmux.memory.arena import KVArena
-from radixmux.memory.kv_disk_store import DiskKVStore, StoreRefused
-from radixmux.memory.radix_cache import ModelSpec, RadixCache
-from radixmux.memory.radix_diagnostics import check_invariants
-from radixmux.protocol import ModelArg, ModelInfo
-from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState, ScheduledBatch
-from radixmux.scheduler.dashboard import dashboard_snapshot
-from radixmux.scheduler.disk_tier import DiskTier
-from radixmux.scheduler.kv_manager import KVManager
+from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.radix_cache import ModelSpec
+from radixmux.protocol import ModelArg
+from radixmux.scheduler import bootstrap, control
+from radixmux.scheduler.batch_builder import ScheduledBatch
+from radixmux.scheduler.bootstrap import SchedulerSockets, Startup
+from radixmux.scheduler.control import READ_ONLY_OPS, InvariantWalk
+from radixmux.scheduler.models import (
+    ModelState,
+    PendingModel,
+    StartupError,
+    check_replicas,
+    model_spec,
+)
+from radixmux.scheduler.outbox import Outbox
 from radixmux.scheduler.request import Req
+from radixmux.scheduler.results import (
+    INTERNAL_ERROR,
+    describe_step,
+    keep_prompt_logprobs,
+    request_output,
+)
+from radixmux.scheduler.runners import HeldBatch, RollCall, RunnerId, RunnerState, runner_ids
 from radixmux.scheduler.warmup import WARMUP_PARAMS, Pins, Warmups
 
 log = logging.getLogger("radixmux.scheduler")
 
-READY_TIMEOUT_S = 1800.0
 # An abort that arrives before its request (still being tokenized) is kept this
 # long, and at most this many, waiting for the request to show up.
 EARLY_ABORT_TTL_S = 600.0
 EARLY_ABORT_MAX = 100_000
-# What a client sees when the server failed on its request; details go to the log.
-INTERNAL_ERROR = "internal error while serving this request (the server log has details)"
-# The invariant walk (``Scheduler.check``) costs time on the loop in
-# proportion to the tree and the requests. Asked for (``check``, so
-# ``/get_server_info``), it runs at most once a second and at most 1% of the
-# time, and not at all while nothing changed since the last one; otherwise
-# the answer is the last walk's result with its age.
-CHECK_MIN_INTERVAL_S = 1.0
-CHECK_MAX_SHARE = 0.01
-# Control operations that change nothing (they do not make the last walk stale).
-READ_ONLY_OPS = ("stats", "check", "dashboard")
-
-
-class StartupError(RuntimeError):
-    """A runner failed to start; the message names it and says why."""
-
-
-@dataclass(eq=False)
-class ModelState:
-    """One served model: its runners (replicas), waiting queue and health."""
-
-    arg: ModelArg  # arg.name is the instance name (see ServedModel.instance)
-    info: ModelInfo
-    runners: list[RunnerState]
-    served: protocol.ServedModel
-    waiting: list[Req] = field(default_factory=list)
-    down_reason: str | None = None
-
-    @property
-    def name(self) -> str:
-        return self.arg.name
-
-    @property
-    def up(self) -> bool:
-        return any(r.up for r in self.runners)
-
-    @property
-    def state(self) -> str:
-        """serving (a runner is up), restarting (one is on its way back) or down."""
-        if self.up:
-            return "serving"
-        if any(r.state in ("starting", "restarting") for r in self.runners):
-            return "restarting"
-        return "down"
-
-    def running(self) -> list[Req]:
-        return [req for r in self.runners for req in r.running]
-
-
-def runner_ids(arg: ModelArg) -> list[str]:
-    """The runner ids the launcher gives a model's replicas."""
-    return [f"{arg.name}#{i}" for i in range(arg.replicas)]
-
-
-@dataclass
-class HeldBatch:
-    """A batch built for a runner but not sent: it would overwrite KV a disk
-    save still reads. The wait is the disk's, not the runner's."""
-
-    batch: ScheduledBatch
-    since: float  # time.monotonic() when it was held
-
-
-@dataclass
-class InvariantWalk:
-    """The last run of ``Scheduler.check`` and when the next one may run."""
-
-    result: str | None = None  # "ok" or "violated: ..."; None: never run
-    at: float = 0.0  # time.monotonic() of the walk
-    version: int = -1  # Scheduler.version it saw
-    next_at: float = 0.0  # no walk on request before this (the rate limit)
-    count: int = 0  # walks so far
-
-
-@dataclass
-class PendingModel:
-    """An instance added at run time whose runners are still loading."""
-
-    add: protocol.AddModel
-    infos: dict[str, ModelInfo] = field(default_factory=dict)
-    pids: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
-    """The scheduling loop and its state (sockets are given, so tests can drive it)."""
+    """The scheduling loop's state and its reactions to each event (built
+    complete from a ``Startup``; every send goes through ``outbox``, so a
+    test can drive it in-process with fake runner replies)."""
 
-    def __init__(self, ctx: ProcessContext, zctx: zmq.Context) -> None:
-        assert ctx.arena is not None, "the scheduler needs the arena spec"
-        self.ctx = ctx
-        self.args: ServerArgs = ctx.args
-        ep = ctx.endpoints
-        self.inbox = socket(zctx, zmq.PULL, ep.scheduler, bind=True)
-        self.runner_sock = socket(zctx, zmq.ROUTER, ep.runners, bind=True)
-        # A restarted runner reconnects under the same identity: let it take
-        # the identity over even if the dead one's pipe is not closed yet.
-        self.runner_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.to_detok = socket(zctx, zmq.PUSH, ep.detokenizer, bind=False)
-        self.to_front = socket(zctx, zmq.PUSH, ep.front, bind=False)
+    def __init__(
+        self, args: ServerArgs, arena: ArenaSpec, outbox: Outbox, startup: Startup
+    ) -> None:
+        self.args = args
+        self.arena = arena
+        self.outbox = outbox
+        self.cache = startup.cache
+        self.kv = startup.kv
+        self.builder = startup.builder
+        self.disk = startup.disk
         self.inbox_decoder = protocol.decoder(protocol.SchedulerInbox)
         self.runner_decoder = protocol.decoder(protocol.RunnerReply)
         self.models: dict[str, ModelState] = {}
@@ -163,10 +91,6 @@ class Scheduler:
         self.aborted_before_arrival = 0
         self.contained_failures = 0
         self.stopping = False
-        self.cache: RadixCache | None = None
-        self.kv: KVManager | None = None
-        self.builder: BatchBuilder | None = None
-        self.disk: DiskTier | None = None
         # Batches built but not sent (by runner id): they would overwrite KV a
         # disk save still reads.
         self.held: dict[str, HeldBatch] = {}
@@ -177,143 +101,42 @@ class Scheduler:
         self.disk_progress_at = 0.0  # time.monotonic() a disk job last finished
         self.pending: dict[str, PendingModel] = {}  # instances added at run time, loading
         self.removing: set[str] = set()  # instances waiting for their last batch or disk load
-        self.to_launcher = socket(zctx, zmq.PUSH, ep.launcher, bind=False)
-        assert ctx.arena is not None
-        cap = int(ctx.arena.total_bytes * self.args.max_pinned_fraction)
-        self.warmups = Warmups(Pins(cap))  # warm-ups in flight and pinned prefixes
+        pins = Pins(int(arena.total_bytes * args.max_pinned_fraction))
+        pins.cache = self.cache
+        self.warmups = Warmups(pins)  # warm-ups in flight and pinned prefixes
+        for arg in args.models:  # registered in the cache by ``bootstrap.build``
+            self.add_instance(arg, startup.roll, arg.name)
 
-    # ---- start-up ------------------------------------------------------------------
-    def wait_for_runners(self) -> list[protocol.ServedModel]:
-        """Collect every runner's Ready; raise StartupError naming a failed one."""
-        expected = {rid: m for m in self.args.models for rid in runner_ids(m)}
-        infos: dict[str, ModelInfo] = {}
-        pids: dict[str, int] = {}
-        poller = zmq.Poller()
-        poller.register(self.runner_sock, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while len(infos) < len(expected):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(expected) - set(infos))
-                raise StartupError(f"runners {missing} not ready after {READY_TIMEOUT_S:.0f}s")
-            events = dict(poller.poll(min(left, 1.0) * 1000))
-            if self.inbox in events:
-                msg = self.inbox_decoder.decode(self.inbox.recv())
-                if isinstance(msg, protocol.RunnerDied):
-                    raise StartupError(
-                        f"runner {msg.runner_id} exited with code {msg.exitcode} while starting"
-                    )
-                if isinstance(msg, protocol.ShutdownProcess):
-                    raise StartupError("shut down while waiting for runners")
-            if self.runner_sock in events:
-                ident, raw = self.runner_sock.recv_multipart()
-                rid = ident.decode()
-                msg = self.runner_decoder.decode(raw)
-                if isinstance(msg, protocol.Failed):
-                    raise StartupError(f"runner {rid} failed to start: {msg.error}")
-                if isinstance(msg, protocol.Ready) and rid in expected:
-                    infos[rid] = msg.info
-                    pids[rid] = msg.pid
-                    log.info("runner %s ready (pid %d, %.1fs load)", rid, msg.pid, msg.load_seconds)
-        return self._build_state(infos, pids)
-
-    def _build_state(
-        self, infos: dict[str, ModelInfo], pids: dict[str, int]
-    ) -> list[protocol.ServedModel]:
-        args = self.args
-        arena = self.ctx.arena
-        assert arena is not None
-        allocator = KVAllocator(arena.num_blocks, arena.block_bytes, args.page_size)
-        self.cache = RadixCache(allocator, eviction_policy=args.eviction_policy)
-        self.warmups.pins.cache = self.cache
-        specs = [self._model_spec(arg, infos[runner_ids(arg)[0]]) for arg in args.models]
-        if args.kv_partition == "static":
-            share = arena.total_bytes // len({s.pool for s in specs})
-            specs = [_fixed_share(s, share, arena.block_bytes) for s in specs]
-        served = [
-            self._add_model(arg, spec, infos, pids, arg.name)
-            for arg, spec in zip(args.models, specs, strict=True)
-        ]
-        self.disk = self._open_disk_tier()
-        self.kv = KVManager(self.cache, use_cache=not args.disable_radix_cache, disk=self.disk)
-        limits = BatchLimits(
-            policy=args.schedule_policy,
-            chunked_prefill_size=args.chunked_prefill_size,
-            prefill_tokens_during_decode=args.prefill_tokens_during_decode,
-            max_running_requests=args.max_running_requests,
-            conservativeness=args.schedule_conservativeness,
-        )
-        self.builder = BatchBuilder(self.kv, limits, seed=args.seed)
-        return served
-
-    @staticmethod
-    def _model_spec(arg: ModelArg, info: ModelInfo) -> ModelSpec:
-        return ModelSpec(
-            name=arg.name,
-            group=info.tokenizer_fingerprint,
-            pool=f"{info.kv_share_key}:{info.layout.dtype}",
-            layout=info.layout,
-            priority=arg.priority,
-            cost_per_token=float(info.layout.num_layers),
-        )
-
-    def _add_model(
-        self,
-        arg: ModelArg,
-        spec: ModelSpec,
-        infos: dict[str, ModelInfo],
-        pids: dict[str, int],
-        served_name: str,
-        version: int = 1,
+    def register_instance(
+        self, arg: ModelArg, spec: ModelSpec, roll: RollCall, served_name: str, version: int = 1
     ) -> protocol.ServedModel:
         """Register one instance whose runners are all ready (raises
         StartupError if they disagree, ValueError if its KV cannot live in the arena)."""
-        assert self.cache is not None
-        ids = runner_ids(arg)
-        keys = {infos[i].kv_share_key for i in ids}
-        if len(keys) != 1:
-            raise StartupError(f"replicas of {arg.name} loaded different weights: {keys}")
+        check_replicas(arg, roll)
         self.cache.register_model(spec)
-        info = infos[ids[0]]
+        return self.add_instance(arg, roll, served_name, version)
+
+    def add_instance(
+        self, arg: ModelArg, roll: RollCall, served_name: str, version: int = 1
+    ) -> protocol.ServedModel:
+        """Start serving an instance already registered in the cache."""
+        ids = runner_ids(arg)
+        info = roll.infos[ids[0]]
         served = protocol.ServedModel(
             served_name, arg.source, info, arg.replicas, arg.priority, version
         )
-        states = [RunnerState(i, arg.name, state="up", pid=pids[i]) for i in ids]
+        states = [RunnerState(i, arg.name, state="up", pid=roll.pids[i]) for i in ids]
         self.models[arg.name] = ModelState(arg, info, states, served)
         self.runners.update({s.runner_id: s for s in states})
         return served
 
-    def _open_disk_tier(self) -> DiskTier | None:
-        """The disk tier when ``--kv-disk-bytes`` asks for one. A directory
-        another server holds, or one that holds what radixmux did not make
-        (``StoreRefused``), is a start-up error; one that cannot be created
-        or written leaves the tier off (logged) and the server serves from memory."""
-        args = self.args
-        if not args.disk_tier:
-            return None
-        assert self.cache is not None and self.ctx.arena is not None and args.kv_disk_dir
-        try:
-            store = DiskKVStore(args.kv_disk_dir, args.kv_disk_bytes)
-        except StoreRefused as exc:
-            raise StartupError(str(exc)) from None
-        except OSError as exc:
-            log.error("disk tier off (serving from memory only): %s", exc)
-            return None
-        return DiskTier(
-            self.cache,
-            KVArena.attach(self.ctx.arena),
-            store,
-            args.kv_disk_chunk_tokens,
-            args.kv_disk_write_policy,
-            args.kv_disk_min_load_tokens,
-        )
-
     # ---- the loop --------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, sockets: SchedulerSockets) -> None:
+        """Serve until a ``ShutdownProcess``: react to each event, then dispatch."""
+        inbox, runner_sock = sockets.inbox, sockets.runner_sock
         poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.runner_sock, zmq.POLLIN)
+        poller.register(inbox, zmq.POLLIN)
+        poller.register(runner_sock, zmq.POLLIN)
         if self.disk is not None:
             poller.register(self.disk.fileno(), zmq.POLLIN)
         while not self.stopping:
@@ -321,38 +144,44 @@ class Scheduler:
             if self.disk is not None and self.disk.fileno() in events:
                 with self._contained("disk tier results", []):
                     self.disk_results()
-            if self.inbox in events:
-                while self._poll_once(self.inbox):
-                    raw = self.inbox.recv()
+            if inbox in events:
+                while self._poll_once(inbox):
+                    raw = inbox.recv()
                     with self._contained("inbox message", self._inbox_rids(raw)):
                         self.handle(self.inbox_decoder.decode(raw))
-            if self.runner_sock in events:
-                while self._poll_once(self.runner_sock):
-                    ident, raw = self.runner_sock.recv_multipart()
+            if runner_sock in events:
+                while self._poll_once(runner_sock):
+                    ident, raw = runner_sock.recv_multipart()
                     runner = self.runners.get(ident.decode())
                     rids = (
                         [r.rid for r in runner.inflight.reqs] if runner and runner.inflight else []
                     )
                     with self._contained(f"reply of runner {ident.decode()}", rids):
                         self.on_runner_message(ident.decode(), raw)
-            self.check_timeouts()
-            if self.removing:
-                self._finish_removals()
-            if not self.stopping:
-                self.dispatch()
+            self.after_events()
         if self.disk is not None:
             self.disk.close(flush=True)
         for runner in self.runners.values():
             if runner.up:
-                self._send_runner(runner.runner_id, protocol.Shutdown())
+                self.outbox.to_runner(runner.runner_id, protocol.Shutdown())
+
+    def after_events(self) -> None:
+        """What the loop does after each round of events: kill hung runners,
+        finish removals, give idle runners their next batch."""
+        self.check_timeouts()
+        if self.removing:
+            self._finish_removals()
+        if not self.stopping:
+            self.dispatch()
 
     def disk_results(self) -> None:
         """Finished disk jobs: loaded requests go back first in their queue;
         batches held for a save are sent once it is done."""
-        assert self.disk is not None and self.kv is not None
+        disk = self.disk
+        assert disk is not None, "disk results without a disk tier"
         self.version += 1
         self.disk_progress_at = time.monotonic()
-        for req in self.disk.poll():
+        for req in disk.poll():
             self.kv.release(req, keep=True)  # the loaded pages go into the tree
             model = self.models[req.model]
             if req.aborted is not None or req.rid not in self.requests:
@@ -404,14 +233,14 @@ class Scheduler:
                     self._reject(rid, status, message)
                     continue
                 self._drop(req)
-                outputs.append(self._output(req, [], "error", error=message, status=status))
+                outputs.append(request_output(req, [], "error", error=message, status=status))
             except Exception:  # state too broken to release cleanly: at least answer
                 log.exception("rid=%s could not be released cleanly", rid)
                 self.requests.pop(rid, None)
                 self._reject(rid, status, message)
         outputs = self._warmup_outputs(outputs)
         if outputs:
-            self.to_detok.send(protocol.encode(protocol.TokenBatch(outputs)))
+            self.outbox.to_detokenizer(protocol.TokenBatch(outputs))
 
     def _drop(self, req: Req) -> None:
         """Forget a request wherever it is, freeing its KV (nothing is cached)."""
@@ -483,7 +312,6 @@ class Scheduler:
         """Give up a held batch: the requests that would overwrite a stuck
         save's blocks fail with ``why``, the others wait again (their KV so far
         cached: they resume where they were), an aborted one ends."""
-        assert self.builder is not None
         del self.held[runner_id]
         runner = self.runners[runner_id]
         runner.inflight = None
@@ -503,7 +331,6 @@ class Scheduler:
 
     def dispatch(self) -> None:
         """Give every idle runner with work its next batch."""
-        assert self.builder is not None
         threads = self._threads_per_runner()
         for model in self.models.values():
             if model.name in self.removing:
@@ -534,7 +361,7 @@ class Scheduler:
         if threads < 0:
             threads = self._threads_per_runner()
         runner.sent_at = time.monotonic()
-        self._send_runner(runner.runner_id, batch.to_forward_batch(threads))
+        self.outbox.to_runner(runner.runner_id, batch.to_forward_batch(threads))
 
     def _overwrites_pending_save(self, batch: ScheduledBatch) -> bool:
         """Whether the batch writes KV into arena blocks a disk save still reads."""
@@ -547,7 +374,6 @@ class Scheduler:
         """Whether computing ``n`` tokens of ``req`` writes blocks a disk save still reads."""
         if self.disk is None:
             return False
-        assert self.cache is not None
         written = req.slots[req.kv_len : req.kv_len + n]
         return self.disk.holds_back(self.cache.pool_of(req.model), written)
 
@@ -576,15 +402,11 @@ class Scheduler:
         busy = [m for m in self.models.values() if m.waiting or m.running()]
         if not any(m.waiting for m in busy if m is not model):
             return None
-        assert self.ctx.arena is not None
         total_priority = sum(m.arg.priority for m in busy)
-        share = self.ctx.arena.total_bytes * model.arg.priority / total_priority
+        share = self.arena.total_bytes * model.arg.priority / total_priority
         bpt = model.info.layout.bytes_per_token
         used = sum(len(r.slots) for r in model.running()) * bpt
         return max(0, int(share - used) // bpt)
-
-    def _send_runner(self, runner_id: str, msg: protocol.RunnerRequest) -> None:
-        self.runner_sock.send_multipart([runner_id.encode(), protocol.encode(msg)])
 
     # ---- inbox -----------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -595,7 +417,7 @@ class Scheduler:
         elif isinstance(msg, protocol.AbortRequest):
             self.abort(msg.rid, msg.reason, msg.early)
         elif isinstance(msg, protocol.ControlRequest):
-            self.to_front.send(protocol.encode(self.control(msg)))
+            self.outbox.to_front(control.reply(self, msg))
         elif isinstance(msg, protocol.RunnerDied):
             self.runner_died(msg)
         elif isinstance(msg, protocol.AddModel):
@@ -612,7 +434,7 @@ class Scheduler:
         if rid in self.warmups:  # the front knows the warm-up, not its prefixes' rids
             self._reply_warmup(self.warmups.failed(rid, status, message, param))
             return
-        self.to_front.send(protocol.encode(protocol.RequestError(rid, status, message, param)))
+        self.outbox.to_front(protocol.RequestError(rid, status, message, param))
 
     def enqueue(self, msg: protocol.TokenizedRequest) -> None:
         if self.early_aborts.pop(msg.rid, None) is not None:
@@ -658,7 +480,6 @@ class Scheduler:
         log.info("rid=%s queued for %s: %d prompt tokens", req.rid, msg.model, len(ids))
 
     def _capacity_tokens(self, model: ModelState) -> int:
-        assert self.cache is not None
         return self.cache.allocator.capacity_slots(self.cache.pool_of(model.name))
 
     def abort(self, rid: str, reason: str, early: bool = False) -> None:
@@ -694,7 +515,6 @@ class Scheduler:
 
     def _finish(self, req: Req, keep: bool) -> None:
         """Release a running request's KV and drop it."""
-        assert self.kv is not None
         if req.runner is not None:
             runner = self.runners[req.runner]
             if req in runner.running:
@@ -734,7 +554,6 @@ class Scheduler:
         model = self.models[runner.model]
         self._update_down_reason(model, why)
         if model.up:
-            assert self.builder is not None
             running = list(runner.running)
             for req in reversed(running):
                 self.builder.requeue(runner, model.waiting, req)
@@ -808,35 +627,21 @@ class Scheduler:
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
         runner.threads = msg.threads
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %s", self.describe_step(batch, msg))
+            log.debug("step %s", describe_step(batch, msg))
         outputs = self._warmup_outputs(self.apply_result(batch, msg))
         if outputs:
-            self.to_detok.send(protocol.encode(protocol.TokenBatch(outputs)))
+            self.outbox.to_detokenizer(protocol.TokenBatch(outputs))
         if self.args.check_invariants:
-            result = self._walk_invariants()
+            result = control.walk_invariants(self)
             if result != "ok":  # contained: fails this batch's requests, logged
                 raise AssertionError(result)
 
-    @staticmethod
-    def describe_step(batch: ScheduledBatch, result: protocol.ForwardResult) -> str:
-        """One step's composition and cost (``--log-level debug``), to see where time goes."""
-        decodes = [r for r, n in zip(batch.reqs, batch.chunks, strict=True) if n == 1]
-        chunks = [(r, n) for r, n in zip(batch.reqs, batch.chunks, strict=True) if n > 1]
-        context = sum(r.kv_len + 1 for r in decodes)
-        shared = sum((len(g.members) - 1) * g.prefix_len for g in batch.prefix_groups)
-        prefill = ",".join(f"{n}@{r.kv_len}" for r, n in chunks)
-        return (
-            f"runner={batch.runner_id} batch={batch.batch_id} decodes={len(decodes)} "
-            f"decode_context={context} shared_rows={shared} prefill=[{prefill}] "
-            f"forward_ms={result.forward_ms:.1f} sample_ms={result.sample_ms:.1f} "
-            f"threads={result.threads}"
-        )
+    describe_step = staticmethod(describe_step)
 
     def apply_result(
         self, batch: ScheduledBatch, result: protocol.ForwardResult
     ) -> list[protocol.RequestOutput]:
         """Advance each request of a finished batch; outputs for the detokenizer."""
-        assert self.kv is not None
         outputs: list[protocol.RequestOutput] = []
         if result.error is not None:
             log.error(
@@ -848,7 +653,7 @@ class Scheduler:
             )
             for req in batch.reqs:
                 self._finish(req, keep=False)
-                outputs.append(self._output(req, [], "error", error=INTERNAL_ERROR, status=500))
+                outputs.append(request_output(req, [], "error", error=INTERNAL_ERROR, status=500))
             return outputs
         if len(result.outputs) != len(batch.reqs):
             raise ValueError(
@@ -858,12 +663,12 @@ class Scheduler:
             if out.error is not None:
                 log.error("rid=%s failed in runner %s: %s", req.rid, batch.runner_id, out.error)
                 self._finish(req, keep=False)
-                outputs.append(self._output(req, [], "error", error=INTERNAL_ERROR, status=500))
+                outputs.append(request_output(req, [], "error", error=INTERNAL_ERROR, status=500))
                 continue
             prompt = len(req.input_ids)
             self.prompt_tokens_computed += max(0, min(req.kv_len + n, prompt) - req.kv_len)
             if out.prompt_logprobs is not None:
-                self._keep_prompt_logprobs(req, req.kv_len, out)
+                keep_prompt_logprobs(req, req.kv_len, out)
             req.kv_len += n
             if req.aborted:
                 self._finish(req, keep=True)
@@ -878,7 +683,7 @@ class Scheduler:
             logprobs = None
             if out.logprob is not None:
                 logprobs = [protocol.TokenLogprob(out.token_id, out.logprob, out.top_logprobs)]
-            outputs.append(self._output(req, [out.token_id], finish, logprobs=logprobs))
+            outputs.append(request_output(req, [out.token_id], finish, logprobs=logprobs))
             if finish:
                 log.info(
                     "rid=%s finished (%s): %d prompt + %d output tokens, %d cached",
@@ -893,104 +698,51 @@ class Scheduler:
                 self.kv.cache_progress(req)
         return outputs
 
-    @staticmethod
-    def _keep_prompt_logprobs(req: Req, first: int, out: protocol.SeqOutput) -> None:
-        """A chunk starting at position ``first`` scored the prompt tokens
-        after each of its positions (kept by position: a chunk computed again
-        after a retraction overwrites the same ones)."""
-        lps = out.prompt_logprobs or []
-        tops = out.prompt_top_logprobs or [None] * len(lps)
-        for k, (lp, top) in enumerate(zip(lps, tops, strict=True)):
-            pos = first + 1 + k
-            req.prompt_logprobs[pos] = protocol.TokenLogprob(int(req.input_ids[pos]), lp, top)
-
-    def _prompt_logprobs(self, req: Req) -> list[protocol.TokenLogprob]:
-        """The prompt's logprobs from the asked start on (the first token's is None)."""
-        start = req.params.prompt_logprobs_start
-        found = [req.prompt_logprobs.get(pos) for pos in range(start, len(req.input_ids))]
-        missing = sum(lp is None for lp in found) - (start == 0)
-        if missing:  # a bug, not the client's: say so, send what there is
-            log.error("rid=%s: %d prompt logprobs missing", req.rid, missing)
-        req.prompt_logprobs = {}
-        ids = req.input_ids[start:].tolist()
-        return [lp or protocol.TokenLogprob(t, None) for lp, t in zip(found, ids, strict=True)]
-
-    def _output(
-        self,
-        req: Req,
-        new: list[int],
-        finish: str | None,
-        logprobs: list[protocol.TokenLogprob] | None = None,
-        error: str | None = None,
-        status: int = 200,
-    ) -> protocol.RequestOutput:
-        first = not req.announced
-        want_prompt = first and req.params.prompt_logprobs_start >= 0 and status == 200
-        req.announced = True
-        return protocol.RequestOutput(
-            rid=req.rid,
-            model=req.model,
-            new_token_ids=new,
-            prompt_tokens=len(req.input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            finish_reason=finish,
-            logprobs=logprobs,
-            error=error,
-            status=status,
-            stop=req.stop if first else None,
-            skip_special_tokens=req.skip_special_tokens,
-            queue_time=req.queue_time if first else None,
-            prompt_logprobs=self._prompt_logprobs(req) if want_prompt else None,
-        )
-
     # ---- models at run time --------------------------------------------------------------
     def add_model(self, msg: protocol.AddModel) -> None:
         """Runners for a new instance are starting: it is registered when all are ready."""
         name = msg.model.name
         if name in self.models or name in self.pending:
-            self._tell_launcher(
+            self.outbox.to_launcher(
                 protocol.ModelAdded(name, error=f"model {name!r} is already loaded")
             )
             return
-        self.pending[name] = PendingModel(msg)
+        self.pending[name] = PendingModel(msg, RollCall(set(runner_ids(msg.model))))
         log.info("model %s: waiting for %d runner(s)", name, msg.model.replicas)
 
     def _pending_runner(self, runner_id: str, msg: object) -> bool:
         """Handle a message from a runner of a loading instance; False if it is not one."""
-        pending = self.pending.get(runner_id.rpartition("#")[0])
-        if pending is None or runner_id not in runner_ids(pending.add.model):
+        rid = RunnerId.parse(runner_id)
+        pending = self.pending.get(rid.model) if rid is not None else None
+        if pending is None or runner_id not in pending.roll.expected:
             return False
+        if not isinstance(msg, protocol.Ready | protocol.Failed):
+            return True
         name = pending.add.model.name
-        if isinstance(msg, protocol.Failed):
+        error = pending.roll.answer(runner_id, msg)
+        if error is not None:
             del self.pending[name]
-            error = f"runner {runner_id} failed to load {pending.add.model.source}: {msg.error}"
+            error = f"runner {runner_id} failed to load {pending.add.model.source}: {error}"
             log.error("model %s: %s", name, error)
-            self._tell_launcher(protocol.ModelAdded(name, error=error))
-        elif isinstance(msg, protocol.Ready):
-            pending.infos[runner_id] = msg.info
-            pending.pids[runner_id] = msg.pid
-            log.info("runner %s ready (pid %d, %.1fs load)", runner_id, msg.pid, msg.load_seconds)
-            if len(pending.infos) == pending.add.model.replicas:
-                self._register_pending(pending)
+            self.outbox.to_launcher(protocol.ModelAdded(name, error=error))
+        elif pending.roll.complete:
+            self._register_pending(pending)
         return True
 
     def _register_pending(self, pending: PendingModel) -> None:
         add = pending.add
         name = add.model.name
         del self.pending[name]
-        info = pending.infos[runner_ids(add.model)[0]]
+        info = pending.roll.infos[runner_ids(add.model)[0]]
         try:
-            spec = self._model_spec(add.model, info)
-            served = self._add_model(
-                add.model, spec, pending.infos, pending.pids, add.served, add.version
-            )
+            spec = model_spec(add.model, info)
+            served = self.register_instance(add.model, spec, pending.roll, add.served, add.version)
         except (StartupError, ValueError) as exc:
             log.error("model %s not added: %s", name, exc)
-            self._tell_launcher(protocol.ModelAdded(name, error=str(exc)))
+            self.outbox.to_launcher(protocol.ModelAdded(name, error=str(exc)))
             return
         log.info("model %s serving as %s (version %d)", name, add.served, add.version)
-        self._tell_launcher(protocol.ModelAdded(name, served=served))
+        self.outbox.to_launcher(protocol.ModelAdded(name, served=served))
 
     def remove_model(self, name: str) -> None:
         """Take an instance out: fail what it still has (the front drained it
@@ -998,12 +750,12 @@ class Scheduler:
         writes its KV, stop its runners and drop its cache entries."""
         if self.pending.pop(name, None) is not None:
             log.info("model %s: load cancelled", name)
-            self._tell_launcher(protocol.ModelRemoved(name))
+            self.outbox.to_launcher(protocol.ModelRemoved(name))
             return
         model = self.models.get(name)
         if model is None or name in self.removing:
             if model is None:
-                self._tell_launcher(protocol.ModelRemoved(name))
+                self.outbox.to_launcher(protocol.ModelRemoved(name))
             return
         self.removing.add(name)
         why = f"model {model.served.name!r} was unloaded"
@@ -1024,11 +776,10 @@ class Scheduler:
             model = self.models[name]
             if name in loading or any(r.up and r.inflight is not None for r in model.runners):
                 continue
-            assert self.cache is not None
             self.removing.discard(name)
             for runner in model.runners:
                 if runner.up:
-                    self._send_runner(runner.runner_id, protocol.Shutdown())
+                    self.outbox.to_runner(runner.runner_id, protocol.Shutdown())
                 del self.runners[runner.runner_id]
                 self.held.pop(runner.runner_id, None)
             del self.models[name]
@@ -1036,153 +787,8 @@ class Scheduler:
             freed = self.cache.unregister_model(name)
             log.info("model %s removed: %d cached tokens freed", name, freed)
             removed = protocol.ModelRemoved(name, freed)
-            self.to_detok.send(protocol.encode(removed))  # after the instance's last outputs
-            self._tell_launcher(removed)
-
-    def _tell_launcher(self, msg: protocol.ModelAdded | protocol.ModelRemoved) -> None:
-        self.to_launcher.send(protocol.encode(msg))
-
-    # ---- control ------------------------------------------------------------------------
-    def control(self, msg: protocol.ControlRequest) -> protocol.ControlReply:
-        assert self.cache is not None
-        if msg.op in ("stats", "check"):
-            if msg.op == "check":
-                self._invariants_on_request()
-            return protocol.ControlReply(msg.req_id, True, stats=self.stats())
-        if msg.op == "dashboard":
-            return protocol.ControlReply(
-                msg.req_id, True, stats=self.stats(), dashboard=dashboard_snapshot(self.cache)
-            )
-        if msg.op == "flush_cache":
-            pins = self.warmups.pins.drop()  # a flush empties the cache, pins included
-            freed = self.cache.flush()
-            if self.disk is not None:
-                self.disk.clear()
-            log.info("cache flushed: %d tokens freed, %d pins dropped", freed, pins)
-            return protocol.ControlReply(
-                msg.req_id, True, f"flushed {freed} cached tokens ({pins} pins dropped)"
-            )
-        if msg.op == "invalidate":
-            if msg.model not in self.models:
-                return protocol.ControlReply(
-                    msg.req_id, False, f"model {msg.model!r} is not served"
-                )
-            self.warmups.pins.drop(msg.model)  # its pinned KV is stale too
-            freed = self.cache.invalidate(msg.model)
-            log.info("model %s invalidated: %d cached tokens freed", msg.model, freed)
-            return protocol.ControlReply(
-                msg.req_id, True, f"invalidated {msg.model}: freed {freed} tokens"
-            )
-        return protocol.ControlReply(msg.req_id, False, f"unknown control op {msg.op!r}")
-
-    def stats(self) -> protocol.SchedulerStats:
-        """Every figure ``/metrics`` and ``/get_server_info`` report; O(models),
-        never the invariant walk (its last result is reported, with its age)."""
-        assert self.cache is not None and self.ctx.arena is not None
-        cs = self.cache.stats()
-        usage = self.cache.allocator.usage()
-        models = []
-        for m in self.models.values():
-            c = cs.per_model[m.name]
-            pool = usage.pools[self.cache.pool_of(m.name)]
-            models.append(
-                protocol.ModelStatus(
-                    name=m.name,
-                    up=m.up,
-                    error=m.down_reason or next((r.error for r in m.runners if r.error), None),
-                    waiting=len(m.waiting),
-                    running=len(m.running()),
-                    replicas_up=sum(r.up for r in m.runners),
-                    cache_hits=c.hits,
-                    cache_misses=c.misses,
-                    tokens_queried=c.tokens_queried,
-                    tokens_matched=c.tokens_matched,
-                    cached_tokens=cs.cached_tokens[m.name],
-                    arena_bytes=pool.blocks * usage.block_bytes,
-                    steps=sum(r.steps for r in m.runners),
-                    runner_busy_seconds=sum(r.busy_s for r in m.runners),
-                    threads=max((r.threads for r in m.runners), default=0),
-                    state=m.state,
-                    runner_pids=[r.pid for r in m.runners if r.up and r.pid is not None],
-                    restarts=sum(r.restarts for r in m.runners),
-                    evicted_for_tokens=cs.evicted_for.get(m.name, 0),
-                    kv_allocated_tokens=self.kv.allocated_tokens[m.name] if self.kv else 0,
-                    evicted_tokens=cs.evicted_by_model.get(m.name, {}),
-                    pinned_tokens=self.warmups.pins.tokens(m.name),
-                )
-            )
-        return protocol.SchedulerStats(
-            models=models,
-            evicted_tokens=cs.evicted_tokens,
-            arena_total_bytes=self.ctx.arena.total_bytes,
-            arena_free_bytes=usage.free_blocks * usage.block_bytes,
-            arena_fragmented_bytes=usage.fragmented_bytes,
-            tree_nodes=cs.nodes,
-            steps=sum(r.steps for r in self.runners.values()),
-            retractions=self.builder.retractions if self.builder else 0,
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            invariants=self.walk.result,
-            invariants_age_s=(
-                time.monotonic() - self.walk.at if self.walk.result is not None else None
-            ),
-            invariants_current=self.walk.version == self.version,
-            invariant_checks=self.walk.count,
-            locks_held=self.cache.locks_held,
-            request_owned_slots=sum(len(r.owned_slots) for r in self.requests.values()),
-            aborted_before_arrival=self.aborted_before_arrival,
-            contained_failures=self.contained_failures,
-            shared_prefix_rows=self.builder.shared_prefix_rows if self.builder else 0,
-            disk=self.disk.stats() if self.disk is not None else None,
-            tree_tokens=cs.tree_tokens,
-            tree_index_bytes=cs.index_bytes,
-            pins=len(self.warmups.pins.by_key),
-            pinned_bytes=self.warmups.pins.bytes(),
-            max_pinned_bytes=self.warmups.pins.cap_bytes,
-        )
-
-    def _invariants_on_request(self) -> None:
-        """Walk the invariants for a ``check`` unless the last walk is still
-        current (nothing changed since) or the rate limit says not yet: a
-        client asking in a loop costs the loop at most ``CHECK_MAX_SHARE``."""
-        if self.walk.version != self.version and time.monotonic() >= self.walk.next_at:
-            self._walk_invariants()
-
-    def _walk_invariants(self) -> str:
-        """Run ``check`` now and remember its result: "ok" or "violated: ..."."""
-        t0 = time.monotonic()
-        try:
-            self.check()
-            result = "ok"
-        except AssertionError as exc:
-            result = f"violated: {exc}"
-        now = time.monotonic()
-        walk = self.walk
-        walk.result, walk.at, walk.version = result, now, self.version
-        walk.next_at = now + max(CHECK_MIN_INTERVAL_S, (now - t0) / CHECK_MAX_SHARE)
-        walk.count += 1
-        return result
-
-    def check(self) -> None:
-        """The cache's invariants, checked against what the scheduler itself
-        tracks (not the tree's own record): the tree's locks are exactly those
-        of tracked running requests, every allocated slot is in the tree or
-        owned by one of them, and a waiting request holds no KV at all. So an
-        idle server holds zero locks and zero request-owned slots."""
-        assert self.cache is not None and self.kv is not None
-        running = [req for m in self.models.values() for req in m.running()]
-        tracked = set(map(id, self.requests.values()))
-        assert all(id(r) in tracked for r in running), "a runner runs an untracked request"
-        loading = [ld.req for ld in self.disk.loading.values()] if self.disk else []
-        for req in self.requests.values():
-            if req.runner is None and req not in loading:
-                assert req.handle is None and not len(req.slots), f"rid={req.rid} waits holding KV"
-        check_invariants(
-            self.cache,
-            held=self.kv.held_slots(running + loading),
-            locks=[r.handle for r in running if r.handle is not None]
-            + (self.disk.locks if self.disk else [])
-            + self.warmups.pins.handles(),
-        )
+            self.outbox.to_detokenizer(removed)  # after the instance's last outputs
+            self.outbox.to_launcher(removed)
 
     # ---- warm-up and pins (scheduler/warmup.py) -------------------------------------------
     def warmup(self, msg: protocol.WarmupRequest) -> None:
@@ -1211,7 +817,7 @@ class Scheduler:
 
     def _reply_warmup(self, reply: protocol.WarmupReply | None) -> None:
         if reply is not None:
-            self.to_front.send(protocol.encode(reply))
+            self.outbox.to_front(reply)
 
     @contextlib.contextmanager
     def _real_requests_first(self, model: ModelState) -> Iterator[None]:
@@ -1230,24 +836,22 @@ class Scheduler:
             model.waiting.extend(warm)
 
 
-def _fixed_share(spec: ModelSpec, share: int, block_bytes: int) -> ModelSpec:
-    """``--kv-partition static``: a pool gets exactly ``share`` bytes (whole blocks)."""
-    fixed = share // block_bytes * block_bytes
-    return ModelSpec(**{**spec.__dict__, "floor_bytes": fixed, "cap_bytes": fixed})
-
-
 def main(ctx: ProcessContext, zctx: zmq.Context) -> int:
     """Process entry: wait for the runners, report ready, serve until shut down."""
-    sched = Scheduler(ctx, zctx)
+    args, arena = ctx.args, ctx.arena
+    assert arena is not None, "the scheduler needs the arena spec"
+    sockets, outbox = bootstrap.open_sockets(ctx, zctx)
     try:
-        served = sched.wait_for_runners()
+        roll = bootstrap.wait_for_runners(args, sockets)
+        sched = Scheduler(args, arena, outbox, bootstrap.build(args, arena, roll))
     except StartupError as exc:
         log.error("%s", exc)
         report(zctx, ctx.endpoints, protocol.ProcessFailed(ctx.name, os.getpid(), str(exc)))
         return 1
+    served = [m.served for m in sched.models.values()]
     report(zctx, ctx.endpoints, protocol.ProcessReady(ctx.name, os.getpid(), served))
     log.info("serving %s", ", ".join(f"{m.name} x{m.replicas}" for m in served))
-    sched.run()
+    sched.run(sockets)
     return 0
 
 

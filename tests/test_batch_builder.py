@@ -10,9 +10,10 @@ from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
 from radixmux.protocol import SamplingParams
-from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits, RunnerState
+from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req
+from radixmux.scheduler.runners import RunnerState
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
 

@@ -9,7 +9,7 @@ from test_batch_builder import builder, request, run
 
 from radixmux.bench.step_log import parse_steps, summarize
 from radixmux.protocol import ForwardResult
-from radixmux.scheduler.batch_builder import RunnerState
+from radixmux.scheduler.runners import RunnerState
 from radixmux.scheduler.scheduler import Scheduler
 
 

@@ -41,6 +41,7 @@ from radixmux.memory.arena import KVArena
 from radixmux.model_runners.runner_process import RunnerConfig, spawn_runner
 from radixmux.protocol import ModelArg
 from radixmux.runtime.client.engine import Engine
+from radixmux.scheduler import bootstrap
 from radixmux.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(300)
@@ -113,10 +114,12 @@ def in_process(model: Path, **flags: object) -> Iterator[InProcess]:
 
     def serve() -> None:
         try:  # the sockets are made and used on this thread only
-            sched = box["sched"] = Scheduler(ctx, zctx)
-            sched.wait_for_runners()
+            sockets, outbox = bootstrap.open_sockets(ctx, zctx)
+            roll = bootstrap.wait_for_runners(args, sockets)
+            startup = bootstrap.build(args, arena.spec, roll)
+            sched = box["sched"] = Scheduler(args, arena.spec, outbox, startup)
             ready.set()
-            sched.run()
+            sched.run(sockets)
         except BaseException as exc:
             box["error"] = exc
             ready.set()
