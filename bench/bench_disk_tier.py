@@ -40,8 +40,8 @@ figures are the tier's own cost (read, checksum, scatter), not a cold disk's.
 Writes one JSON (default ``bench/results/disk_tier-<time>.json``, ``--out``)
 and a PNG beside it, prints the tables and the targets; progress on stderr.
 
-    .venv/bin/python bench/bench_disk_tier.py --quick                # the smoke test
-    .venv/bin/python bench/bench_disk_tier.py --bench chat restart raw   # the full run
+    .venv/bin/python -m bench.bench_disk_tier --quick                # the smoke test
+    .venv/bin/python -m bench.bench_disk_tier --bench chat restart raw   # the full run
 """
 
 from __future__ import annotations
@@ -66,11 +66,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.bench_serving import (  # noqa: E402
+from bench.bench_serving import (
     RESULTS_DIR,
     SSE_DONE,
     BenchConfig,
@@ -83,7 +79,7 @@ from bench.bench_serving import (  # noqa: E402
     summarise,
     write_json,
 )
-from bench.workloads import (  # noqa: E402
+from bench.workloads import (
     MultiTurnParams,
     Session,
     multi_turn,
@@ -91,6 +87,8 @@ from bench.workloads import (  # noqa: E402
     vocabulary_words,
     warmup_sessions,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCHES = ("chat", "restart", "raw")
 DEFAULT_MODELS = ("smollm2,name=a", "gemma3-270m,name=b")

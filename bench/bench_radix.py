@@ -1,4 +1,4 @@
-"""Benchmark of the unified radix cache (issue 2, "Benchmark").
+"""Benchmark of the unified radix cache.
 
 Replays one synthetic, seeded multi-model trace through ``RadixCache`` and reports
 
@@ -22,7 +22,7 @@ Phases (each ends with ``check_invariants()``, outside every timed region):
 
 Usage::
 
-    .venv/bin/python bench/bench_radix.py [--quick] [--out bench/results/radix.json]
+    .venv/bin/python -m bench.bench_radix [--quick] [--out bench/results/radix.json]
 
 Prints a table, writes the JSON and a PNG plot (same name, ``.png``) next to it.
 """
@@ -776,7 +776,7 @@ def _memory_table(result: BenchResult) -> str:
 
 
 def _targets_table(targets: list[Target]) -> str:
-    rows = ["targets (issue 2)", "-" * 17]
+    rows = ["targets", "-" * 7]
     for t in targets:
         verdict = "PASS" if t.passed else "MISS"
         rows.append(f"{verdict}  {t.name}: {t.measured:.2f} {t.unit} (<= {t.limit:g} {t.unit})")

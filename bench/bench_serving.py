@@ -10,7 +10,7 @@ server's ``usage``. The cache hit rate is the change of the server's
 counters), else the share of prompt tokens the server reported as cached in
 ``usage``, else n/a.
 
-    .venv/bin/python bench/bench_serving.py --base-url http://127.0.0.1:30000 \\
+    .venv/bin/python -m bench.bench_serving --base-url http://127.0.0.1:30000 \\
         --model smollm2 --workload generated-shared-prefix --request-rate inf
 
 Importable: ``await run_benchmark(BenchConfig(...)) -> BenchResult``.
@@ -33,9 +33,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.workloads import (
     WORKLOADS,

@@ -25,8 +25,8 @@ Modes:
 Writes one JSON with every configuration and a PNG (throughput and latency per
 configuration) under ``bench/results/``, and prints the tables.
 
-    .venv/bin/python bench/compare.py --modes 1 2 3 [--quick] [--models A B]
-    .venv/bin/python bench/compare.py --modes 2 5 --peers vllm --models smollm2 gemma3-270m
+    .venv/bin/python -m bench.compare --modes 1 2 3 [--quick] [--models A B]
+    .venv/bin/python -m bench.compare --modes 2 5 --peers vllm --models smollm2 gemma3-270m
 """
 
 from __future__ import annotations
@@ -50,11 +50,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.bench_serving import (  # noqa: E402
+from bench.bench_serving import (
     RESULTS_DIR,
     BenchConfig,
     BenchResult,
@@ -62,7 +58,9 @@ from bench.bench_serving import (  # noqa: E402
     run_benchmark,
     write_json,
 )
-from bench.workloads import GSPParams, MultiTurnParams, ShiftParams  # noqa: E402
+from bench.workloads import GSPParams, MultiTurnParams, ShiftParams
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_PEERS = ("vllm", "llamacpp", "transformers")
 START_TIMEOUT_S = 900.0  # a first start may convert GGUF weights

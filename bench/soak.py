@@ -1,4 +1,4 @@
-"""Soak and chaos harness (issue 9): the real two-model server under mixed, hostile load.
+"""Soak and chaos harness: the real two-model server under mixed, hostile load.
 
 Starts ``launch.py`` with two models (``a`` and ``b``) on a small KV arena, so
 eviction and retraction happen all the time, and for ``--minutes`` drives it
@@ -48,9 +48,9 @@ It writes ``bench/results/soak.json`` (checks, summaries, every request),
 ``soak.png`` (requests by status and TTFT p50/p99 per minute, RSS per process,
 kill markers) and ``soak-server.log``, and exits 1 when a check fails.
 
-    .venv/bin/python bench/soak.py --minutes 30                # the README run (real models)
-    .venv/bin/python bench/soak.py --minutes 2 --tiny          # what tests/test_soak.py runs
-    .venv/bin/python bench/soak.py --minutes 30 --hostile      # with hostile clients
+    .venv/bin/python -m bench.soak --minutes 30                # the README run (real models)
+    .venv/bin/python -m bench.soak --minutes 2 --tiny          # what tests/test_soak.py runs
+    .venv/bin/python -m bench.soak --minutes 30 --hostile      # with hostile clients
 """
 
 from __future__ import annotations
@@ -75,9 +75,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import soak_hostile
 from bench.bench_serving import chat_messages, completion_prompt
@@ -112,7 +109,7 @@ STOP_TIMEOUT_S = 60.0
 PROBE_PROMPT = "The history of the radix tree begins with a question about memory, and"
 PROBE_TOKENS = 16
 # What a client must never see in an error message: tracebacks, source paths,
-# exception class names (issue 9, bug 4).
+# exception class names.
 INTERNALS = re.compile(r"Traceback|File \"|\.py\b|\b[A-Z]\w*(Error|Exception):")
 ERROR_TYPE_STATUS = {
     "invalid_request_error": 400,
@@ -227,7 +224,7 @@ class SoakConfig:
     seed: int
     port: int
     out: Path
-    runner_timeout_s: float  # 0: do not pass --runner-timeout (servers before issue 9)
+    runner_timeout_s: float  # 0: do not pass --runner-timeout (older servers)
     server_args: tuple[str, ...]
     profile: Profile
     dtype: str = "float32"  # the models' dtype ("": the server's default)
@@ -560,9 +557,7 @@ def model_sources(tiny: bool) -> list[str]:
     """Tiny random models (made once under the model cache) or the embedded real ones."""
     if not tiny:
         return list(REAL_SOURCES)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_tiny_model_dir
-
+    from bench.tiny_models import make_tiny_model_dir
     from radixmux.model_runners.fetch import cache_root
 
     base = cache_root() / "soak-tiny"
@@ -1087,8 +1082,8 @@ async def probe_task(run: RunState) -> None:
 def model_states(status: int, body: Any, names: Sequence[str]) -> dict[str, str]:
     """Per-model state from a ``/health`` answer.
 
-    The contract's ``models`` map when present; otherwise (servers before issue
-    9) 200 means all serving and 503 names the ``down`` models.
+    The contract's ``models`` map when present; otherwise (older
+    servers) 200 means all serving and 503 names the ``down`` models.
     """
     body = body if isinstance(body, dict) else {}
     models = body.get("models")
@@ -1113,7 +1108,7 @@ async def server_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 
 def info_state(m: dict[str, Any]) -> str:
-    """A model's state in ``/get_server_info`` (``up`` on servers before issue 9)."""
+    """A model's state in ``/get_server_info`` (``up`` on older servers)."""
     if "state" in m:
         return str(m["state"])
     return "serving" if m.get("up") else "down"
@@ -1566,7 +1561,7 @@ def idle_checks(end: EndState) -> list[CheckResult]:
 
 
 def contract_check(end: EndState) -> CheckResult:
-    """``/get_server_info`` and ``/health`` carry the fields the checks read (issue 9)."""
+    """``/get_server_info`` and ``/health`` carry the fields the checks read."""
     missing = [f"scheduler.{k}" for k in SERVER_INFO_FIELDS if k not in end.sched]
     for name, m in info_models(end.sched).items():
         missing += [f"models[{name}].{k}" for k in MODEL_INFO_FIELDS if k not in m]
@@ -2000,7 +1995,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         "--runner-timeout",
         type=float,
         default=60.0,
-        help="the server's --runner-timeout (0: do not pass it, for servers before issue 9)",
+        help="the server's --runner-timeout (0: do not pass it, for older servers)",
     )
     p.add_argument("--server-args", default="", help="extra launch.py flags, one string")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""The soak's hostile-client mode (``bench/soak.py --hostile``, issue 27).
+"""The soak's hostile-client mode (``python -m bench.soak --hostile``).
 
 Beside the soak's mixed load and runner kills, clients that mean harm:
 
@@ -61,7 +61,6 @@ import socket
 import stat
 import statistics
 import struct
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -1376,9 +1375,7 @@ async def stall_task(run: soak.RunState) -> None:
 def extra_sources(root: Path) -> tuple[str, str]:
     """The extra model (tiny, one layer: 256 B of KV a token) and a model folder
     whose weights could never fit (their header only)."""
-    sys.path.insert(0, str(soak.ROOT / "tests"))
-    from tiny_models import make_tiny_model_dir
-
+    from bench.tiny_models import make_tiny_model_dir
     from radixmux.model_runners.fetch import cache_root
 
     tiny = Path(soak.model_sources(True)[0])

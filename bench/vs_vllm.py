@@ -26,9 +26,9 @@ radixmux/vLLM ratios), checks the goal per row (radixmux output throughput >=
 TTFT p50 lower) and writes a JSON and a PNG under ``bench/results/`` (vLLM's
 own result files and every log beside them, in ``<stem>-logs/``).
 
-    .venv/bin/python bench/vs_vllm.py [--quick]
-    .venv/bin/python bench/vs_vllm.py --engines radixmux --server-args "--chunked-prefill-size 256"
-    .venv/bin/python bench/vs_vllm.py --server-args "" --server-args "--max-running-requests 32"
+    .venv/bin/python -m bench.vs_vllm [--quick]
+    .venv/bin/python -m bench.vs_vllm --engines radixmux --server-args "--chunked-prefill-size 256"
+    .venv/bin/python -m bench.vs_vllm --server-args "" --server-args "--max-running-requests 32"
 
 ``--server-args`` may be repeated: each string is one radixmux configuration
 (a lone flag without a value needs the ``=`` form: ``--server-args=--disable-radix-cache``).
@@ -55,12 +55,8 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench import compare, peers  # noqa: E402
-from bench.bench_serving import (  # noqa: E402
+from bench import compare, peers
+from bench.bench_serving import (
     RESULTS_DIR,
     BenchConfig,
     Snapshot,
@@ -71,6 +67,8 @@ from bench.bench_serving import (  # noqa: E402
     warmup_sessions,
     write_json,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONCURRENCIES = (1, 4, 16)
 CLIENT_TIMEOUT_S = 1800.0

@@ -1,5 +1,5 @@
-"""The soak and chaos harness (``bench/soak.py``, issue 9) for two minutes on tiny
-models, with its hostile clients (``--hostile``, issue 27).
+"""The soak and chaos harness (``python -m bench.soak``) for two minutes on tiny
+models, with its hostile clients (``--hostile``).
 
 The real two-model server runs as a subprocess on a small arena under the
 harness's whole mixed load (shared prefixes, multi-turn chats, abandoned
@@ -31,8 +31,6 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench import soak, soak_hostile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +55,7 @@ HOSTILE_CHECKS = (
 
 def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "2", "--tiny"]
+    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "2", "--tiny"]
     proc = subprocess.run(
         [*cmd, "--hostile", "--kill-every", "60", "--out", str(out)],
         cwd=ROOT,
@@ -161,7 +159,7 @@ def test_rss_growth_is_judged_over_each_process_warm_life() -> None:
     assert soak.rss_baseline_s(120.0) == 60.0 and soak.rss_baseline_s(1800.0) == 120.0
 
 
-# ---- the hostile-client mode (issue 27): its parsing and bookkeeping ----------------------
+# ---- the hostile-client mode: its parsing and bookkeeping ----------------------------------
 
 
 def _chunked(body: bytes, rng: random.Random) -> list[bytes]:
