@@ -68,17 +68,17 @@ import httpx
 
 from bench.bench_serving import (
     RESULTS_DIR,
-    SSE_DONE,
     BenchConfig,
     BenchResult,
     RequestRecord,
     scrape_samples,
     scrape_servers,
     send_request,
-    sse_message,
     summarise,
     write_json,
 )
+from bench.sse import SSE_DONE, sse_message
+from bench.verdicts import verdict_line, verdict_of
 from bench.workloads import (
     MultiTurnParams,
     Session,
@@ -997,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(report[b].get("target"), dict)
     ]
     for t in targets:
-        t["verdict"] = {True: "PASS", False: "MISS", None: "n/a"}[t["passed"]]
+        t["verdict"] = verdict_of(t["passed"])
     data = {
         "meta": {
             "benches": args.bench,
@@ -1025,7 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(formats[bench](report[bench]))
     print("\n== targets")
     for t in targets:
-        print(f"[{t['verdict']:<4}] {t['name']}: {t['measured']}")
+        print(verdict_line(t["passed"], f"{t['name']}: {t['measured']}"))
     print(f"\nwrote {out}" + (f" and {png}" if png else ""))
     failed = any("error" in report[b] for b in args.bench)
     return 1 if failed else 0

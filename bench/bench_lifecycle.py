@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 
 from bench.bench_disk_tier import serving
-from bench.bench_serving import RESULTS_DIR, SSE_DONE, sse_message, write_json
+from bench.bench_serving import RESULTS_DIR, write_json
+from bench.sse import SSE_DONE, sse_message
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.verdicts import verdict_of
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.layout import BlockGeometry, KVLayout
@@ -778,8 +779,9 @@ def _memory_table(result: BenchResult) -> str:
 def _targets_table(targets: list[Target]) -> str:
     rows = ["targets", "-" * 7]
     for t in targets:
-        verdict = "PASS" if t.passed else "MISS"
-        rows.append(f"{verdict}  {t.name}: {t.measured:.2f} {t.unit} (<= {t.limit:g} {t.unit})")
+        rows.append(
+            f"{verdict_of(t.passed)}  {t.name}: {t.measured:.2f} {t.unit} (<= {t.limit:g} {t.unit})"
+        )
         rows.append(f"      {t.detail}")
     return "\n".join(rows)
 

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.sse import SSE_DONE, event_text, sse_message
 from bench.workloads import (
     WORKLOADS,
     GSPParams,
@@ -271,7 +272,7 @@ async def send_request(
                 if "error" in msg:
                     rec.error = str(msg["error"])[:300]
                     break
-                text = _chunk_text(msg)
+                text = event_text(msg)
                 if text:
                     now = time.perf_counter()
                     if not chunks:
@@ -292,28 +293,6 @@ async def send_request(
     if not rec.error and not chunks:
         rec.error = "empty response"
     return rec
-
-
-SSE_DONE: dict[str, Any] = {}  # the ``data: [DONE]`` sentinel (compared by identity)
-
-
-def sse_message(line: str) -> dict[str, Any] | None:
-    """The JSON message of one Server-Sent Events line; ``SSE_DONE`` at
-    ``[DONE]``; None for a line that carries no data."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    return SSE_DONE if data == "[DONE]" else json.loads(data)
-
-
-def _chunk_text(msg: dict[str, Any]) -> str:
-    choices = msg.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    return (c.get("delta") or {}).get("content") or ""
 
 
 def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:

@@ -37,9 +37,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,8 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
-
-import httpx
 
 from bench.bench_serving import (
     RESULTS_DIR,
@@ -58,13 +53,14 @@ from bench.bench_serving import (
     run_benchmark,
     write_json,
 )
+from bench.server_process import ServerFailed, ServerProcess, free_port
+from bench.verdicts import verdict_line, verdict_of
 from bench.workloads import GSPParams, MultiTurnParams, ShiftParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_PEERS = ("vllm", "llamacpp", "transformers")
 START_TIMEOUT_S = 900.0  # a first start may convert GGUF weights
-STOP_TIMEOUT_S = 60.0
 
 
 # ---- sizes ----------------------------------------------------------------------------
@@ -123,7 +119,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        return {True: "PASS", False: "MISS", None: "n/a"}[self.passed]
+        return verdict_of(self.passed)
 
 
 @dataclass
@@ -135,64 +131,20 @@ class ModeReport:
 
 
 # ---- radixmux server ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerFailed(RuntimeError):
-    """A server exited or never became healthy."""
-
-
-class RadixmuxServer:
-    """``launch.py`` in a process of its own; logs to ``log_path``."""
+class RadixmuxServer(ServerProcess):
+    """``launch.py`` on a free port with ``args``; logs to ``log_path``."""
 
     def __init__(self, args: Sequence[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), *args]
-        self._log = log_path.open("w")
-        # A session of its own: a Ctrl-C at the terminal reaches only us, and
-        # stop() then shuts the server down in order.
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(f"exited with {self.proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=5, trust_env=False).is_success:
-                    return
-            time.sleep(0.5)
-        raise ServerFailed(f"not healthy after {timeout:.0f} s: {self.log_tail()}")
-
-    def log_tail(self, n: int = 5) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return " | ".join(lines[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        port = free_port()
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), *args]
+        super().__init__(cmd, port, log_path)
 
 
 @contextlib.contextmanager
 def radixmux(args: Sequence[str], log_path: Path) -> Iterator[RadixmuxServer]:
     server = RadixmuxServer(args, log_path)
     try:
-        server.wait_healthy()
+        server.wait_healthy(START_TIMEOUT_S)
         yield server
     finally:
         server.stop()
@@ -623,7 +575,7 @@ def format_report(reports: Sequence[ModeReport]) -> str:
     lines.append("\n== targets")
     for rep in reports:
         for t in rep.targets:
-            lines.append(f"[{t.verdict:<4}] mode {t.mode}: {t.name}: {t.measured}")
+            lines.append(verdict_line(t.passed, f"mode {t.mode}: {t.name}: {t.measured}"))
     return "\n".join(lines)
 
 

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import bench.soak
+from bench.server_process import ServerFailed, free_port
 from bench.soak.config import REAL, RESULTS_DIR, TINY, SoakConfig
 from bench.soak.hostile.config import prepare as prepare_hostile
 from bench.soak.run import soak
-from bench.soak.server import ServerFailed, SoakServer, model_sources, server_command
+from bench.soak.server import SoakServer, model_sources, server_command
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
@@ -76,14 +77,6 @@ def parse_args(argv: Sequence[str] | None = None) -> SoakConfig:
         dtype=a.dtype or "float32",
         hostile=a.hostile,
     )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _interrupt(signum: int, frame: object) -> None:

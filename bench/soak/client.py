@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from bench.soak.config import CONTROL_KINDS, ERROR_TYPE_STATUS
 from bench.soak.records import RequestRecord, RunState
+from bench.sse import DONE, event_text, finish_reason, sse_data
 
 
 def parse_json(text: str) -> Any:
@@ -39,34 +43,6 @@ def error_fields(rec: RequestRecord, body: Any) -> bool:
     return True
 
 
-def finish_reason(msg: Any) -> str | None:
-    """The finish reason of a response or stream event in any of the three APIs."""
-    if not isinstance(msg, dict):
-        return None
-    meta = msg.get("meta_info")
-    if isinstance(meta, dict):  # SGLang /generate
-        finish = meta.get("finish_reason")
-        return finish.get("type") if isinstance(finish, dict) else None
-    choices = msg.get("choices") or []
-    return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
-
-
-def event_text(msg: Any) -> str:
-    """The text of a response or stream event (``/generate`` streams carry it cumulative)."""
-    if not isinstance(msg, dict):
-        return ""
-    if "meta_info" in msg:
-        return str(msg.get("text") or "")
-    choices = msg.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    holder = c.get("message") or c.get("delta") or {}
-    return holder.get("content") or ""
-
-
 def judge_finish(rec: RequestRecord, finish: str | None) -> None:
     """A 200 answer: ok only when it says how it finished (stop or length)."""
     if finish in ("stop", "length"):
@@ -74,6 +50,52 @@ def judge_finish(rec: RequestRecord, finish: str | None) -> None:
     else:
         rec.outcome = "incomplete"
         rec.detail = f"finish_reason {finish!r}"
+
+
+@dataclass
+class StreamJudge:
+    """Judges one SSE stream event by event into its record's outcome.
+
+    ``feed`` takes each event's payload and returns its message while the stream
+    goes on, None for an error event (after which only ``[DONE]`` may come);
+    ``judged`` is set once the outcome is known. ``cut`` judges a stream that
+    ended without ``[DONE]``.
+    """
+
+    rec: RequestRecord
+    text: str = ""  # the text so far
+    piece: str = ""  # the last event's text
+    finish: str | None = None
+    errored: bool = False
+    judged: bool = False
+
+    def feed(self, payload: str) -> dict[str, Any] | None:
+        rec = self.rec
+        if payload == DONE:
+            if self.errored:
+                rec.outcome = "stream_error"
+            else:
+                judge_finish(rec, self.finish)
+            self.judged = True
+            return None
+        msg = parse_json(payload)
+        if not isinstance(msg, dict) or self.errored:  # after an error event: only [DONE]
+            rec.outcome, rec.detail = "bad_body", f"unexpected stream event {payload[:80]!r}"
+            self.judged = True
+            return None
+        if "error" in msg:
+            self.errored = error_fields(rec, msg)
+            if not self.errored:
+                rec.outcome, rec.detail = "bad_body", "error event without the error shape"
+                self.judged = True
+            return None
+        self.piece = event_text(msg)
+        self.text = self.piece if "meta_info" in msg else self.text + self.piece
+        self.finish = finish_reason(msg) or self.finish
+        return msg
+
+    def cut(self, detail: str) -> None:
+        self.rec.outcome, self.rec.detail = "incomplete", detail
 
 
 async def read_error(rec: RequestRecord, resp: httpx.Response) -> None:
@@ -113,46 +135,49 @@ async def stream_request(
     t_start = time.monotonic()
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     headers = {"content-type": "application/json"}
-    text = ""
     async with client.stream("POST", url, headers=headers, **kwargs) as resp:
         rec.status = resp.status_code
         rec.rid = resp.headers.get("x-request-id", "")
         if resp.status_code != 200:
             await read_error(rec, resp)
             return ""
-        events, finish, errored = 0, None, False
+        judge, events = StreamJudge(rec), 0
         async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+            payload = sse_data(line)
+            if payload is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                if errored:
-                    rec.outcome = "stream_error"
-                else:
-                    judge_finish(rec, finish)
-                return text
-            msg = parse_json(data)
-            if not isinstance(msg, dict) or errored:  # after an error event: only [DONE]
-                rec.outcome, rec.detail = "bad_body", f"unexpected stream event {data[:80]!r}"
-                return text
-            if "error" in msg:
-                errored = error_fields(rec, msg)
-                if not errored:
-                    rec.outcome, rec.detail = "bad_body", "error event without the error shape"
-                    return text
+            msg = judge.feed(payload)
+            if judge.judged:
+                return judge.text
+            if msg is None:  # an error event: only [DONE] may follow
                 continue
-            piece = event_text(msg)
-            if piece and rec.ttft is None:
+            if judge.piece and rec.ttft is None:
                 rec.ttft = time.monotonic() - t_start
-            text = piece if "meta_info" in msg else text + piece
-            finish = finish_reason(msg) or finish
             events += 1
             if abandon_after is not None and events >= abandon_after:
                 rec.outcome = "abandoned"  # leaving the block closes the connection
-                return text
-    rec.outcome = "incomplete"
-    rec.detail = "stream ended without [DONE]"
-    return text
+                return judge.text
+    judge.cut("stream ended without [DONE]")
+    return judge.text
+
+
+@contextlib.contextmanager
+def failures_recorded(rec: RequestRecord, timeout_s: float, what: str) -> Iterator[None]:
+    """A timeout or a transport failure inside the block goes into ``rec``, not up."""
+    try:
+        yield
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        rec.outcome = "timeout"
+        rec.detail = f"no {what} within {timeout_s:g} s"
+    except (httpx.HTTPError, OSError) as exc:
+        rec.outcome = "transport"
+        rec.detail = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def close_record(run: RunState, rec: RequestRecord, t: float) -> None:
+    """The request is over: its duration since ``t`` and its end on the run's clock."""
+    rec.e2e = time.monotonic() - t
+    rec.t_end = run.now()
 
 
 async def send(
@@ -170,21 +195,14 @@ async def send(
     url = run.url + rec.endpoint
     t = time.monotonic()
     text = ""
-    try:
+    with failures_recorded(rec, run.config.profile.request_timeout_s, "complete answer"):
         work = (
             stream_request(client, rec, url, body, abandon_after)
             if rec.stream
             else plain_request(client, rec, url, body)
         )
         text = await asyncio.wait_for(work, run.config.profile.request_timeout_s)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
-        rec.outcome = "timeout"
-        rec.detail = f"no complete answer within {run.config.profile.request_timeout_s:g} s"
-    except (httpx.HTTPError, OSError) as exc:
-        rec.outcome = "transport"
-        rec.detail = f"{type(exc).__name__}: {exc}"[:300]
-    rec.e2e = time.monotonic() - t
-    rec.t_end = run.now()
+    close_record(run, rec, t)
     return text
 
 

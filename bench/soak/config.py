@@ -31,7 +31,6 @@ QUIET_IDLE_S = 5.0  # an aborted request is gone in ~1 s; an orphan decodes for 
 # A burst: this many requests at once over both models, each admitted on a
 # reservation of 64 decode tokens, together outgrow the arena as they decode.
 BURST_SIZE = 12
-STOP_TIMEOUT_S = 60.0
 PROBE_PROMPT = "The history of the radix tree begins with a question about memory, and"
 PROBE_TOKENS = 16
 # What a client must never see in an error message: tracebacks, source paths,

@@ -168,7 +168,7 @@ class RunState:
 
     @property
     def url(self) -> str:
-        return self.server.url
+        return self.server.base_url
 
     def new_record(
         self, task: str, kind: str, model: str, endpoint: str, stream: bool

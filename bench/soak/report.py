@@ -12,6 +12,7 @@ from typing import Any
 from bench.soak.end import EndState
 from bench.soak.monitor import by_status, info_models
 from bench.soak.records import CheckResult, RunState
+from bench.verdicts import verdict_line
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -138,7 +139,7 @@ def print_summary(data: dict[str, Any], checks: Sequence[CheckResult]) -> None:
         )
     print("\n== checks")
     for c in checks:
-        print(f"[{'PASS' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+        print(verdict_line(c.passed, f"{c.name}: {c.detail}", miss="FAIL"))
     failed = [c.name for c in checks if not c.passed]
     verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(checks)}: {failed})"
     print(f"\nsoak: {verdict}", flush=True)

@@ -98,11 +98,11 @@ def shift_origin(run: RunState) -> None:
 
 async def soak(config: SoakConfig, server: SoakServer, sources: Sequence[str]) -> int:
     """Run against a started server; returns the exit code (0: every check passed)."""
-    await server.wait_ready(config.profile.start_timeout_s)
-    facts = await model_facts(server.url, MODEL_NAMES)
+    await server.wait_healthy_async(config.profile.start_timeout_s)
+    facts = await model_facts(server.base_url, MODEL_NAMES)
     words = vocabulary_words(str(resolve_tokenizer(sources[0])))
     run = RunState(config, server, facts, words, time.monotonic(), asyncio.Event())
-    print(f"[soak] server ready: {server.url}; load for {config.minutes:g} min", flush=True)
+    print(f"[soak] server ready: {server.base_url}; load for {config.minutes:g} min", flush=True)
     sample_rss(run)
     await probe_all(run, "before")
     if config.hostile:

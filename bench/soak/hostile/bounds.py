@@ -9,10 +9,11 @@ from typing import Any
 
 import httpx
 
-from bench.soak.client import finish_reason, send
+from bench.soak.client import send
 from bench.soak.hostile.client import call, client_for, stopped, wait_or_stop
 from bench.soak.hostile.records import HostileRun
 from bench.soak.records import ModelFacts, RequestRecord, RunState
+from bench.sse import finish_reason
 from radixmux.runtime.front.api.common import (
     MAX_CHAT_MESSAGES,
     MAX_CONTENT_PARTS,

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak.client import parse_json, read_error
+from bench.soak.client import close_record, failures_recorded, parse_json, read_error
 from bench.soak.records import RequestRecord, RunState
 
 
@@ -28,11 +28,6 @@ async def wait_or_stop(run: RunState, seconds: float) -> bool:
     return False
 
 
-def close_record(run: RunState, rec: RequestRecord, t: float) -> None:
-    rec.e2e = time.monotonic() - t
-    rec.t_end = run.now()
-
-
 async def call(
     run: RunState,
     client: httpx.AsyncClient,
@@ -47,7 +42,7 @@ async def call(
     does; returns the JSON body of a 200 (None otherwise). Never raises."""
     t = time.monotonic()
     body = None
-    try:
+    with failures_recorded(rec, run.config.profile.request_timeout_s, "answer"):
         kwargs: dict[str, Any] = {"headers": headers or {}}
         if json_body is not None:
             kwargs["json"] = json_body
@@ -64,12 +59,6 @@ async def call(
             rec.outcome = "ok" if body is not None else "bad_body"
         else:
             await read_error(rec, resp)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
-        rec.outcome = "timeout"
-        rec.detail = f"no answer within {run.config.profile.request_timeout_s:g} s"
-    except (httpx.HTTPError, OSError) as exc:
-        rec.outcome = "transport"
-        rec.detail = f"{type(exc).__name__}: {exc}"[:300]
     close_record(run, rec, t)
     return body
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from bench.server_process import ServerFailed
 from bench.soak.config import IDLE_TIMEOUT_S
 from bench.soak.end import wait_idle
 from bench.soak.hostile.bounds import bounds_task
@@ -29,7 +30,7 @@ from bench.soak.hostile.streams import slow_reader_task
 from bench.soak.hostile.traps import make_canary, plant_traps, trap_problems, trap_task
 from bench.soak.monitor import server_info
 from bench.soak.records import RunState
-from bench.soak.server import ServerFailed, SoakServer, model_sources
+from bench.soak.server import SoakServer, model_sources
 
 
 def extra_sources(root: Path) -> tuple[str, str]:
@@ -140,19 +141,19 @@ async def restart_phase(run: RunState) -> None:
     server = SoakServer(run.server.cmd, run.config.port, log)
     info: dict[str, Any] = {"log": str(log)}
     try:
-        await server.wait_ready(run.config.profile.start_timeout_s)
+        await server.wait_healthy_async(run.config.profile.start_timeout_s)
         info["ready"] = True
         async with httpx.AsyncClient(trust_env=False, timeout=120) as c:
-            sched = await server_info(c, server.url)
+            sched = await server_info(c, server.base_url)
             info["store_chunks_after_scan"] = (sched.get("disk") or {}).get("store_chunks")
             info["traps_after_scan"] = trap_problems(hs)
             for model in run.facts:
                 body = {"model": model, "prompt": STALL_PROMPT, "max_tokens": 4}
-                resp = await c.post(server.url + "/v1/completions", json=body)
+                resp = await c.post(server.base_url + "/v1/completions", json=body)
                 info[f"serve_{model}"] = resp.status_code
-            info["get_flush"] = (await c.get(server.url + "/flush_cache")).status_code
-            info["flush"] = (await c.post(server.url + "/flush_cache")).status_code
-            sched = await server_info(c, server.url)
+            info["get_flush"] = (await c.get(server.base_url + "/flush_cache")).status_code
+            info["flush"] = (await c.post(server.base_url + "/flush_cache")).status_code
+            sched = await server_info(c, server.base_url)
             info["store_chunks_after_flush"] = (sched.get("disk") or {}).get("store_chunks")
     except (ServerFailed, httpx.HTTPError) as exc:
         info["ready"] = info.get("ready", False)

@@ -9,8 +9,13 @@ import socket
 import time
 from typing import Any
 
-from bench.soak.client import error_fields, event_text, finish_reason, judge_finish, parse_json
-from bench.soak.hostile.client import close_record, stopped, wait_or_stop
+from bench.soak.client import (
+    StreamJudge,
+    close_record,
+    error_fields,
+    parse_json,
+)
+from bench.soak.hostile.client import stopped, wait_or_stop
 from bench.soak.hostile.config import (
     HEAD_TIMEOUT_S,
     RCVBUF,
@@ -24,6 +29,7 @@ from bench.soak.hostile.config import (
 from bench.soak.hostile.records import HostileRun, StreamFacts
 from bench.soak.load import endpoints_for, raw_request
 from bench.soak.records import RequestRecord, RunState
+from bench.sse import sse_data
 
 
 class Dechunker:
@@ -142,45 +148,28 @@ class RawStream:
 
 
 def judge_events(rec: RequestRecord, data: bytes, ended: bool) -> dict[str, Any]:
-    """Judge an SSE body as ``stream_request`` does; ``ended``: the body's last chunk came.
+    """Judge an SSE body as the soak's streamed requests are judged; ``ended``: the
+    body's last chunk came.
 
     Returns what a ``/generate`` stream with logprobs sent (tokens, logprob
     entries, the widest alternatives list) for the delta check.
     """
     facts = {"tokens": 0, "entries": 0, "widest": 0}
-    finish, errored, text = None, False, ""
+    judge = StreamJudge(rec)
     for event in data.split(b"\n\n"):
-        line = event.decode(errors="replace").strip()
-        if not line.startswith("data:"):
+        payload = sse_data(event.decode(errors="replace").strip())
+        if payload is None:
             continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            if errored:
-                rec.outcome = "stream_error"
-            else:
-                judge_finish(rec, finish)
+        msg = judge.feed(payload)
+        if judge.judged:
             return facts
-        msg = parse_json(payload)
-        if not isinstance(msg, dict) or errored:
-            rec.outcome, rec.detail = "bad_body", f"unexpected stream event {payload[:80]!r}"
-            return facts
-        if "error" in msg:
-            errored = error_fields(rec, msg)
-            if not errored:
-                rec.outcome, rec.detail = "bad_body", "error event without the error shape"
-                return facts
-            continue
-        piece = event_text(msg)
-        text = piece if "meta_info" in msg else text + piece
-        finish = finish_reason(msg) or finish
-        meta = msg.get("meta_info")
+        meta = msg.get("meta_info") if msg is not None else None
         if isinstance(meta, dict):
             facts["tokens"] = len(msg.get("output_ids") or [])  # cumulative (SGLang's default)
             facts["entries"] += len(meta.get("output_token_logprobs") or [])
             tops = meta.get("output_top_logprobs") or []
             facts["widest"] = max([facts["widest"], *(len(t or []) for t in tops)])
-    rec.outcome = "incomplete"
-    rec.detail = "stream ended without [DONE]" if ended else "stream cut"
+    judge.cut("stream ended without [DONE]" if ended else "stream cut")
     return facts
 
 
