@@ -42,7 +42,7 @@ test: setup
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) bench/bench_radix.py
+	$(PY) -m bench.bench_radix
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

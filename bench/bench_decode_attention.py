@@ -24,7 +24,7 @@ load from other processes on these shared cores; each figure is the
 20th-percentile call. Prints tables and writes
 ``bench/results/decode_attention.json``.
 
-    .venv/bin/python bench/bench_decode_attention.py [--parts decode extend] [--steps 20]
+    .venv/bin/python -m bench.bench_decode_attention [--parts decode extend] [--steps 20]
 """
 
 from __future__ import annotations

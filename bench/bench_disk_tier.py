@@ -40,8 +40,8 @@ figures are the tier's own cost (read, checksum, scatter), not a cold disk's.
 Writes one JSON (default ``bench/results/disk_tier-<time>.json``, ``--out``)
 and a PNG beside it, prints the tables and the targets; progress on stderr.
 
-    .venv/bin/python bench/bench_disk_tier.py --quick                # the smoke test
-    .venv/bin/python bench/bench_disk_tier.py --bench chat restart raw   # the full run
+    .venv/bin/python -m bench.bench_disk_tier --quick                # the smoke test
+    .venv/bin/python -m bench.bench_disk_tier --bench chat restart raw   # the full run
 """
 
 from __future__ import annotations
@@ -66,24 +66,20 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.bench_serving import (  # noqa: E402
+from bench.bench_serving import (
     RESULTS_DIR,
-    SSE_DONE,
     BenchConfig,
     BenchResult,
     RequestRecord,
     scrape_samples,
     scrape_servers,
     send_request,
-    sse_message,
     summarise,
     write_json,
 )
-from bench.workloads import (  # noqa: E402
+from bench.sse import SSE_DONE, sse_message
+from bench.verdicts import verdict_line, verdict_of
+from bench.workloads import (
     MultiTurnParams,
     Session,
     multi_turn,
@@ -91,6 +87,8 @@ from bench.workloads import (  # noqa: E402
     vocabulary_words,
     warmup_sessions,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCHES = ("chat", "restart", "raw")
 DEFAULT_MODELS = ("smollm2,name=a", "gemma3-270m,name=b")
@@ -999,7 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(report[b].get("target"), dict)
     ]
     for t in targets:
-        t["verdict"] = {True: "PASS", False: "MISS", None: "n/a"}[t["passed"]]
+        t["verdict"] = verdict_of(t["passed"])
     data = {
         "meta": {
             "benches": args.bench,
@@ -1027,7 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(formats[bench](report[bench]))
     print("\n== targets")
     for t in targets:
-        print(f"[{t['verdict']:<4}] {t['name']}: {t['measured']}")
+        print(verdict_line(t["passed"], f"{t['name']}: {t['measured']}"))
     print(f"\nwrote {out}" + (f" and {png}" if png else ""))
     failed = any("error" in report[b] for b in args.bench)
     return 1 if failed else 0

@@ -7,7 +7,7 @@ token's arrival is kept, so the inter-token latency (ITL) of ``a`` is known
 before, during and after the load, and how long it stays raised. Then the
 same again for an unload (``DELETE /models/b``).
 
-    .venv/bin/python bench/bench_lifecycle.py [--clients 2] [--quiet-s 15]
+    .venv/bin/python -m bench.bench_lifecycle [--clients 2] [--quiet-s 15]
 
 Prints a table, saves ``bench/results/lifecycle.json`` and ``docs/lifecycle-itl.png``.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,12 +24,11 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
+from bench.bench_disk_tier import serving
+from bench.bench_serving import RESULTS_DIR, write_json
+from bench.sse import SSE_DONE, sse_message
 
-from bench.bench_disk_tier import serving  # noqa: E402
-from bench.bench_serving import RESULTS_DIR, SSE_DONE, sse_message, write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea. " * 4
 

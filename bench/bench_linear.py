@@ -5,7 +5,7 @@ own layer shapes (SmolLM2's by default), and prints the time ratio; the row
 counts where the kernel stops winning are what ``packed_linear.py``'s limits
 come from. Saves ``bench/results/linear.json``.
 
-    .venv/bin/python bench/bench_linear.py [--rows 1 4 16 64 256] [--threads 2]
+    .venv/bin/python -m bench.bench_linear [--rows 1 4 16 64 256] [--threads 2]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark of the unified radix cache (issue 2, "Benchmark").
+"""Benchmark of the unified radix cache.
 
 Replays one synthetic, seeded multi-model trace through ``RadixCache`` and reports
 
@@ -22,7 +22,7 @@ Phases (each ends with ``check_invariants()``, outside every timed region):
 
 Usage::
 
-    .venv/bin/python bench/bench_radix.py [--quick] [--out bench/results/radix.json]
+    .venv/bin/python -m bench.bench_radix [--quick] [--out bench/results/radix.json]
 
 Prints a table, writes the JSON and a PNG plot (same name, ``.png``) next to it.
 """
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.verdicts import verdict_of
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.layout import BlockGeometry, KVLayout
@@ -776,10 +777,11 @@ def _memory_table(result: BenchResult) -> str:
 
 
 def _targets_table(targets: list[Target]) -> str:
-    rows = ["targets (issue 2)", "-" * 17]
+    rows = ["targets", "-" * 7]
     for t in targets:
-        verdict = "PASS" if t.passed else "MISS"
-        rows.append(f"{verdict}  {t.name}: {t.measured:.2f} {t.unit} (<= {t.limit:g} {t.unit})")
+        rows.append(
+            f"{verdict_of(t.passed)}  {t.name}: {t.measured:.2f} {t.unit} (<= {t.limit:g} {t.unit})"
+        )
         rows.append(f"      {t.detail}")
     return "\n".join(rows)
 

@@ -9,7 +9,7 @@ see the same load from other processes on these shared cores; each figure is
 the 20th-percentile step (a low percentile measures the machine, the median
 mostly the neighbours). Prints a table, writes JSON under ``bench/results/``.
 
-    .venv/bin/python bench/bench_runner.py [--dtypes float32 bfloat16] [--threads 1]
+    .venv/bin/python -m bench.bench_runner [--dtypes float32 bfloat16] [--threads 1]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ server's ``usage``. The cache hit rate is the change of the server's
 counters), else the share of prompt tokens the server reported as cached in
 ``usage``, else n/a.
 
-    .venv/bin/python bench/bench_serving.py --base-url http://127.0.0.1:30000 \\
+    .venv/bin/python -m bench.bench_serving --base-url http://127.0.0.1:30000 \\
         --model smollm2 --workload generated-shared-prefix --request-rate inf
 
 Importable: ``await run_benchmark(BenchConfig(...)) -> BenchResult``.
@@ -34,9 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.sse import SSE_DONE, event_text, sse_message
 from bench.workloads import (
     WORKLOADS,
     GSPParams,
@@ -274,7 +272,7 @@ async def send_request(
                 if "error" in msg:
                     rec.error = str(msg["error"])[:300]
                     break
-                text = _chunk_text(msg)
+                text = event_text(msg)
                 if text:
                     now = time.perf_counter()
                     if not chunks:
@@ -295,28 +293,6 @@ async def send_request(
     if not rec.error and not chunks:
         rec.error = "empty response"
     return rec
-
-
-SSE_DONE: dict[str, Any] = {}  # the ``data: [DONE]`` sentinel (compared by identity)
-
-
-def sse_message(line: str) -> dict[str, Any] | None:
-    """The JSON message of one Server-Sent Events line; ``SSE_DONE`` at
-    ``[DONE]``; None for a line that carries no data."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    return SSE_DONE if data == "[DONE]" else json.loads(data)
-
-
-def _chunk_text(msg: dict[str, Any]) -> str:
-    choices = msg.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    return (c.get("delta") or {}).get("content") or ""
 
 
 def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:

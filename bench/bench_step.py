@@ -36,7 +36,7 @@ figure is the 20th-percentile step (a low percentile measures the machine; the
 median mostly the neighbours). K/V values are whatever the arena holds
 (zeros): attention's cost depends on how many rows it reads, not their values.
 
-    .venv/bin/python bench/bench_step.py [--batches 1 16 64] [--steps 20] [--threads 2]
+    .venv/bin/python -m bench.bench_step [--batches 1 16 64] [--steps 20] [--threads 2]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ token is what a user waits for.
 
 ::
 
-    .venv/bin/python bench/bench_warmup.py [--model smollm2] [--reps 3]
+    .venv/bin/python -m bench.bench_warmup [--model smollm2] [--reps 3]
 
 Prints a table, writes ``bench/results/warmup-<time>.json`` (``--out``) and a
 plot next to it (``--plot docs/warmup-ttft.png``).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,12 +28,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
+from bench.bench_disk_tier import log, serving, stream_completion
+from bench.bench_serving import write_json
 
-from bench.bench_disk_tier import log, serving, stream_completion  # noqa: E402
-from bench.bench_serving import write_json  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SENTENCE = (
     "You are a meticulous support assistant for a company that sells garden tools; "

@@ -25,8 +25,8 @@ Modes:
 Writes one JSON with every configuration and a PNG (throughput and latency per
 configuration) under ``bench/results/``, and prints the tables.
 
-    .venv/bin/python bench/compare.py --modes 1 2 3 [--quick] [--models A B]
-    .venv/bin/python bench/compare.py --modes 2 5 --peers vllm --models smollm2 gemma3-270m
+    .venv/bin/python -m bench.compare --modes 1 2 3 [--quick] [--models A B]
+    .venv/bin/python -m bench.compare --modes 2 5 --peers vllm --models smollm2 gemma3-270m
 """
 
 from __future__ import annotations
@@ -37,9 +37,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -48,13 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench.bench_serving import (  # noqa: E402
+from bench.bench_serving import (
     RESULTS_DIR,
     BenchConfig,
     BenchResult,
@@ -62,11 +53,14 @@ from bench.bench_serving import (  # noqa: E402
     run_benchmark,
     write_json,
 )
-from bench.workloads import GSPParams, MultiTurnParams, ShiftParams  # noqa: E402
+from bench.server_process import ServerFailed, ServerProcess, free_port
+from bench.verdicts import verdict_line, verdict_of
+from bench.workloads import GSPParams, MultiTurnParams, ShiftParams
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_PEERS = ("vllm", "llamacpp", "transformers")
 START_TIMEOUT_S = 900.0  # a first start may convert GGUF weights
-STOP_TIMEOUT_S = 60.0
 
 
 # ---- sizes ----------------------------------------------------------------------------
@@ -125,7 +119,7 @@ class Target:
 
     @property
     def verdict(self) -> str:
-        return {True: "PASS", False: "MISS", None: "n/a"}[self.passed]
+        return verdict_of(self.passed)
 
 
 @dataclass
@@ -137,64 +131,20 @@ class ModeReport:
 
 
 # ---- radixmux server ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerFailed(RuntimeError):
-    """A server exited or never became healthy."""
-
-
-class RadixmuxServer:
-    """``launch.py`` in a process of its own; logs to ``log_path``."""
+class RadixmuxServer(ServerProcess):
+    """``launch.py`` on a free port with ``args``; logs to ``log_path``."""
 
     def __init__(self, args: Sequence[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(self.port), *args]
-        self._log = log_path.open("w")
-        # A session of its own: a Ctrl-C at the terminal reaches only us, and
-        # stop() then shuts the server down in order.
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(f"exited with {self.proc.returncode}: {self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=5, trust_env=False).is_success:
-                    return
-            time.sleep(0.5)
-        raise ServerFailed(f"not healthy after {timeout:.0f} s: {self.log_tail()}")
-
-    def log_tail(self, n: int = 5) -> str:
-        self._log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return " | ".join(lines[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        port = free_port()
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), *args]
+        super().__init__(cmd, port, log_path)
 
 
 @contextlib.contextmanager
 def radixmux(args: Sequence[str], log_path: Path) -> Iterator[RadixmuxServer]:
     server = RadixmuxServer(args, log_path)
     try:
-        server.wait_healthy()
+        server.wait_healthy(START_TIMEOUT_S)
         yield server
     finally:
         server.stop()
@@ -625,7 +575,7 @@ def format_report(reports: Sequence[ModeReport]) -> str:
     lines.append("\n== targets")
     for rep in reports:
         for t in rep.targets:
-            lines.append(f"[{t.verdict:<4}] mode {t.mode}: {t.name}: {t.measured}")
+            lines.append(verdict_line(t.passed, f"mode {t.mode}: {t.name}: {t.measured}"))
     return "\n".join(lines)
 
 

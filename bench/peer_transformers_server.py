@@ -15,7 +15,7 @@ chunk), ``/v1/models`` and ``/health``. Request fields honoured: ``max_tokens``
 
 Usage::
 
-    .venv/bin/python bench/peer_transformers_server.py --model DIR \\
+    .venv/bin/python -m bench.peer_transformers_server --model DIR \\
         --served-model-name smollm2 --port 8000 [--dtype float32] [--threads 2]
 """
 

@@ -23,9 +23,9 @@ llama.cpp launcher below runs under the peer's own interpreter.
 
 Usage::
 
-    .venv/bin/python bench/peers.py install {vllm,llamacpp,transformers,all}
-    .venv/bin/python bench/peers.py serve KIND [--model smollm2] [--port 8000]
-    .venv/bin/python bench/peers.py vllm bench serve --help   # vLLM's own CLI
+    .venv/bin/python -m bench.peers install {vllm,llamacpp,transformers,all}
+    .venv/bin/python -m bench.peers serve KIND [--model smollm2] [--port 8000]
+    .venv/bin/python -m bench.peers vllm bench serve --help   # vLLM's own CLI
 """
 
 from __future__ import annotations
@@ -575,7 +575,7 @@ def vllm_cli_command(args: Sequence[str]) -> list[str]:
     """
     if not is_installed("vllm"):
         raise PeerUnavailable(
-            f"vllm: not installed in {_venv('vllm')}; run `bench/peers.py install vllm`"
+            f"vllm: not installed in {_venv('vllm')}; run `python -m bench.peers install vllm`"
         )
     return [str(_venv_python("vllm")), str(Path(__file__).resolve()), VLLM_CLI, *args]
 

@@ -9,7 +9,7 @@ debug"``, lpm and fcfs) and prints, per log, the steps grouped by kind
 composition and prefill throughput, so two policies can be compared step for
 step.
 
-    .venv/bin/python bench/step_log.py bench/results/compare-*-logs/mode3_*.log
+    .venv/bin/python -m bench.step_log bench/results/compare-*-logs/mode3_*.log
 """
 
 from __future__ import annotations

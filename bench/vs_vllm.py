@@ -26,9 +26,9 @@ radixmux/vLLM ratios), checks the goal per row (radixmux output throughput >=
 TTFT p50 lower) and writes a JSON and a PNG under ``bench/results/`` (vLLM's
 own result files and every log beside them, in ``<stem>-logs/``).
 
-    .venv/bin/python bench/vs_vllm.py [--quick]
-    .venv/bin/python bench/vs_vllm.py --engines radixmux --server-args "--chunked-prefill-size 256"
-    .venv/bin/python bench/vs_vllm.py --server-args "" --server-args "--max-running-requests 32"
+    .venv/bin/python -m bench.vs_vllm [--quick]
+    .venv/bin/python -m bench.vs_vllm --engines radixmux --server-args "--chunked-prefill-size 256"
+    .venv/bin/python -m bench.vs_vllm --server-args "" --server-args "--max-running-requests 32"
 
 ``--server-args`` may be repeated: each string is one radixmux configuration
 (a lone flag without a value needs the ``=`` form: ``--server-args=--disable-radix-cache``).
@@ -55,12 +55,8 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench.` importable
-    sys.path.insert(0, str(ROOT))
-
-from bench import compare, peers  # noqa: E402
-from bench.bench_serving import (  # noqa: E402
+from bench import compare, peers
+from bench.bench_serving import (
     RESULTS_DIR,
     BenchConfig,
     Snapshot,
@@ -71,6 +67,10 @@ from bench.bench_serving import (  # noqa: E402
     warmup_sessions,
     write_json,
 )
+from bench.server_process import ServerFailed, free_port
+from bench.verdicts import verdict_line, verdict_of
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONCURRENCIES = (1, 4, 16)
 CLIENT_TIMEOUT_S = 1800.0
@@ -259,7 +259,7 @@ class Verdict:
 
     @property
     def verdict(self) -> str:
-        return {True: "PASS", False: "MISS", None: "n/a"}[self.passed]
+        return verdict_of(self.passed)
 
     def to_json(self) -> dict[str, Any]:
         """As a dict, a ratio that could not be taken as None (NaN is not JSON)."""
@@ -407,7 +407,7 @@ def format_goals(verdicts: Sequence[Verdict]) -> str:
         goal = f"out tok/s >= {v.throughput_goal:.1f}x, TPOT p50 <= 1x, TTFT p50 < 1x"
         measured = f"{_x(v.throughput_ratio)}, TPOT {_x(v.tpot_ratio)}, TTFT {_x(v.ttft_ratio)}"
         lines.append(
-            f"[{v.verdict:<4}] {v.dataset} c={v.concurrency} {v.engine}: {measured} ({goal})"
+            verdict_line(v.passed, f"{v.dataset} c={v.concurrency} {v.engine}: {measured} ({goal})")
         )
     return "\n".join(lines)
 
@@ -485,7 +485,7 @@ def _slug(text: str) -> str:
 def serving(engine: Engine, opts: Options) -> Iterator[Endpoint]:
     """Start ``engine``'s server, yield once it answers, stop it after.
 
-    Raises compare.ServerFailed or peers.PeerUnavailable when it cannot start.
+    Raises ServerFailed or peers.PeerUnavailable when it cannot start.
     """
     name = peers.served_name(opts.model)
     if engine.kind == "radixmux":
@@ -500,7 +500,7 @@ def serving(engine: Engine, opts: Options) -> Iterator[Endpoint]:
     elif engine.kind == "vllm":
         extra = [*opts.vllm_args, *engine.server_args]
         with peers.start_peer(
-            "vllm", opts.model, compare.free_port(), opts.dtype, opts.kv_bytes, extra_args=extra
+            "vllm", opts.model, free_port(), opts.dtype, opts.kv_bytes, extra_args=extra
         ) as server:
             yield Endpoint(server.base_url, server.served_model)
     else:
@@ -518,7 +518,7 @@ async def _warm_up(endpoint: Endpoint, tokenizer: str, requests: int, seed: int)
         records, _ = await run_sessions(client, cfg, sessions, False)
     failed = [r.error for r in records if not r.ok]
     if failed:
-        raise compare.ServerFailed(f"warm-up requests failed: {failed[:3]}")
+        raise ServerFailed(f"warm-up requests failed: {failed[:3]}")
 
 
 def warm_up(endpoint: Endpoint, tokenizer: str, requests: int, seed: int) -> None:
@@ -679,7 +679,7 @@ def run_engine(
                     r = measure(engine, endpoint, ds, c, opts, num_prompts)
                     print(progress_line(r), file=sys.stderr, flush=True)
                     results.append(r)
-    except (compare.ServerFailed, peers.PeerUnavailable) as exc:
+    except (ServerFailed, peers.PeerUnavailable) as exc:
         why = f"server did not start: {exc}"
         print(f"[vs_vllm] {engine.label}: {why[:600]}", file=sys.stderr, flush=True)
         done = {(r.dataset, r.concurrency) for r in results}
@@ -711,7 +711,7 @@ def run_interleaved(
             try:
                 endpoints[engine] = stack.enter_context(serving(engine, opts))
                 warm_up(endpoints[engine], opts.model, 2 * max(concurrencies), opts.seed)
-            except (compare.ServerFailed, peers.PeerUnavailable) as exc:
+            except (ServerFailed, peers.PeerUnavailable) as exc:
                 why = f"server did not start: {exc}"
                 print(f"[vs_vllm] {engine.label}: {why[:600]}", file=sys.stderr, flush=True)
                 results += [

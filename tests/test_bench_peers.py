@@ -1,40 +1,23 @@
 """Fast tests of the benchmark's peers: the transformers baseline server, and errors.
 
 vLLM and llama.cpp are never installed here (minutes of downloads and a source
-build); ``python bench/peers.py install all`` does that by hand.
+build); ``python -m bench.peers install all`` does that by hand.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
-from tiny_models import make_tiny_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_peers() -> ModuleType:
-    # bench/ is not a package; load the module from its file, as compare.py's
-    # sibling import would.
-    spec = importlib.util.spec_from_file_location("peers", ROOT / "bench" / "peers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers"] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _load_peers()
+from bench import compare, peers
+from bench.tiny_models import make_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +148,6 @@ def test_stop_is_idempotent_and_reaches_the_group() -> None:
 def test_one_peer_per_model_with_pinned_cores(tmp_path: Path) -> None:
     """compare's mode 5 machinery on the transformers peer: one server per model,
     each pinned to its own core, the workload routed by model."""
-    sys.path.insert(0, str(ROOT))
-    from bench import compare
-
     folders = [make_tiny_model_dir(tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2))]
     setup = compare.Setup(
         tuple(map(str, folders)), "float32", compare.QUICK, 0, tmp_path / "logs", progress=False

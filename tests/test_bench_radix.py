@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_radix_quick(tmp_path: Path) -> None:
     out = tmp_path / "radix.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_radix.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-m", "bench.bench_radix", "--quick", "--out", str(out)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,15 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from tiny_models import make_tiny_model_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import compare
 from bench.bench_serving import (
@@ -31,6 +27,7 @@ from bench.bench_serving import (
     run_benchmark,
     scrape_hit_counters,
 )
+from bench.tiny_models import make_tiny_model_dir
 from bench.workloads import (
     GSPParams,
     MultiTurnParams,

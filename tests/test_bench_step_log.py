@@ -1,4 +1,4 @@
-"""bench/step_log.py reads the step lines the scheduler writes (the format
+"""``bench.step_log`` reads the step lines the scheduler writes (the format
 comes from ``Scheduler.describe_step`` on a real batch, so the two cannot drift)."""
 
 from __future__ import annotations

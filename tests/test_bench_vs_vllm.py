@@ -3,7 +3,7 @@
 No server and no vLLM are needed: the results below are trimmed from what
 ``vllm bench serve --save-result`` (vLLM 0.32) wrote in a smoke run. The one
 test that runs vLLM's CLI (its ``--help``, to catch flag drift) is skipped
-where ``bench/peers.py install vllm`` has not been run.
+where ``python -m bench.peers install vllm`` has not been run.
 """
 
 from __future__ import annotations
@@ -11,15 +11,11 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench import peers, vs_vllm  # noqa: E402
+from bench import peers, vs_vllm
 
 # ``vllm bench serve --quick`` smoke run, prefix_repetition at concurrency 4
 # (trimmed to the fields vs_vllm reads; figures from a busy shared machine).
@@ -237,8 +233,8 @@ def test_vllm_bench_client_gets_the_greedy_text_curl_gets(tmp_path: Path) -> Non
     import json
 
     import httpx
-    from tiny_models import make_tiny_model_dir
 
+    from bench.tiny_models import make_tiny_model_dir
     from radixmux.runtime.client.engine import Engine
 
     folder = make_tiny_model_dir(tmp_path / "m", seed=3)

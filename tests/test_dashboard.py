@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.common.process import ProcessContext, spawn

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from test_disk_tier import PROMPTS, ask, scheduler, serve
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.launcher import LaunchError
 
 pytestmark = pytest.mark.timeout(300)

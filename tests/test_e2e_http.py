@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 import torch
-from tiny_models import make_tiny_model_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.client.engine import Engine
 
 pytestmark = pytest.mark.timeout(240)

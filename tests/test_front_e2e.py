@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tiny_models import make_tiny_model_dir
+
+from bench.tiny_models import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -25,8 +25,8 @@ import httpx
 import openai
 import pytest
 from front_harness import RunningFront, chat_and_base_front, stats, words
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.common.allowed_names import HostAllowList
 from radixmux.common.server_args import parse_args
 from radixmux.runtime.client.engine import Engine

@@ -1,5 +1,5 @@
 """Hostile requests: every list is bounded, and no request's per-step cost grows
-with its lists or its length (issue 27, "stalls").
+with its lists or its length (the hostile soak's "stalls").
 
 * the bounds: each list or string past its limit is a 400 naming the field, on
   every API (a real front over real HTTP, the test playing its peers);
@@ -32,8 +32,8 @@ import torch
 from conftest import SlotPool, make_runner, seq, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import make_tiny_model_dir, tokenizer_source
 
+from bench.tiny_models import make_tiny_model_dir, tokenizer_source
 from radixmux import protocol
 from radixmux.protocol import ForwardBatch, SamplingParams, pack_ids, unpack_bias, unpack_ids
 from radixmux.runtime.detokenizer import IncrementalText, stop_matcher

@@ -1,7 +1,7 @@
 """The KV-share key: the same KV only (same weights *and* the same K/V-relevant config).
 
 Unit checks on model folders (a copy, an alias, a config-only edit) and on the
-architecture families' own K/V settings, then the end-to-end case of issue 27:
+architecture families' own K/V settings, then the end-to-end case of the hostile soak:
 a reload after a config-only change must not reuse the cached KV (memory or
 disk) and must answer as a fresh server on the new config does.
 """
@@ -19,8 +19,8 @@ import httpx
 import pytest
 from conftest import tiny_model
 from test_model_lifecycle import greedy, text
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.model_runners.fingerprint import weights_fingerprint
 from radixmux.model_runners.loader import load_model
 from radixmux.runtime.client.engine import Engine

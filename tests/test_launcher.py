@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import default_arena_dir
 from radixmux.protocol import ModelArg

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.protocol import ModelArg
 from radixmux.runtime.admission import usable_cores

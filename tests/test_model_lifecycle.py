@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.client import Client, ClientError
 from radixmux.runtime.client.engine import Engine
 

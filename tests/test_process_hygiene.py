@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux.common.ipc import OWNER_FILE, RUNTIME_PREFIX, remove_stale_runtime_dirs
 from radixmux.common.os_process import PARENT_GONE, child_command
 from radixmux.common.owner import Owner, remove_stale_arenas

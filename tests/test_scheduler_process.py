@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.common.process import ProcessContext, spawn

@@ -31,8 +31,8 @@ import httpx
 import pytest
 import zmq
 from test_scheduler_process import Runtime, hf_greedy
-from tiny_models import make_tiny_model_dir
 
+from bench.tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.common.process import ProcessContext

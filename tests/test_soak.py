@@ -1,5 +1,5 @@
-"""The soak and chaos harness (``bench/soak.py``, issue 9) for two minutes on tiny
-models, with its hostile clients (``--hostile``, issue 27).
+"""The soak and chaos harness (``python -m bench.soak``) for two minutes on tiny
+models, with its hostile clients (``--hostile``).
 
 The real two-model server runs as a subprocess on a small arena under the
 harness's whole mixed load (shared prefixes, multi-turn chats, abandoned
@@ -31,9 +31,16 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import soak, soak_hostile
+from bench.soak.checks import problems, rss_baseline_s, rss_growth
+from bench.soak.cli import parse_args
+from bench.soak.config import REQUEST_KINDS
+from bench.soak.hostile.checks import drain_check, stall_check
+from bench.soak.hostile.config import DRAIN_SLACK_S, EXTRA, HOSTILE_KINDS, TINY_HOSTILE
+from bench.soak.hostile.records import ChangeRecord, HostileRun, StateCheck
+from bench.soak.hostile.streams import Dechunker, judge_events
+from bench.soak.hostile.traps import make_canary, plant_traps, trap_problems
+from bench.soak.monitor import model_states
+from bench.soak.records import Outage, ProcessSeries, RequestRecord, RunState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +64,7 @@ HOSTILE_CHECKS = (
 
 def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "2", "--tiny"]
+    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "2", "--tiny"]
     proc = subprocess.run(
         [*cmd, "--hostile", "--kill-every", "60", "--out", str(out)],
         cwd=ROOT,
@@ -80,7 +87,7 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert all(k["t_serving"] is not None for k in data["kills"])
     assert any(role.startswith("runner b#") for role in data["rss"]["growth"]), data["rss"]
     kinds = data["requests_by_kind"]
-    assert all(kinds.get(kind, 0) > 0 for kind in soak.REQUEST_KINDS), kinds
+    assert all(kinds.get(kind, 0) > 0 for kind in REQUEST_KINDS), kinds
     statuses = data["requests_by_status"]
     assert statuses.get("200", 0) > 50 and statuses.get("400", 0) > 0, statuses
     assert any(p["phase"] == "during" and p["status"] == 200 for p in data["probes"])
@@ -91,7 +98,7 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert {c["name"] for c in data["checks"]} >= set(HOSTILE_CHECKS)
     hostile = data["hostile"]
     by_kind = hostile["requests_by_kind_and_status"]
-    assert all(by_kind[kind] for kind in soak_hostile.HOSTILE_KINDS), by_kind
+    assert all(by_kind[kind] for kind in HOSTILE_KINDS), by_kind
     assert by_kind["bound_past"].get("400", 0) > 10, by_kind["bound_past"]
     assert any(c["aborted"] for c in hostile["changes"] if c["op"] != "load"), hostile["changes"]
     assert len(hostile["trapped_directories"]) >= 3, hostile["trapped_directories"]
@@ -102,20 +109,20 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
 
 
 # ---- the judging logic on hand-made records (milliseconds, no server) -------------------
-def _rec(outcome: str, status: int = 200, **kw: object) -> soak.RequestRecord:
-    rec = soak.RequestRecord("t", "shared_prefix", "a", "/v1/completions", False, 10.0, 0)
+def _rec(outcome: str, status: int = 200, **kw: object) -> RequestRecord:
+    rec = RequestRecord("t", "shared_prefix", "a", "/v1/completions", False, 10.0, 0)
     rec.t_end, rec.outcome, rec.status = 12.0, outcome, status
     for key, value in kw.items():
         setattr(rec, key, value)
     return rec
 
 
-def _names(rec: soak.RequestRecord, windows: list[soak.Outage]) -> list[str]:
-    return sorted(name for name, _ in soak.problems(rec, windows))
+def _names(rec: RequestRecord, windows: list[Outage]) -> list[str]:
+    return sorted(name for name, _ in problems(rec, windows))
 
 
 def test_problems_judges_every_kind_of_answer() -> None:
-    down = [soak.Outage("a", 11.0, 30.0)]
+    down = [Outage("a", 11.0, 30.0)]
     assert _names(_rec("ok"), []) == []
     assert _names(_rec("abandoned"), []) == []
     assert _names(_rec("drain_cut"), []) == []  # cut at an unload's drain timeout (hostile)
@@ -139,29 +146,29 @@ def test_problems_judges_every_kind_of_answer() -> None:
 def test_model_states_from_the_contract_and_from_older_servers() -> None:
     names = ["a", "b"]
     body = {"status": "degraded", "models": {"a": "serving", "b": "restarting"}}
-    assert soak.model_states(503, body, names) == {"a": "serving", "b": "restarting"}
-    assert soak.model_states(503, {"status": "starting"}, names)["a"] == "starting"
-    assert soak.model_states(200, {"status": "ok"}, names) == {"a": "serving", "b": "serving"}
+    assert model_states(503, body, names) == {"a": "serving", "b": "restarting"}
+    assert model_states(503, {"status": "starting"}, names)["a"] == "starting"
+    assert model_states(200, {"status": "ok"}, names) == {"a": "serving", "b": "serving"}
     older = {"status": "unhealthy", "down": {"b": "runner b#0 exited"}}
-    assert soak.model_states(503, older, names) == {"a": "serving", "b": "down"}
+    assert model_states(503, older, names) == {"a": "serving", "b": "down"}
 
 
 def test_rss_growth_is_judged_over_each_process_warm_life() -> None:
-    steady = soak.ProcessSeries(1, "front", [-1.0, 60.0, 120.0], [100, 100, 104])
-    assert soak.rss_growth(steady, 60.0, 120.0) == pytest.approx(0.04)
+    steady = ProcessSeries(1, "front", [-1.0, 60.0, 120.0], [100, 100, 104])
+    assert rss_growth(steady, 60.0, 120.0) == pytest.approx(0.04)
     # Restarted at 45 s: warm from 105 s, too short a window to judge by 120 s...
-    restarted = soak.ProcessSeries(2, "runner a#0", [45.0, 60.0, 120.0], [50, 400, 420])
-    assert soak.rss_growth(restarted, 60.0, 120.0) is None
+    restarted = ProcessSeries(2, "runner a#0", [45.0, 60.0, 120.0], [50, 400, 420])
+    assert rss_growth(restarted, 60.0, 120.0) is None
     # ...but judged over its own life when it lives long enough, load excluded.
-    longer = soak.ProcessSeries(2, "runner a#0", [45.0, 60.0, 110.0, 200.0], [50, 400, 420, 430])
-    assert soak.rss_growth(longer, 60.0, 200.0) == pytest.approx(430 / 420 - 1)
+    longer = ProcessSeries(2, "runner a#0", [45.0, 60.0, 110.0, 200.0], [50, 400, 420, 430])
+    assert rss_growth(longer, 60.0, 200.0) == pytest.approx(430 / 420 - 1)
     # Killed at 150 s: judged up to its death.
-    killed = soak.ProcessSeries(3, "runner b#0", [-1.0, 60.0, 150.0], [100, 100, 110])
-    assert soak.rss_growth(killed, 60.0, 200.0) == pytest.approx(0.10)
-    assert soak.rss_baseline_s(120.0) == 60.0 and soak.rss_baseline_s(1800.0) == 120.0
+    killed = ProcessSeries(3, "runner b#0", [-1.0, 60.0, 150.0], [100, 100, 110])
+    assert rss_growth(killed, 60.0, 200.0) == pytest.approx(0.10)
+    assert rss_baseline_s(120.0) == 60.0 and rss_baseline_s(1800.0) == 120.0
 
 
-# ---- the hostile-client mode (issue 27): its parsing and bookkeeping ----------------------
+# ---- the hostile-client mode: its parsing and bookkeeping ----------------------------------
 
 
 def _chunked(body: bytes, rng: random.Random) -> list[bytes]:
@@ -199,23 +206,23 @@ def test_hostile_stream_parsing_judges_streams_and_logprob_deltas() -> None:
     rng = random.Random(5)
     rec = _rec("")
     body = _sse(_generate_events(6, deltas=True)) + b"data: [DONE]\n\n"
-    decoder = soak_hostile.Dechunker()
+    decoder = Dechunker()
     for piece in _chunked(body, rng):
         decoder.feed(piece)
     assert decoder.done and bytes(decoder.data) == body
-    facts = soak_hostile.judge_events(rec, bytes(decoder.data), True)
+    facts = judge_events(rec, bytes(decoder.data), True)
     assert rec.outcome == "ok" and facts == {"tokens": 6, "entries": 6, "widest": 20}
     # Logprobs re-sent in full every chunk (the issue's quadratic stream): entries > tokens.
     cumulative = _sse(_generate_events(6, deltas=False)) + b"data: [DONE]\n\n"
-    assert soak_hostile.judge_events(_rec(""), cumulative, True)["entries"] == 21
+    assert judge_events(_rec(""), cumulative, True)["entries"] == 21
     # A stream cut before [DONE]; an error event, then [DONE].
     cut = _rec("")
-    soak_hostile.judge_events(cut, _sse(_generate_events(3, deltas=True)), False)
+    judge_events(cut, _sse(_generate_events(3, deltas=True)), False)
     assert cut.outcome == "incomplete" and cut.detail == "stream cut"
     err = {"error": {"message": "unloaded", "type": "service_unavailable", "param": None}}
     err["error"]["code"] = 503
     failed = _rec("")
-    soak_hostile.judge_events(failed, _sse([err]) + b"data: [DONE]\n\n", True)
+    judge_events(failed, _sse([err]) + b"data: [DONE]\n\n", True)
     assert failed.outcome == "stream_error" and failed.error_code == 503
 
 
@@ -224,12 +231,12 @@ def test_hostile_traps_report_every_change(tmp_path: Path) -> None:
     untouched, nothing is reported; each kind of damage is."""
     store = tmp_path / "store"
     (store / "v1" / "0123456789abcdef").mkdir(parents=True)
-    profile = soak_hostile.TINY_HOSTILE
-    hs = soak_hostile.HostileRun(profile, store, tmp_path / "canary", "", "")
-    soak_hostile.make_canary(hs)
-    assert soak_hostile.plant_traps(hs) == 3  # the store, v1, one namespace
-    assert soak_hostile.plant_traps(hs) == 0  # each planted once
-    assert soak_hostile.trap_problems(hs) == []
+    profile = TINY_HOSTILE
+    hs = HostileRun(profile, store, tmp_path / "canary", "", "")
+    make_canary(hs)
+    assert plant_traps(hs) == 3  # the store, v1, one namespace
+    assert plant_traps(hs) == 0  # each planted once
+    assert trap_problems(hs) == []
 
     by_kind = {t.kind: Path(t.path) for t in hs.traps if "0123456789abcdef" in t.path}
     by_kind["fifo"].unlink()  # deleted
@@ -237,21 +244,21 @@ def test_hostile_traps_report_every_change(tmp_path: Path) -> None:
     link.unlink()
     link.write_text("replaced")  # a link replaced by a file
     next(hs.canary.glob("*.kv")).unlink()  # a canary deleted through a link
-    problems = soak_hostile.trap_problems(hs)
+    problems = trap_problems(hs)
     assert any("is gone" in p for p in problems), problems
     assert any("no longer a symlink" in p for p in problems), problems
     assert any("canaries outside the store changed" in p for p in problems), problems
 
 
-def _hostile_run(tmp_path: Path) -> soak.RunState:
-    config = soak.parse_args(["--tiny", "--hostile", "--port", "1"])
-    run = soak.RunState(config, None, {}, [], 0.0, asyncio.Event())  # type: ignore[arg-type]
-    profile = soak_hostile.TINY_HOSTILE
-    run.hostile = soak_hostile.HostileRun(profile, tmp_path, tmp_path, "", "")
+def _hostile_run(tmp_path: Path) -> RunState:
+    config = parse_args(["--tiny", "--hostile", "--port", "1"])
+    run = RunState(config, None, {}, [], 0.0, asyncio.Event())  # type: ignore[arg-type]
+    profile = TINY_HOSTILE
+    run.hostile = HostileRun(profile, tmp_path, tmp_path, "", "")
     return run
 
 
-def _probe(run: soak.RunState, phase: str, seconds: float) -> None:
+def _probe(run: RunState, phase: str, seconds: float) -> None:
     rec = run.new_record("stall_probe", "stall_probe", "a", "/v1/completions", False)
     rec.case, rec.outcome, rec.e2e, rec.t_end = phase, "ok", seconds, rec.t_start + seconds
 
@@ -265,24 +272,24 @@ def test_hostile_stall_verdict_is_the_hostile_window_against_idle(tmp_path: Path
     _probe(run, "load", 5.0)  # the soak's own load: reported, not judged
     for seconds in (0.5, 0.6, 0.55):  # idle again, on a machine busy with other work
         _probe(run, "idle_after", seconds)
-    check = soak_hostile.stall_check(run)
+    check = stall_check(run)
     assert check.passed and "2.50x idle" in check.detail, check.detail  # the quieter idle
     for seconds in (0.4, 0.5, 0.45):
         _probe(run, "hostile", seconds)
-    assert not soak_hostile.stall_check(run).passed
+    assert not stall_check(run).passed
 
 
 def test_hostile_drain_verdict_needs_a_drain_that_met_streams_and_ended(tmp_path: Path) -> None:
     run = _hostile_run(tmp_path)
     hs = run.hostile
-    hs.states.append(soak_hostile.StateCheck("after", 17, True, {}, ["a", "b"]))
-    hs.changes = [soak_hostile.ChangeRecord("unload", 5.0, 0.3, 200, 0)]
-    assert not soak_hostile.drain_check(run).passed  # no drain met a stream in flight
-    hs.changes.append(soak_hostile.ChangeRecord("reload", 9.0, 14.0, 200, 2))
-    assert soak_hostile.drain_check(run).passed
-    limit = hs.profile.drain_timeout_s + soak_hostile.DRAIN_SLACK_S
-    hs.changes.append(soak_hostile.ChangeRecord("unload", 30.0, limit + 1, 200, 2))
-    assert not soak_hostile.drain_check(run).passed  # one took too long
+    hs.states.append(StateCheck("after", 17, True, {}, ["a", "b"]))
+    hs.changes = [ChangeRecord("unload", 5.0, 0.3, 200, 0)]
+    assert not drain_check(run).passed  # no drain met a stream in flight
+    hs.changes.append(ChangeRecord("reload", 9.0, 14.0, 200, 2))
+    assert drain_check(run).passed
+    limit = hs.profile.drain_timeout_s + DRAIN_SLACK_S
+    hs.changes.append(ChangeRecord("unload", 30.0, limit + 1, 200, 2))
+    assert not drain_check(run).passed  # one took too long
     hs.changes.pop()
-    hs.states[-1].served = ["a", "b", soak_hostile.EXTRA]
-    assert not soak_hostile.drain_check(run).passed  # the extra model left behind
+    hs.states[-1].served = ["a", "b", EXTRA]
+    assert not drain_check(run).passed  # the extra model left behind

@@ -1,4 +1,4 @@
-"""Tiny random-weight models saved as real HF folders, for fast runtime tests.
+"""Tiny random-weight models saved as real HF folders, for fast runtime tests and the soak.
 
 Each folder pairs a small random Llama (fast on CPU) with a real tokenizer
 taken from an embedded model, so the whole serving path (tokenizer workers,

@@ -1,0 +1,106 @@
+"""A server in a subprocess of its own: output to a log file, ready when ``/health`` says 200."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+STOP_TIMEOUT_S = 60.0
+HEALTH_TIMEOUT_S = 10.0  # one /health request
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or never became healthy."""
+
+
+class ServerProcess:
+    """``cmd`` in a session of its own, stdout and stderr to ``log_path``.
+
+    A session of its own: a Ctrl-C at the terminal reaches only the bench, which
+    then stops the server in order (``stop``).
+    """
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+        self.cmd = cmd
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 8) -> str:
+        """The log's last ``n`` lines on one line."""
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return " | ".join(lines[-n:])
+
+    def _raise_if_exited(self) -> None:
+        if self.proc.poll() is not None:
+            raise ServerFailed(f"exited with {self.proc.returncode}: {self.log_tail()}")
+
+    def _timed_out(self, timeout: float) -> ServerFailed:
+        return ServerFailed(f"not healthy after {timeout:.0f} s: {self.log_tail()}")
+
+    def wait_healthy(self, timeout: float, poll_s: float = 0.5) -> None:
+        """Poll ``/health`` until 200 (503 "starting" means not yet); ServerFailed
+        if the server exits or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                self._raise_if_exited()
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return
+                time.sleep(poll_s)
+        raise self._timed_out(timeout)
+
+    async def wait_healthy_async(self, timeout: float, poll_s: float = 1.0) -> None:
+        """``wait_healthy`` for a caller inside an event loop."""
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                self._raise_if_exited()
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(self.base_url + "/health")).status_code == 200:
+                        return
+                await asyncio.sleep(poll_s)
+        raise self._timed_out(timeout)
+
+    def stop(self) -> int | None:
+        """SIGINT (the launcher stops everything in order), then SIGKILL if it lingers.
+
+        Returns the exit code, or None when it had to be killed. Idempotent.
+        """
+        code: int | None = self.proc.poll()
+        if code is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                code = self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                code = None
+        self._log.close()
+        return code
