@@ -1,6 +1,6 @@
 """Where a server's forward time went, from its ``--log-level debug`` step lines.
 
-The scheduler logs one line per finished batch (``Scheduler.describe_step``):
+The scheduler logs one line per finished batch (``radixmux.scheduler.results.describe_step``):
 how many decodes, their total context, the prefill chunks (``tokens@cached``)
 and the runner's forward time. This script reads one or more server logs (for
 example the two runs of ``compare.py --modes 3 --server-args "--log-level

@@ -99,10 +99,12 @@ from radixmux.protocol.types import (
     ChatMessage,
     ModelArg,
     ModelInfo,
+    RunnerId,
     SamplingParams,
     ServedModel,
     TokenLogprob,
     instance_name,
+    runner_ids,
 )
 from radixmux.protocol.views import (
     ArenaMap,
@@ -152,6 +154,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "RunnerDied",
+    "RunnerId",
     "RunnerReply",
     "RunnerRequest",
     "SamplingParams",
@@ -181,6 +184,7 @@ __all__ = [
     "instance_name",
     "pack_bias",
     "pack_ids",
+    "runner_ids",
     "unpack_bias",
     "unpack_ids",
 ]

@@ -1,7 +1,9 @@
-"""The domain types every process carries: models, sampling parameters, chat messages,
-logprobs. Plain frozen Structs, no behaviour beyond naming."""
+"""The domain types every process carries: models, runner ids, sampling parameters, chat
+messages, logprobs. Plain frozen Structs, no behaviour beyond naming."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import msgspec
 
@@ -39,7 +41,6 @@ class ModelInfo(msgspec.Struct, frozen=True):
     device: str
 
 
-
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick a sequence's next token. Defaults mean greedy, no penalties.
 
@@ -73,7 +74,6 @@ class SamplingParams(msgspec.Struct, frozen=True):
     prompt_logprobs_start: int = -1
 
 
-
 class ServedModel(msgspec.Struct, frozen=True):
     """A model as every process sees it once its runners are up.
 
@@ -101,11 +101,34 @@ def instance_name(name: str, version: int) -> str:
     return name if version == 1 else f"{name}@v{version}"
 
 
+class RunnerId(NamedTuple):
+    """A runner's identity: the instance it serves and its replica index,
+    spelled ``<instance>#<replica>`` on the wire (the scheduler's ROUTER
+    identity) and in the launcher's process table."""
+
+    model: str
+    replica: int
+
+    def __str__(self) -> str:
+        return f"{self.model}#{self.replica}"
+
+    @classmethod
+    def parse(cls, text: str) -> RunnerId | None:
+        """The id spelled ``text``, or None when it is not a runner id."""
+        model, sep, replica = text.rpartition("#")
+        if not sep or not replica.isdigit():
+            return None
+        return cls(model, int(replica))
+
+
+def runner_ids(arg: ModelArg) -> list[str]:
+    """The runner ids of an instance's replicas, spelled as on the wire."""
+    return [str(RunnerId(arg.name, i)) for i in range(arg.replicas)]
+
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
-
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

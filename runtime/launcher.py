@@ -211,8 +211,7 @@ class Launcher:
     def _spawn_runners(self) -> None:
         total = sum(m.replicas for m in self.args.models)
         for m in self.args.models:
-            for i in range(m.replicas):
-                rid = f"{m.name}#{i}"
+            for rid in protocol.runner_ids(m):
                 self.add_runner_config(rid, m, total)
                 self.start_runner(rid)
 
@@ -264,7 +263,8 @@ class Launcher:
 
     def runner_ids_of(self, instance: str) -> list[str]:
         """The runner ids a model instance has (configured, whether up or not)."""
-        return [rid for rid in self._runner_configs if rid.rpartition("#")[0] == instance]
+        ids = {rid: protocol.RunnerId.parse(rid) for rid in self._runner_configs}
+        return [rid for rid, parsed in ids.items() if parsed and parsed.model == instance]
 
     def forget_runner(self, rid: str) -> None:
         """A runner that is gone for good: no config, no restart."""

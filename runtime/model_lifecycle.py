@@ -137,6 +137,7 @@ class ModelLifecycle:
         """Thread: fetch/resolve the source, estimate its memory; the loop picks
         the result up."""
         from radixmux.common.cpu import resolve_dtype
+
         arg = cmd.model
         try:
             dtype, why = resolve_dtype(arg.dtype or self.launcher.args.dtype)
@@ -237,7 +238,7 @@ class ModelLifecycle:
         assert load.need is not None
         self._runner_need[arg.name] = load.need.per_runner_bytes
         launcher = self.launcher
-        load.runner_ids = [f"{arg.name}#{i}" for i in range(arg.replicas)]
+        load.runner_ids = protocol.runner_ids(arg)
         total = launcher.num_runners + arg.replicas
         for rid in load.runner_ids:
             launcher.add_runner_config(rid, arg, total)

@@ -23,12 +23,13 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.memory.kv_disk_store import DiskKVStore, StoreRefused
 from radixmux.memory.radix_cache import RadixCache
+from radixmux.protocol import runner_ids
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.models import StartupError, check_replicas, fixed_share, model_spec
 from radixmux.scheduler.outbox import SocketOutbox
-from radixmux.scheduler.runners import RollCall, runner_ids
+from radixmux.scheduler.runners import RollCall
 
 log = logging.getLogger("radixmux.scheduler")
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from radixmux import protocol
 from radixmux.memory.radix_cache import ModelSpec
-from radixmux.protocol import ModelArg, ModelInfo
+from radixmux.protocol import ModelArg, ModelInfo, runner_ids
 from radixmux.scheduler.request import Req
-from radixmux.scheduler.runners import RollCall, RunnerState, runner_ids
+from radixmux.scheduler.runners import RollCall, RunnerState
 
 
 class StartupError(RuntimeError):

@@ -1,18 +1,23 @@
-"""What a finished batch means for its requests: outputs and prompt logprobs.
+"""What a finished batch means for its requests.
 
-``Scheduler.apply_result`` advances each request of a batch by its runner's
-``ForwardResult``; the helpers here turn a request's progress into the
-``RequestOutput`` the detokenizer gets, and keep the prompt logprobs a
-prefill chunk scored until the request's first output carries them.
+``apply_result`` advances each request of a batch by its runner's
+``ForwardResult``: a prefill chunk is cached, a sampled token goes out, a
+finished or failed request ends. ``describe_step`` is the batch's debug line.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from radixmux import protocol
+from radixmux.scheduler import request_life
 from radixmux.scheduler.batch_builder import ScheduledBatch
+from radixmux.scheduler.outputs import keep_prompt_logprobs, request_output
 from radixmux.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from radixmux.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("radixmux.scheduler")
 
@@ -35,55 +40,65 @@ def describe_step(batch: ScheduledBatch, result: protocol.ForwardResult) -> str:
     )
 
 
-def keep_prompt_logprobs(req: Req, first: int, out: protocol.SeqOutput) -> None:
-    """A chunk starting at position ``first`` scored the prompt tokens
-    after each of its positions (kept by position: a chunk computed again
-    after a retraction overwrites the same ones)."""
-    lps = out.prompt_logprobs or []
-    tops = out.prompt_top_logprobs or [None] * len(lps)
-    for k, (lp, top) in enumerate(zip(lps, tops, strict=True)):
-        pos = first + 1 + k
-        req.prompt_logprobs[pos] = protocol.TokenLogprob(int(req.input_ids[pos]), lp, top)
+def apply_result(
+    sched: Scheduler, batch: ScheduledBatch, result: protocol.ForwardResult
+) -> list[protocol.RequestOutput]:
+    """Advance each request of a finished batch; outputs for the detokenizer."""
+    if result.error is not None:
+        log.error(
+            "runner %s batch %d failed (rids %s): %s",
+            batch.runner_id,
+            batch.batch_id,
+            ",".join(r.rid for r in batch.reqs),
+            result.error,
+        )
+        return [request_life.end(sched, req, INTERNAL_ERROR) for req in batch.reqs]
+    if len(result.outputs) != len(batch.reqs):
+        raise ValueError(
+            f"batch {batch.batch_id}: {len(result.outputs)} outputs for {len(batch.reqs)} seqs"
+        )
+    outputs: list[protocol.RequestOutput] = []
+    for req, n, out in zip(batch.reqs, batch.chunks, result.outputs, strict=True):
+        if out.error is not None:
+            log.error("rid=%s failed in runner %s: %s", req.rid, batch.runner_id, out.error)
+            outputs.append(request_life.end(sched, req, INTERNAL_ERROR))
+            continue
+        prompt = len(req.input_ids)
+        sched.prompt_tokens_computed += max(0, min(req.kv_len + n, prompt) - req.kv_len)
+        if out.prompt_logprobs is not None:
+            keep_prompt_logprobs(req, req.kv_len, out)
+        req.kv_len += n
+        if req.aborted:
+            request_life.end(sched, req)
+            continue
+        if out.token_id < 0:
+            sched.kv.cache_progress(req)  # a prefill chunk: share it now
+            continue
+        output = _sampled(sched, req, out)
+        outputs.append(output)
+        if output.finish_reason:
+            request_life.end(sched, req)
+        elif n > 1:
+            sched.kv.cache_progress(req)
+    return outputs
 
 
-def prompt_logprobs(req: Req) -> list[protocol.TokenLogprob]:
-    """The prompt's logprobs from the asked start on (the first token's is None)."""
-    start = req.params.prompt_logprobs_start
-    found = [req.prompt_logprobs.get(pos) for pos in range(start, len(req.input_ids))]
-    missing = sum(lp is None for lp in found) - (start == 0)
-    if missing:  # a bug, not the client's: say so, send what there is
-        log.error("rid=%s: %d prompt logprobs missing", req.rid, missing)
-    req.prompt_logprobs = {}
-    ids = req.input_ids[start:].tolist()
-    return [lp or protocol.TokenLogprob(t, None) for lp, t in zip(found, ids, strict=True)]
-
-
-def request_output(
-    req: Req,
-    new: list[int],
-    finish: str | None,
-    logprobs: list[protocol.TokenLogprob] | None = None,
-    error: str | None = None,
-    status: int = 200,
-) -> protocol.RequestOutput:
-    """The detokenizer's next output for ``req``; its first one also carries
-    the stop strings, queue time and (if asked) the prompt's logprobs."""
-    first = not req.announced
-    want_prompt = first and req.params.prompt_logprobs_start >= 0 and status == 200
-    req.announced = True
-    return protocol.RequestOutput(
-        rid=req.rid,
-        model=req.model,
-        new_token_ids=new,
-        prompt_tokens=len(req.input_ids),
-        completion_tokens=len(req.output_ids),
-        cached_tokens=req.cached_tokens,
-        finish_reason=finish,
-        logprobs=logprobs,
-        error=error,
-        status=status,
-        stop=req.stop if first else None,
-        skip_special_tokens=req.skip_special_tokens,
-        queue_time=req.queue_time if first else None,
-        prompt_logprobs=prompt_logprobs(req) if want_prompt else None,
-    )
+def _sampled(sched: Scheduler, req: Req, out: protocol.SeqOutput) -> protocol.RequestOutput:
+    """Take the token a step sampled for ``req``; its output (finished or not)."""
+    req.output_ids.append(out.token_id)
+    finish = out.finish_reason
+    if finish is None and req.num_tokens >= sched.models[req.model].info.context_length:
+        finish = "length"
+    logprobs = None
+    if out.logprob is not None:
+        logprobs = [protocol.TokenLogprob(out.token_id, out.logprob, out.top_logprobs)]
+    if finish:
+        log.info(
+            "rid=%s finished (%s): %d prompt + %d output tokens, %d cached",
+            req.rid,
+            finish,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+        )
+    return request_output(req, [out.token_id], finish, logprobs=logprobs)

@@ -1,48 +1,25 @@
-"""Runners as the scheduler sees them: their ids, state, and held batches.
+"""Runners as the scheduler sees them: their state, and the roll call of their start.
 
 A runner is one process running one replica of an instance (see
 docs/design.md, glossary). The launcher starts, restarts and gives up on
 runner processes; the scheduler tracks their state, times their batches and
-only asks for a kill (a hung runner).
+only asks for a kill (a hung runner: ``supervision.py``). Runner ids are
+``protocol.RunnerId``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
-from radixmux.protocol import Failed, ModelArg, ModelInfo, Ready
+from radixmux.protocol import Failed, ModelInfo, Ready
 from radixmux.scheduler.request import Req
 
 if TYPE_CHECKING:
     from radixmux.scheduler.batch_builder import ScheduledBatch
 
 log = logging.getLogger("radixmux.scheduler")
-
-
-class RunnerId(NamedTuple):
-    """A runner's identity: the instance it serves and its replica index,
-    spelled ``<instance>#<replica>`` on the wire (the ROUTER identity)."""
-
-    model: str
-    replica: int
-
-    def __str__(self) -> str:
-        return f"{self.model}#{self.replica}"
-
-    @classmethod
-    def parse(cls, text: str) -> RunnerId | None:
-        """The id spelled ``text``, or None when it is not a runner id."""
-        model, sep, replica = text.rpartition("#")
-        if not sep or not replica.isdigit():
-            return None
-        return cls(model, int(replica))
-
-
-def runner_ids(arg: ModelArg) -> list[str]:
-    """The runner ids the launcher gives a model's replicas."""
-    return [str(RunnerId(arg.name, i)) for i in range(arg.replicas)]
 
 
 @dataclass(eq=False)
@@ -65,15 +42,6 @@ class RunnerState:
     @property
     def up(self) -> bool:
         return self.state == "up"
-
-
-@dataclass
-class HeldBatch:
-    """A batch built for a runner but not sent: it would overwrite KV a disk
-    save still reads. The wait is the disk's, not the runner's."""
-
-    batch: ScheduledBatch
-    since: float  # time.monotonic() when it was held
 
 
 @dataclass

@@ -4,25 +4,32 @@ A warm-up prefix runs as an ordinary request for one token (discarded: the
 runner always samples after a prompt, so one token is the least it can do),
 whose prompt KV goes into the tree when it finishes, as any request's does.
 It is low priority: the scheduler hides a model's warm-ups from the batch
-builder while a real request of that model waits (``Scheduler.dispatch``).
+builder while a real request of that model waits (``Warmups.real_requests_first``).
 
 A pin is a lock on the prefix's path in the tree, like a running request's,
 held here until it is unpinned (a later warm-up of the same prefix with
 ``pin: false``), its model is invalidated or unloaded, or ``/flush_cache``
-drops every pin. ``Scheduler.check`` counts these locks with the requests'.
+drops every pin. The invariant walk (``control.check``) counts these locks with the requests'.
 Pinned bytes are capped (``--max-pinned-fraction`` of the arena) so pins can
 never leave running requests without KV.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixmux import protocol
 from radixmux.memory.radix_cache import CacheHandle, RadixCache, common_prefix_tokens
+from radixmux.scheduler import request_life
+from radixmux.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from radixmux.scheduler.scheduler import Scheduler
 
 WARMUP_PARAMS = protocol.SamplingParams(max_new_tokens=1)
 _ITEMSIZE = 4  # prefixes travel and are keyed as packed int32
@@ -201,6 +208,39 @@ class Warmups:
         )
         return self._done(out.rid)
 
+    def split_outputs(
+        self, outputs: list[protocol.RequestOutput]
+    ) -> tuple[list[protocol.RequestOutput], list[protocol.WarmupReply]]:
+        """Take warm-ups' outputs out of a batch's (their token is discarded;
+        a finished one is pinned if asked): the rest, and the replies of the
+        warm-ups now complete."""
+        rest: list[protocol.RequestOutput] = []
+        replies: list[protocol.WarmupReply] = []
+        for out in outputs:
+            if out.rid not in self.jobs:
+                rest.append(out)
+            elif out.finish_reason is not None:
+                reply = self.finished(out)
+                if reply is not None:
+                    replies.append(reply)
+        return rest, replies
+
+    @contextlib.contextmanager
+    def real_requests_first(self, waiting: list[Req]) -> Iterator[None]:
+        """Low priority for warm-ups: while a real request of the model waits,
+        its warm-ups are out of the queue the batch builder sees (put back
+        after it, behind whatever it requeued). Once admitted, a warm-up runs
+        like any request."""
+        warm = [r for r in waiting if r.rid in self.jobs]
+        if not warm or len(warm) == len(waiting):
+            yield
+            return
+        waiting[:] = [r for r in waiting if r.rid not in self.jobs]
+        try:
+            yield
+        finally:
+            waiting.extend(warm)
+
     def _done(self, rid: str) -> protocol.WarmupReply | None:
         job, _ = self.jobs.pop(rid)
         job.left -= 1
@@ -211,3 +251,15 @@ class Warmups:
         return protocol.WarmupReply(
             job.msg.req_id, items=[it for it in job.items if it is not None]
         )
+
+
+def warm_up(sched: Scheduler, msg: protocol.WarmupRequest) -> None:
+    """Queue one one-token request per prefix (refused up front when the
+    model is unknown or the pins would pass the cap); the front gets one
+    ``WarmupReply`` when every prefix is cached."""
+    refusal = sched.warmups.refusal(msg, sched.models)
+    if refusal is not None:
+        sched.reply_warmup(refusal)
+        return
+    for rid, ids in list(sched.warmups.start(msg)):
+        request_life.admit(sched, protocol.TokenizedRequest(rid, msg.model, ids, WARMUP_PARAMS))

@@ -1,5 +1,5 @@
 """``bench.step_log`` reads the step lines the scheduler writes (the format
-comes from ``Scheduler.describe_step`` on a real batch, so the two cannot drift)."""
+comes from ``results.describe_step`` on a real batch, so the two cannot drift)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from test_batch_builder import builder, request, run
 
 from radixmux.bench.step_log import parse_steps, summarize
 from radixmux.protocol import ForwardResult
+from radixmux.scheduler.results import describe_step
 from radixmux.scheduler.runners import RunnerState
-from radixmux.scheduler.scheduler import Scheduler
 
 
 def test_step_lines_round_trip_through_the_summary() -> None:
@@ -21,7 +21,7 @@ def test_step_lines_round_trip_through_the_summary() -> None:
     waiting.append(request("b", list(range(100, 200))))
     batch = b.schedule_next_batch(runner, waiting)
     assert batch is not None and sorted(batch.chunks) == [1, 63]  # the decode is a row of 64
-    line = Scheduler.describe_step(batch, ForwardResult(batch.batch_id, forward_ms=12.5))
+    line = describe_step(batch, ForwardResult(batch.batch_id, forward_ms=12.5))
     record = logging.makeLogRecord({"msg": "step %s", "args": (line,)}).getMessage()
     (step,) = parse_steps(["2026-12-01 12:00:00 DEBUG scheduler " + record, "unrelated line"])
     assert step.kind == "mixed" and step.decodes == 1 and step.decode_context == 21

@@ -16,10 +16,10 @@ from radixmux import protocol
 from radixmux.common.server_args import SCHEDULE_POLICIES, ServerArgs
 from radixmux.memory.arena import ArenaSpec
 from radixmux.memory.layout import KVLayout
-from radixmux.protocol import ModelArg, SamplingParams
-from radixmux.scheduler import bootstrap, control
+from radixmux.protocol import ModelArg, RunnerId, SamplingParams, runner_ids
+from radixmux.scheduler import bootstrap, control, supervision
 from radixmux.scheduler.policy import POLICIES
-from radixmux.scheduler.runners import RollCall, RunnerId, runner_ids
+from radixmux.scheduler.runners import RollCall
 from radixmux.scheduler.scheduler import Scheduler
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 B a token
@@ -309,10 +309,10 @@ def test_hung_runner_is_killed_and_its_requests_fail() -> None:
         h = harness(runner_timeout=5.0)
         h.sched.runners["a#0"].pid = hung.pid
         h.request("r", max_tokens=5)
-        h.sched.check_timeouts()
+        supervision.check_timeouts(h.sched)
         assert hung.poll() is None  # within its time: left alone
         h.sched.runners["a#0"].sent_at -= 10.0
-        h.sched.check_timeouts()
+        supervision.check_timeouts(h.sched)
         assert hung.wait(10) == -9
         [failed] = h.out.outputs("r")
         assert failed.status == 503
