@@ -21,6 +21,12 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     stream: bool = False
     skip_special_tokens: bool = True
     arrival: float = 0.0  # time.time() when the front received it
+    # The matched stop string stays at the end of the text (SGLang's
+    # no_stop_trim, vLLM's include_stop_str_in_output); the front applies it.
+    keep_stop_string: bool = False
+    # Chat: how the template ends the prompt (transformers' apply_chat_template).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):

@@ -80,7 +80,9 @@ class ModelTokenizer:
                 given[-1] if given else "prompt",
             )
         if req.messages is not None:
-            return self.encode_chat(req.messages)
+            return self.encode_chat(
+                req.messages, req.add_generation_prompt, continue_final=req.continue_final_message
+            )
         if req.input_ids is not None:
             return self.check_ids(req.input_ids, "input_ids")
         return self.encode_text(req.prompt or "")
@@ -97,9 +99,12 @@ class ModelTokenizer:
         messages: list[protocol.ChatMessage],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        continue_final: bool = False,
     ) -> list[int]:
         """Chat messages through the model's template; the rendered template
-        already holds every special token it wants, so none are added by default."""
+        already holds every special token it wants, so none are added by default.
+        ``continue_final``: the last message is left open for the model to go on
+        with (no end-of-turn after it), as transformers renders it."""
         if self.chat_template is None:
             raise RejectedRequest(
                 400,
@@ -115,6 +120,7 @@ class ModelTokenizer:
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
             )
         except Exception as exc:  # the template's own raise_exception(), bad roles, ...
             raise RejectedRequest(400, f"chat template failed: {exc}", "messages") from exc

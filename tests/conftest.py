@@ -1,4 +1,5 @@
-"""Shared fixtures for the model-runner tests: arenas, tiny models, real models."""
+"""Shared fixtures for the model-runner tests: arenas, tiny models, real models;
+and a whole runtime serving one tiny model over HTTP."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 import dataclasses
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,3 +220,22 @@ def real_models():
 
 def pytest_configure(config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def tiny_server(folder: Path, name: str = "tiny") -> Iterator[str]:
+    """The whole runtime (launcher, every process, HTTP) serving the model at
+    ``folder`` as ``name``, small and float32; yields its base URL."""
+    from radixmux.runtime.client.engine import Engine
+
+    engine = Engine(
+        model=[f"{folder},name={name}"],
+        kv_cache_bytes=16 << 20,
+        kv_block_bytes=64 << 10,
+        runner_threads=1,
+        dtype="float32",
+    )
+    try:
+        yield f"http://127.0.0.1:{engine.args.port}"
+    finally:
+        engine.shutdown()

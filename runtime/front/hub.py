@@ -49,6 +49,7 @@ class Generation:
         self.last: protocol.TextOutput | None = None
         self.finish_reason: str | None = None
         self.matched_stop: str | None = None
+        self.keep_stop_string = req.keep_stop_string
         self.done = False
         # The task writing this request's stream to its HTTP client: an unload
         # that fails the request cancels it if the client stopped reading.
@@ -68,6 +69,8 @@ class Generation:
             self._fail(
                 item.status if item.status >= 400 else 500, item.error or "generation failed"
             )
+        if item.matched_stop is not None and self.keep_stop_string:
+            item = msgspec.structs.replace(item, text=item.text + item.matched_stop)
         self._account(item)
         if item.matched_stop is not None:
             # A stop string ends the request, though the scheduler may not know

@@ -86,8 +86,11 @@ def refuse_unsupported(
     for name, allowed in neutral.items():
         value = getattr(req, name)
         if value is not None and value not in allowed:
+            accepted = ", ".join(msgspec.json.encode(v).decode() for v in (None, *allowed))
             raise APIError(
-                400, f"'{prefix}{name}' is not supported by this server", f"{prefix}{name}"
+                400,
+                f"'{prefix}{name}' is not supported by this server (accepted: {accepted})",
+                f"{prefix}{name}",
             )
 
 

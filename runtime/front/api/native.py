@@ -21,6 +21,7 @@ from starlette.responses import Response
 from radixmux import protocol
 from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_error import APIError
+from radixmux.runtime.front.api import extensions
 from radixmux.runtime.front.api.common import (
     MAX_PROMPTS,
     check_input_ids,
@@ -40,7 +41,7 @@ from radixmux.runtime.front.stream import serve_generation
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class NativeSampling(extensions.SamplingExtensions, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -57,19 +58,9 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = True
     n: int | None = None
     logit_bias: dict[str, float] | None = None
-    # SGLang's, declared only to be refused (see UNSUPPORTED_SAMPLING).
-    min_new_tokens: int | None = None
-    spaces_between_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    stop_regex: Any = None
-    custom_params: Any = None
 
 
-class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class NativeGenerate(extensions.GenerateExtensions, kw_only=True, forbid_unknown_fields=True):
     text: str | list[Any] | None = None
     input_ids: list[Any] | None = None
     model: str | None = None
@@ -79,43 +70,13 @@ class NativeGenerate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_logprobs_num: int | None = 0
     log_metrics: bool | None = None  # accepted: every request is in /metrics
     return_text_in_logprobs: bool | None = False
-    # SGLang's, declared only to be refused (see UNSUPPORTED_GENERATE).
-    rid: Any = None
     logprob_start_len: int | None = None
-    token_ids_logprob: Any = None
-    lora_path: Any = None
-    image_data: Any = None
-    input_embeds: Any = None
-    modalities: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    return_hidden_states: bool | None = None
 
 
 # SGLang fields this server does not implement, and the values that ask for
 # nothing (None always does): anything else is a 400 naming the field.
-UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
-    "rid": (),  # request ids are the server's (a client's could collide)
-    "token_ids_logprob": (),
-    "lora_path": (),
-    "image_data": (),
-    "input_embeds": (),
-    "modalities": (),
-    "session_params": (),
-    "custom_logit_processor": (),
-    "return_hidden_states": (False,),
-}
-UNSUPPORTED_SAMPLING: dict[str, tuple[Any, ...]] = {
-    "min_new_tokens": (0,),
-    "spaces_between_special_tokens": (True,),
-    "no_stop_trim": (False,),
-    "json_schema": (),
-    "regex": (),
-    "ebnf": (),
-    "structural_tag": (),
-    "stop_regex": (),
-    "custom_params": (),
-}
+UNSUPPORTED_GENERATE = extensions.neutral_only(extensions.GENERATE)
+UNSUPPORTED_SAMPLING = extensions.neutral_only(extensions.SAMPLING)
 
 
 class NativeMeta(msgspec.Struct, omit_defaults=True):
@@ -203,6 +164,7 @@ def generate_request(
             stream=bool(body.stream),
             skip_special_tokens=True if s.skip_special_tokens is None else s.skip_special_tokens,
             arrival=arrival,
+            keep_stop_string=bool(s.no_stop_trim),
         )
         for text, ids in _prompts(body, model.info.vocab_size)
     ]

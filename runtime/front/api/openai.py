@@ -6,10 +6,10 @@ requests made from them, the per-request formatters (``CompletionFormat``,
 ``ChatFormat``) and ``endpoints``, the routes the app (``front/app.py``) mounts.
 
 Requests decode straight into these Structs. Nothing a client sends is
-silently ignored: a field outside the OpenAI API (and vLLM's sampling
-extensions) is a 400 naming it, as OpenAI answers; a field of the API this
-server does not implement is declared here and refused with a 400 unless it
-holds its neutral value (``UNSUPPORTED``); :func:`completion_request` and
+silently ignored: a field outside the OpenAI API (and SGLang's and vLLM's
+extensions, ``extensions.py``) is a 400 naming it, as OpenAI answers; a field
+this server does not implement is declared and refused with a 400 unless it
+holds its neutral value (``UNSUPPORTED_*``); :func:`completion_request` and
 :func:`chat_request` check them against the served model and build the
 :class:`GenerateRequest` the tokenizer workers take. Sampling defaults follow
 OpenAI (temperature 1, top_p 1); greedy is ``temperature=0``.
@@ -33,6 +33,7 @@ from radixmux.protocol import ModelInfo, SamplingParams
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.chat_input import ChatMessageIn
 from radixmux.runtime.client.messages import ModelCard, model_card
+from radixmux.runtime.front.api import extensions
 from radixmux.runtime.front.api.common import (
     MAX_CONTENT_PARTS,
     MAX_N,
@@ -70,26 +71,21 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Fields both endpoints share (None: not sent, take the default)."""
+class _SamplingFields(extensions.OpenAIExtensions, kw_only=True, forbid_unknown_fields=True):
+    """Fields both endpoints share (None: not sent, take the default); SGLang's
+    and vLLM's extensions (``top_k``, ``ignore_eos``, ...) come with the base."""
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    repetition_penalty: float | None = None
     n: int | None = None
-    ignore_eos: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    skip_special_tokens: bool | None = True
     # Accepted with no effect on the answer: who asks (logged with the request
     # id) and hints about how OpenAI's own service should store or route it.
     user: str | None = None
@@ -106,6 +102,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    # Extensions of this endpoint alone (see extensions.COMPLETION).
+    json_schema: Any = None
 
 
 class ChatRequest(_SamplingFields, kw_only=True):
@@ -127,6 +125,24 @@ class ChatRequest(_SamplingFields, kw_only=True):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any = None
+    # Extensions of this endpoint alone (see extensions.CHAT).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    echo: bool | None = None
+    return_prompt_token_ids: bool | None = None
+    return_meta_info: bool | None = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    use_audio_in_video: bool | None = None
+    input_ids: Any = None
+    task: Any = None
 
 
 # Fields of the API that this server does not implement, and the values that
@@ -144,9 +160,14 @@ UNSUPPORTED_MESSAGE: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "function_call": (),
 }
-UNSUPPORTED_COMPLETION = {**UNSUPPORTED_SHARED, "suffix": ("",)}
+UNSUPPORTED_COMPLETION = {
+    **UNSUPPORTED_SHARED,
+    "suffix": ("",),
+    **extensions.neutral_only(extensions.COMPLETION),
+}
 UNSUPPORTED_CHAT = {
     **UNSUPPORTED_SHARED,
+    **extensions.neutral_only(extensions.CHAT),
     "store": (False,),
     "response_format": ({"type": "text"},),
     "tools": ([],),
@@ -357,6 +378,7 @@ def _generate(
         stream=bool(req.stream),
         skip_special_tokens=_or(req.skip_special_tokens, True),
         arrival=arrival,
+        keep_stop_string=bool(req.no_stop_trim or req.include_stop_str_in_output),
         **prompt,
     )
 
@@ -392,7 +414,21 @@ def chat_request(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = _or(req.max_completion_tokens, _or(req.max_tokens, CHAT_DEFAULT_MAX_TOKENS))
     params = sampling_params(req, max_tokens, model.info, logprobs)
-    return _generate(req, rid, model, params, arrival, messages=messages)
+    return _generate(req, rid, model, params, arrival, messages=messages, **prompt_end(req))
+
+
+def prompt_end(req: ChatRequest) -> dict[str, bool]:
+    """How the template ends the prompt: a generation prompt (the default), or
+    the last message left open (``continue_final_message``), not both (as vLLM)."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise APIError(
+            400,
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+            "continue_final_message",
+        )
+    add = not cont if req.add_generation_prompt is None else req.add_generation_prompt
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 def chat_messages(
