@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.front.api import extensions
 from radixmux.runtime.front.api.native import NativeGenerate, NativeSampling
-from radixmux.runtime.front.api.openai import ChatRequest, CompletionRequest
+from radixmux.runtime.front.api.openai.chat import ChatRequest
+from radixmux.runtime.front.api.openai.completions import CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
 

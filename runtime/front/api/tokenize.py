@@ -15,7 +15,7 @@ from radixmux import protocol
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.chat_input import ChatMessageIn
 from radixmux.runtime.front.api.common import check_input_ids, json_response, resolve_model
-from radixmux.runtime.front.api.openai import chat_messages
+from radixmux.runtime.front.api.openai.chat import chat_messages
 from radixmux.runtime.front.hub import new_rid
 from radixmux.runtime.front.openapi import Endpoint, Handler
 from radixmux.runtime.front.state import Front
