@@ -160,7 +160,7 @@ class TreeMemory:
     trees: int
     nodes: int
     python_bytes: int
-    kv_tokens: int  # token entries cached, summed over KV caches (replicas share one)
+    kv_tokens: int  # token entries cached, summed over generations (replicas share one)
 
     @property
     def bytes_per_token(self) -> float:

@@ -3,14 +3,18 @@
 Edges are token-id sequences (stored as packed int32 bytes, so comparing an
 edge is one ``memcmp``). Under the root there is one namespace per tokenizer
 compatibility group: models whose tokenizers are identical share paths. Each
-node holds, per *cache*, that cache's KV slot ids for the node's tokens, a lock
-count, the last access time and a hit count. A cache is the KV of one set of
-identical weights: replicas of a model share it, so a prefix one replica
-computed is a hit for the other.
+node holds, per *generation*, that generation's KV slot ids for the node's
+tokens, a lock count, the last access time and a hit count. A generation is
+the KV that models with identical weights (one pool) read and write: replicas
+and aliases share it, so a prefix one replica computed is a hit for the other.
+Invalidating a model (new weights, a reload) moves it to a new generation; one
+that no model uses any more is orphaned: it never matches again and its
+entries are freed as their locks go.
 
-Per cache the cached entries are prefix-closed: if a node holds a cache's
-entry, so does its parent. So ``match`` walks down while the model has KV, and
-eviction only ever removes leaf-most entries of a cache.
+Per generation the cached entries are prefix-closed: if a node holds a
+generation's entry, so does its parent. So ``match`` walks down while the
+model has KV, and eviction only ever removes leaf-most entries of a
+generation.
 
 The tree is single-threaded by design (the scheduler's event loop owns it);
 requests hold ``CacheHandle`` locks on the path they use instead of mutexes.
@@ -32,7 +36,7 @@ from radixmux.memory.eviction import get_policy
 from radixmux.memory.layout import KVLayout
 
 Tokens = Sequence[int] | np.ndarray | bytes
-# "unload": a model removed at run time (its cache's entries go with it).
+# "unload": a model removed at run time (its generation's entries go with it).
 EVICTION_REASONS = ("capacity", "invalidation", "flush", "unload")
 
 
@@ -42,7 +46,7 @@ class ModelSpec:
 
     ``group`` is the tokenizer fingerprint (compatibility group), ``pool`` the
     KV pool key: the weights fingerprint (``ModelInfo.kv_share_key``) and the
-    KV dtype; models with equal ``pool`` share KV (one cache, one pool of
+    KV dtype; models with equal ``pool`` share KV (one generation, one pool of
     arena slots).
     """
 
@@ -64,11 +68,11 @@ class _Entry:
         self.lock_ref = 0
         self.last_access = last_access
         self.hits = 0
-        self.child_refs = 0  # children holding an entry of the same cache
+        self.child_refs = 0  # children holding an entry of the same generation
 
 
 class Node:
-    """A tree node: an edge of tokens and the caches that hold KV for it."""
+    """A tree node: an edge of tokens and the generations that hold KV for it."""
 
     __slots__ = ("children", "entries", "key", "parent")
 
@@ -97,10 +101,10 @@ _SLOT_BYTES = np.dtype(np.int64).itemsize
 
 @dataclass(frozen=True)
 class CacheHandle:
-    """A matched path for one cache: what a request locks and later inserts from."""
+    """A matched path in one generation: what a request locks and later inserts from."""
 
     node: Node
-    cache_id: int
+    generation_id: int
     length: int
 
 
@@ -133,27 +137,29 @@ class CacheStats:
     """A snapshot of the cache's counters (feeds ``/metrics``)."""
 
     per_model: dict[str, ModelCounters]
-    cached_tokens: dict[str, int]  # per model (replicas report their shared cache)
+    cached_tokens: dict[str, int]  # per model (replicas report their shared generation)
     cached_bytes: dict[str, int]
     nodes: int
     evicted_tokens: dict[str, int]  # by reason
     total: ModelCounters = field(default_factory=ModelCounters)
     # Capacity evictions made to give each model room (any pool's tokens).
     evicted_for: dict[str, int] = field(default_factory=dict)
-    # Tokens evicted from each model's cache, by reason: a cache several
-    # models share (replicas, aliases) counts for each of them.
+    # Tokens evicted from each model's generations, by reason: a generation
+    # several models share (replicas, aliases) counts for each of them.
     evicted_by_model: dict[str, dict[str, int]] = field(default_factory=dict)
-    tree_tokens: int = 0  # KV tokens the tree holds, summed over caches
+    tree_tokens: int = 0  # KV tokens the tree holds, summed over generations
     index_bytes: int = 0  # Python heap of the tree's index (``index_bytes()``)
 
 
 @dataclass
-class _Cache:
+class _Generation:
+    """One generation: the KV its models (all of one pool) read and write in the tree."""
+
     pool: str
     bytes_per_token: int
     models: set[str]
     cached_tokens: int = 0
-    # Every model that ever used this cache: once invalidation or unloading
+    # Every model that ever used this generation: once invalidation or unloading
     # leaves it orphaned (``models`` empty), its evictions are still theirs.
     owners: set[str] = field(default_factory=set)
     leaves: set[Node] = field(default_factory=set)  # nodes whose entry has no child entry
@@ -168,7 +174,7 @@ class _Cache:
         self.owners.add(model)
 
 
-# An eviction heap item: (policy key, push order, node, cache id, entry).
+# An eviction heap item: (policy key, push order, node, generation id, entry).
 _Candidate = tuple[tuple[float, ...], int, Node, int, _Entry]
 
 
@@ -221,7 +227,7 @@ class RadixCache:
         self._page_bytes = 4 * self.page_size
         self.eviction_policy = eviction_policy
         self._policy_key = get_policy(eviction_policy, half_life)
-        # Eviction candidates: (key, seq, node, cache id, entry). Lazy: an item
+        # Eviction candidates: (key, seq, node, generation id, entry). Lazy: an item
         # is checked when it reaches the top (entry gone, locked, no longer a
         # leaf or touched since: dropped or re-pushed), so the hot paths only
         # push when an entry becomes an unlocked leaf.
@@ -231,10 +237,10 @@ class RadixCache:
         self._clock = clock or (lambda: float(next(self._ticks)))
         self._roots: dict[str, Node] = {}
         self._models: dict[str, ModelSpec] = {}
-        self._model_cache: dict[str, int] = {}
-        self._pool_cache: dict[str, int] = {}  # pool -> its current cache id
-        self._caches: dict[int, _Cache] = {}
-        self._next_cache = itertools.count()
+        self._model_generation: dict[str, int] = {}
+        self._pool_generation: dict[str, int] = {}  # pool -> its current generation id
+        self._generations: dict[int, _Generation] = {}
+        self._next_generation = itertools.count()
         self._counters: dict[str, ModelCounters] = {}
         self._evicted: Counter[str] = Counter()
         self._evicted_for: Counter[str] = Counter()  # capacity evictions made for each model
@@ -253,47 +259,47 @@ class RadixCache:
 
     # ---- models ------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> None:
-        """Add a model; one with the ``pool`` of another shares its cache."""
+        """Add a model; one with the ``pool`` of another joins its current generation."""
         if spec.name in self._models:
             raise ValueError(f"model {spec.name!r} is already registered")
         geometry = self.allocator.register(spec.pool, spec.layout, spec.floor_bytes, spec.cap_bytes)
         self._models[spec.name] = spec
         self._roots.setdefault(spec.group, Node(b"", None))
-        cid = self._pool_cache.get(spec.pool)
-        if cid is None or self._caches[cid].orphaned:
-            cid = self._new_cache(spec.pool, geometry.layout.bytes_per_token)
-            self._pool_cache[spec.pool] = cid
-        self._caches[cid].attach(spec.name)
-        self._model_cache[spec.name] = cid
+        gid = self._pool_generation.get(spec.pool)
+        if gid is None or self._generations[gid].orphaned:
+            gid = self._new_generation(spec.pool, geometry.layout.bytes_per_token)
+            self._pool_generation[spec.pool] = gid
+        self._generations[gid].attach(spec.name)
+        self._model_generation[spec.name] = gid
         self._counters[spec.name] = ModelCounters()
-        self._reweigh(cid)
+        self._reweigh(gid)
 
     def unregister_model(self, name: str) -> int:
-        """Remove a model unloaded at run time. Its cache's entries go too
-        unless another model (an alias or version with the same weights) still
-        uses that cache; entries still locked are freed at their last unlock.
+        """Remove a model unloaded at run time. Its generation's entries go
+        too unless another model (an alias or version with the same weights)
+        still uses that generation; entries still locked are freed at their last unlock.
         Returns tokens freed now."""
         self.model(name)
-        cid = self._model_cache.pop(name)
+        gid = self._model_generation.pop(name)
         del self._models[name]
         del self._counters[name]
         self._evicted_for.pop(name, None)
-        cache = self._caches[cid]
-        cache.models.discard(name)
-        self._reweigh(cid)
-        return self._drop_all([cid], "unload") if cache.orphaned else 0
+        gen = self._generations[gid]
+        gen.models.discard(name)
+        self._reweigh(gid)
+        return self._drop_all([gid], "unload") if gen.orphaned else 0
 
-    def _reweigh(self, cid: int) -> None:
-        cache = self._caches[cid]
-        specs = [self._models[m] for m in cache.models]
+    def _reweigh(self, gid: int) -> None:
+        gen = self._generations[gid]
+        specs = [self._models[m] for m in gen.models]
         if specs:
             best = max(s.priority * s.cost_per_token for s in specs)
-            cache.weight = best / cache.bytes_per_token
+            gen.weight = best / gen.bytes_per_token
 
-    def _new_cache(self, pool: str, bytes_per_token: int) -> int:
-        cid = next(self._next_cache)
-        self._caches[cid] = _Cache(pool, bytes_per_token, set())
-        return cid
+    def _new_generation(self, pool: str, bytes_per_token: int) -> int:
+        gid = next(self._next_generation)
+        self._generations[gid] = _Generation(pool, bytes_per_token, set())
+        return gid
 
     def model(self, name: str) -> ModelSpec:
         try:
@@ -319,7 +325,7 @@ class RadixCache:
         counters unless ``record`` is False (a scheduler's probe or re-match).
         """
         spec = self.model(model)
-        cid = self._model_cache[model]
+        gid = self._model_generation[model]
         q = as_token_bytes(tokens)
         limit = (len(q) // self._page_bytes) * self._page_bytes
         node = self._roots[spec.group]
@@ -327,7 +333,7 @@ class RadixCache:
         parts: list[np.ndarray] = []
         while pos < limit:
             child = node.children.get(q[pos : pos + self._page_bytes])
-            if child is None or cid not in child.entries:
+            if child is None or gid not in child.entries:
                 break
             klen = len(child.key)
             partial = pos + klen > limit or q[pos : pos + klen] != child.key
@@ -337,13 +343,13 @@ class RadixCache:
                 common = common_prefix_tokens(child.key, q[pos:limit])
                 child = self._split(child, common - common % self.page_size)
                 klen = len(child.key)
-            parts.append(child.entries[cid].slots)
+            parts.append(child.entries[gid].slots)
             pos += klen
             node = child
             if partial:
                 break
         length = pos // 4
-        handle = CacheHandle(node, cid, length)
+        handle = CacheHandle(node, gid, length)
         if record:
             self.record(model, handle, len(q) // 4)
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -356,7 +362,7 @@ class RadixCache:
         now = self._clock()
         node = handle.node
         while node.parent is not None:
-            entry = node.entries[handle.cache_id]
+            entry = node.entries[handle.generation_id]
             entry.last_access = now
             entry.hits += 1
             node = node.parent
@@ -375,7 +381,7 @@ class RadixCache:
     def _split(self, child: Node, ntok: int) -> Node:
         """Cut ``child``'s edge after ``ntok`` tokens; returns the new upper node.
 
-        Every cache's entry splits with it; the upper part inherits lock counts
+        Every generation's entry splits with it; the upper part inherits lock counts
         (every lock through the child passes through it), access time and hits.
         """
         parent = child.parent
@@ -386,37 +392,37 @@ class RadixCache:
         child.key = child.key[cut:]
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
-        for cid, entry in child.entries.items():
+        for gid, entry in child.entries.items():
             top = _Entry(entry.slots[:ntok].copy(), entry.last_access)
             top.lock_ref = entry.lock_ref
             top.hits = entry.hits
             top.child_refs = 1
             entry.slots = entry.slots[ntok:].copy()
-            upper.entries[cid] = top
+            upper.entries[gid] = top
         self._nodes += 1
         self._entries += len(upper.entries)
         # Lock handles point at nodes, never at the part that moved up, so
         # they stay valid: a handle on `child` still covers both halves.
         return upper
 
-    def path(self, node: Node, cid: int) -> tuple[bytes, np.ndarray]:
-        """The tokens from the root to the end of ``node`` and ``cid``'s slots for them."""
+    def path(self, node: Node, gid: int) -> tuple[bytes, np.ndarray]:
+        """The tokens from the root to the end of ``node`` and ``gid``'s slots for them."""
         keys: list[bytes] = []
         slots: list[np.ndarray] = []
         while node.parent is not None:
             keys.append(node.key)
-            slots.append(node.entries[cid].slots)
+            slots.append(node.entries[gid].slots)
             node = node.parent
         empty = np.zeros(0, dtype=np.int64)
         return b"".join(reversed(keys)), np.concatenate([empty, *reversed(slots)])
 
     def cached_paths(self) -> Iterable[tuple[str, bytes, np.ndarray]]:
-        """``(pool, tokens, slots)`` of every leaf-most entry of a live cache:
+        """``(pool, tokens, slots)`` of every leaf-most entry of a live generation:
         together they cover everything the tree holds (for a flush to disk)."""
-        for cid, cache in self._caches.items():
-            if not cache.orphaned:
-                for node in list(cache.leaves):
-                    yield (cache.pool, *self.path(node, cid))
+        for gid, gen in self._generations.items():
+            if not gen.orphaned:
+                for node in list(gen.leaves):
+                    yield (gen.pool, *self.path(node, gid))
 
     # ---- sharing ---------------------------------------------------------------
     def shared_prefixes(
@@ -427,27 +433,27 @@ class RadixCache:
         Returns ``(prefix tokens, member indices into handles)`` per group of
         two or more: each member's deepest ancestor (of at least
         ``min_tokens``) that another member also passes through, in the same
-        cache. Members of a group hold the same slot ids for that prefix, so
+        generation. Members of a group hold the same slot ids for that prefix, so
         it can be read once for all of them (shared-prefix decode attention).
         One level only: a request is in at most one group.
         """
-        paths: list[list[tuple[Node, int, int]]] = []  # (node, cache id, depth) leaf first
+        paths: list[list[tuple[Node, int, int]]] = []  # (node, generation id, depth) leaf first
         passing: Counter[tuple[Node, int]] = Counter()
         for handle in handles:
             path = []
             if handle is not None:
                 node, depth = handle.node, handle.length
                 while node.parent is not None and depth >= min_tokens:
-                    path.append((node, handle.cache_id, depth))
-                    passing[(node, handle.cache_id)] += 1
+                    path.append((node, handle.generation_id, depth))
+                    passing[(node, handle.generation_id)] += 1
                     depth -= node.num_tokens
                     node = node.parent
             paths.append(path)
         groups: dict[tuple[Node, int], tuple[int, list[int]]] = {}
         for i, path in enumerate(paths):
-            for node, cid, depth in path:
-                if passing[(node, cid)] > 1:
-                    groups.setdefault((node, cid), (depth, []))[1].append(i)
+            for node, gid, depth in path:
+                if passing[(node, gid)] > 1:
+                    groups.setdefault((node, gid), (depth, []))[1].append(i)
                     break
         return [g for g in groups.values() if len(g[1]) > 1]
 
@@ -456,28 +462,28 @@ class RadixCache:
         """Protect every entry on the handle's path from eviction."""
         node = handle.node
         while node.parent is not None:
-            node.entries[handle.cache_id].lock_ref += 1
+            node.entries[handle.generation_id].lock_ref += 1
             node = node.parent
-        self._locks[(handle.node, handle.cache_id)] += 1
+        self._locks[(handle.node, handle.generation_id)] += 1
 
     def unlock(self, handle: CacheHandle) -> None:
-        """Release a ``lock``; entries of an invalidated model are freed at once."""
-        key = (handle.node, handle.cache_id)
+        """Release a ``lock``; entries of an orphaned generation are freed at once."""
+        key = (handle.node, handle.generation_id)
         if self._locks[key] <= 0:
             raise ValueError("unlock of a handle that is not locked")
         self._locks[key] -= 1
         if not self._locks[key]:
             del self._locks[key]
-        cid = handle.cache_id
+        gid = handle.generation_id
         node = handle.node
         while node.parent is not None:
-            entry = node.entries[cid]
+            entry = node.entries[gid]
             entry.lock_ref -= 1
             if not entry.lock_ref and not entry.child_refs:
-                self._offer(node, cid, entry)
+                self._offer(node, gid, entry)
             node = node.parent
-        if self._caches[cid].orphaned:
-            self._drop_all([cid], "invalidation")
+        if self._generations[gid].orphaned:
+            self._drop_all([gid], "invalidation")
 
     # ---- insert --------------------------------------------------------------
     def insert(
@@ -505,8 +511,8 @@ class RadixCache:
         if len(slots) != n:
             raise ValueError(f"{n} tokens but {len(slots)} slots")
         owned = prefix.length if prefix is not None else 0
-        cid = prefix.cache_id if prefix is not None else self._model_cache[model]
-        if self._caches[cid].orphaned:
+        gid = prefix.generation_id if prefix is not None else self._model_generation[model]
+        if self._generations[gid].orphaned:
             # The model was invalidated while this request ran: its KV is stale.
             self.allocator.free(spec.pool, slots[owned:])
             return n
@@ -528,9 +534,9 @@ class RadixCache:
                 if common < child.num_tokens:
                     child = self._split(child, common)
             klen = child.num_tokens
-            entry = child.entries.get(cid)
+            entry = child.entries.get(gid)
             if entry is None:
-                self._add_entry(child, cid, slots[pos : pos + klen].copy(), now)
+                self._add_entry(child, gid, slots[pos : pos + klen].copy(), now)
             else:
                 entry.last_access = now
                 dup = slots[max(pos, owned) : pos + klen]
@@ -541,43 +547,43 @@ class RadixCache:
             pos += klen
         return cached
 
-    def _add_entry(self, node: Node, cid: int, slots: np.ndarray, now: float) -> None:
-        entry = node.entries[cid] = _Entry(slots, now)
+    def _add_entry(self, node: Node, gid: int, slots: np.ndarray, now: float) -> None:
+        entry = node.entries[gid] = _Entry(slots, now)
         self._entries += 1
-        self._offer(node, cid, entry)
-        cache = self._caches[cid]
-        cache.cached_tokens += len(slots)
-        cache.leaves.add(node)
+        self._offer(node, gid, entry)
+        gen = self._generations[gid]
+        gen.cached_tokens += len(slots)
+        gen.leaves.add(node)
         parent = node.parent
         if parent is not None and parent.parent is not None:
-            up = parent.entries[cid]
+            up = parent.entries[gid]
             up.child_refs += 1
-            cache.leaves.discard(parent)
+            gen.leaves.discard(parent)
 
-    def _remove_entry(self, node: Node, cid: int, reason: str) -> int:
-        entry = node.entries[cid]
+    def _remove_entry(self, node: Node, gid: int, reason: str) -> int:
+        entry = node.entries[gid]
         assert entry.lock_ref == 0 and entry.child_refs == 0
-        cache = self._caches[cid]
-        if self.on_evict is not None and reason == "capacity" and not cache.orphaned:
-            tokens, slots = self.path(node, cid)
-            self.on_evict(cache.pool, tokens, slots, len(slots) - len(entry.slots))
-        del node.entries[cid]
-        self.allocator.free(cache.pool, entry.slots)
-        cache.cached_tokens -= len(entry.slots)
-        cache.leaves.discard(node)
+        gen = self._generations[gid]
+        if self.on_evict is not None and reason == "capacity" and not gen.orphaned:
+            tokens, slots = self.path(node, gid)
+            self.on_evict(gen.pool, tokens, slots, len(slots) - len(entry.slots))
+        del node.entries[gid]
+        self.allocator.free(gen.pool, entry.slots)
+        gen.cached_tokens -= len(entry.slots)
+        gen.leaves.discard(node)
         self._evicted[reason] += len(entry.slots)
         self._entries -= 1
-        for name in cache.models or cache.owners:
+        for name in gen.models or gen.owners:
             self._evicted_by_model[name][reason] += len(entry.slots)
         parent = node.parent
         assert parent is not None
         if parent.parent is not None:
-            up = parent.entries[cid]
+            up = parent.entries[gid]
             up.child_refs -= 1
             if up.child_refs == 0:
-                cache.leaves.add(parent)
+                gen.leaves.add(parent)
                 if not up.lock_ref:
-                    self._offer(parent, cid, up)
+                    self._offer(parent, gid, up)
         if not node.entries:
             assert not node.children
             del parent.children[node.key[: self._page_bytes]]
@@ -586,23 +592,23 @@ class RadixCache:
         return len(entry.slots)
 
     # ---- eviction ------------------------------------------------------------
-    def _key(self, cid: int, entry: _Entry) -> tuple[float, ...]:
-        cache = self._caches[cid]
-        return self._policy_key(cache.orphaned, entry.last_access, entry.hits, cache.weight)
+    def _key(self, gid: int, entry: _Entry) -> tuple[float, ...]:
+        gen = self._generations[gid]
+        return self._policy_key(gen.orphaned, entry.last_access, entry.hits, gen.weight)
 
-    def _offer(self, node: Node, cid: int, entry: _Entry) -> None:
+    def _offer(self, node: Node, gid: int, entry: _Entry) -> None:
         """Make a new unlocked leaf entry an eviction candidate (in its pool's heap)."""
-        heap = self._heaps.setdefault(self._caches[cid].pool, [])
-        heapq.heappush(heap, (self._key(cid, entry), next(self._seq), node, cid, entry))
+        heap = self._heaps.setdefault(self._generations[gid].pool, [])
+        heapq.heappush(heap, (self._key(gid, entry), next(self._seq), node, gid, entry))
 
     def _compact_heap(self, pool: str) -> None:
         """Rebuild a pool's candidate heap when stale items outnumber live ones."""
         heap = [
-            (self._key(cid, node.entries[cid]), next(self._seq), node, cid, node.entries[cid])
-            for cid, cache in self._caches.items()
-            if cache.pool == pool
-            for node in cache.leaves
-            if not node.entries[cid].lock_ref
+            (self._key(gid, node.entries[gid]), next(self._seq), node, gid, node.entries[gid])
+            for gid, gen in self._generations.items()
+            if gen.pool == pool
+            for node in gen.leaves
+            if not node.entries[gid].lock_ref
         ]
         heapq.heapify(heap)
         self._heaps[pool] = heap
@@ -612,26 +618,26 @@ class RadixCache:
         heap = self._heaps.get(pool)
         if not heap:
             return None
-        live = sum(len(c.leaves) for c in self._caches.values() if c.pool == pool)
+        live = sum(len(g.leaves) for g in self._generations.values() if g.pool == pool)
         if len(heap) > 2 * live + 64:
             self._compact_heap(pool)
             heap = self._heaps[pool]
         while heap:
-            key, _, node, cid, entry = heap[0]
-            if node.entries.get(cid) is not entry or entry.lock_ref or entry.child_refs:
+            key, _, node, gid, entry = heap[0]
+            if node.entries.get(gid) is not entry or entry.lock_ref or entry.child_refs:
                 heapq.heappop(heap)
                 continue
-            current = self._key(cid, entry)
+            current = self._key(gid, entry)
             if current != key:  # touched since it was pushed
-                heapq.heapreplace(heap, (current, next(self._seq), node, cid, entry))
+                heapq.heapreplace(heap, (current, next(self._seq), node, gid, entry))
                 continue
             return heap[0]
         return None
 
     def _evict_head(self, candidate: _Candidate) -> int:
-        _, _, node, cid, _ = candidate
-        heapq.heappop(self._heaps[self._caches[cid].pool])
-        return self._remove_entry(node, cid, "capacity")
+        _, _, node, gid, _ = candidate
+        heapq.heappop(self._heaps[self._generations[gid].pool])
+        return self._remove_entry(node, gid, "capacity")
 
     def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
         """Free unlocked leaf entries across all models, lowest policy key
@@ -647,7 +653,7 @@ class RadixCache:
             best = min(heads, key=lambda h: (h[0], h[1]))
             freed = self._evict_head(best)
             tokens += freed
-            nbytes += freed * self._caches[best[3]].bytes_per_token
+            nbytes += freed * self._generations[best[3]].bytes_per_token
         return tokens
 
     def evict_for(self, model: str, num_tokens: int) -> bool:
@@ -659,7 +665,7 @@ class RadixCache:
         while the pool may still take blocks, whole blocks of other pools that
         hold nothing but unlocked cache entries, fewest used slots first. A
         slot freed in another pool's block is of no use until the whole block
-        is empty, so another model's cache is never wiped for nothing.
+        is empty, so another model's cached KV is never wiped for nothing.
         """
         pool = self.pool_of(model)
         blocks: list[_BlockOption] | None = None  # built on first need
@@ -693,8 +699,8 @@ class RadixCache:
         keys: dict[int, tuple[float, ...]] = {}
         for root in self._roots.values():
             for node in _walk(root):
-                for cid, entry in node.entries.items():
-                    other = self._caches[cid].pool
+                for gid, entry in node.entries.items():
+                    other = self._generations[gid].pool
                     if other == pool:
                         continue
                     ids, counts = np.unique(alloc.block_of(other, entry.slots), return_counts=True)
@@ -702,8 +708,8 @@ class RadixCache:
                         tally[block] += count
                         if entry.lock_ref:
                             locked.add(block)
-                        entries.setdefault(block, []).append((node, cid))
-                        key = self._key(cid, entry)
+                        entries.setdefault(block, []).append((node, gid))
+                        key = self._key(gid, entry)
                         keys[block] = max(keys.get(block, key), key)
         options = [
             _BlockOption(block, alloc.block_pool(block), used, keys[block], entries[block])
@@ -716,55 +722,56 @@ class RadixCache:
     def _empty_block(self, option: _BlockOption) -> int:
         """Drop every entry with slots in the block (with what hangs below it)."""
         freed = 0
-        for node, cid in option.entries:
-            if node.entries.get(cid) is not None:  # not gone with an earlier subtree
-                freed += self._drop_all([cid], "capacity", under=node)
+        for node, gid in option.entries:
+            if node.entries.get(gid) is not None:  # not gone with an earlier subtree
+                freed += self._drop_all([gid], "capacity", under=node)
         return freed
 
-    def _drop_all(self, cids: Iterable[int], reason: str, under: Node | None = None) -> int:
-        """Free every unlocked entry of ``cids`` (in ``under``'s subtree if given),
+    def _drop_all(self, gids: Iterable[int], reason: str, under: Node | None = None) -> int:
+        """Free every unlocked entry of ``gids`` (in ``under``'s subtree if given),
         leaves first. Order does not matter: everything eligible goes."""
         stack = [
-            (node, cid)
-            for cid in cids
-            for node in self._caches[cid].leaves
+            (node, gid)
+            for gid in gids
+            for node in self._generations[gid].leaves
             if under is None or _is_under(node, under)
         ]
         freed = 0
         while stack:
-            node, cid = stack.pop()
-            entry = node.entries[cid]
+            node, gid = stack.pop()
+            entry = node.entries[gid]
             if entry.lock_ref or entry.child_refs:
                 continue
             parent = node.parent
-            freed += self._remove_entry(node, cid, reason)
+            freed += self._remove_entry(node, gid, reason)
             if (
                 parent is not None
                 and parent.parent is not None
-                and cid in parent.entries
+                and gid in parent.entries
                 and (under is None or _is_under(parent, under))
             ):
-                stack.append((parent, cid))
+                stack.append((parent, gid))
         return freed
 
     # ---- invalidation ----------------------------------------------------------
     def invalidate(self, model: str) -> int:
-        """Drop every cached entry of ``model`` (e.g. new weights); other models,
-        replicas included, keep theirs. Entries locked by running requests are
-        unmatchable from now on and freed when their last lock goes. Returns
-        tokens freed now."""
+        """Move ``model`` to a new, empty generation (e.g. new weights); other
+        models, replicas included, keep theirs. The old generation's entries,
+        once no model uses it, are freed now, or, when locked by running
+        requests, unmatchable from now on and freed when their last lock goes.
+        Returns tokens freed now."""
         spec = self.model(model)
-        old = self._model_cache[model]
-        cache = self._caches[old]
-        cache.models.discard(model)
-        new = self._new_cache(spec.pool, cache.bytes_per_token)
-        self._caches[new].attach(model)
-        self._model_cache[model] = new
-        if self._pool_cache[spec.pool] == old and cache.orphaned:
-            self._pool_cache[spec.pool] = new
+        old = self._model_generation[model]
+        gen = self._generations[old]
+        gen.models.discard(model)
+        new = self._new_generation(spec.pool, gen.bytes_per_token)
+        self._generations[new].attach(model)
+        self._model_generation[model] = new
+        if self._pool_generation[spec.pool] == old and gen.orphaned:
+            self._pool_generation[spec.pool] = new
         self._reweigh(old)
         self._reweigh(new)
-        return self._drop_all([old], "invalidation") if cache.orphaned else 0
+        return self._drop_all([old], "invalidation") if gen.orphaned else 0
 
     def invalidate_prefix(self, group: str, tokens: Tokens) -> int:
         """Drop every unlocked entry (all models of ``group``) holding KV of
@@ -796,8 +803,8 @@ class RadixCache:
         return sum(self._drop_subtree(c) for c in hit)
 
     def _drop_subtree(self, top: Node, reason: str = "invalidation") -> int:
-        cids = {cid for n in _walk(top) for cid in n.entries}
-        return self._drop_all(cids, reason, under=top)
+        gids = {gid for n in _walk(top) for gid in n.entries}
+        return self._drop_all(gids, reason, under=top)
 
     def flush(self, reason: str = "flush", group: str | None = None) -> int:
         """Drop every unlocked entry (of one group, or all). Returns tokens freed."""
@@ -806,7 +813,7 @@ class RadixCache:
 
     # ---- statistics ------------------------------------------------------------
     def cached_tokens(self, model: str) -> int:
-        return self._caches[self._model_cache[model]].cached_tokens
+        return self._generations[self._model_generation[model]].cached_tokens
 
     @property
     def num_nodes(self) -> int:
@@ -823,7 +830,8 @@ class RadixCache:
             per_model=per_model,
             cached_tokens=cached,
             cached_bytes={
-                m: t * self._caches[self._model_cache[m]].bytes_per_token for m, t in cached.items()
+                m: t * self._generations[self._model_generation[m]].bytes_per_token
+                for m, t in cached.items()
             },
             nodes=self._nodes,
             evicted_tokens={r: self._evicted[r] for r in EVICTION_REASONS},
@@ -838,8 +846,8 @@ class RadixCache:
 
     @property
     def tree_tokens(self) -> int:
-        """KV tokens the tree holds, summed over caches (a shared cache counts once)."""
-        return sum(c.cached_tokens for c in self._caches.values())
+        """KV tokens the tree holds, summed over generations (a shared one counts once)."""
+        return sum(g.cached_tokens for g in self._generations.values())
 
     def index_bytes(self) -> int:
         """About what ``python_bytes`` measures, in O(1) instead of a walk of
@@ -860,10 +868,11 @@ class RadixCache:
         """Lock references currently held on the tree (0 on an idle server)."""
         return sum(self._locks.values())
 
-    def cache_id(self, model: str) -> int:
-        """The cache ``model`` reads and writes now (changes on ``invalidate``)."""
+    def generation_of(self, model: str) -> int:
+        """The id of the generation ``model`` reads and writes now (a new one
+        after ``invalidate``; models of one pool share it)."""
         self.model(model)
-        return self._model_cache[model]
+        return self._model_generation[model]
 
 
 def _walk(root: Node) -> Iterable[Node]:

@@ -23,12 +23,12 @@ from radixmux.memory.radix_cache import CacheHandle, Node, RadixCache, _walk
 
 @dataclass(frozen=True)
 class PrefixHolder:
-    """One cache's KV under a shared prefix (``top_prefixes``)."""
+    """One generation's KV under a shared prefix (``top_prefixes``)."""
 
-    models: tuple[str, ...]  # the models of the cache (replicas, aliases share one)
+    models: tuple[str, ...]  # the models of the generation (replicas, aliases share one)
     hits: int  # lookups of these models that matched through the prefix
     locks: int  # running requests holding it
-    subtree_tokens: int  # KV tokens the cache holds for the prefix and what extends it
+    subtree_tokens: int  # KV tokens the generation holds for the prefix and what extends it
     bytes_per_token: int
 
 
@@ -58,18 +58,18 @@ class TreeTop:
 def top_prefixes(cache: RadixCache, k: int = 16, max_visits: int = 20_000) -> TreeTop:
     """The ``k`` most shared cached prefixes, most hits first.
 
-    A node's hits (summed over live caches) never exceed its parent's:
+    A node's hits (summed over live generations) never exceed its parent's:
     every recorded match counts on its whole path. So a best-first walk
     from the roots meets prefixes in falling hit order and stops at the
     ``k``-th, visiting O(k x branching) nodes instead of the tree. A node
     is reported only where sharing changes: it branches, a path ends, or
-    its one child has fewer hits or caches (else the longer child says
+    its one child has fewer hits or generations (else the longer child says
     the same). ``max_visits`` bounds the work, subtree sums included.
     """
-    live = {cid for cid, c in cache._caches.items() if not c.orphaned}
+    live = {gid for gid, g in cache._generations.items() if not g.orphaned}
 
     def shared(node: Node) -> tuple[int, int]:
-        entries = [e for cid, e in node.entries.items() if cid in live]
+        entries = [e for gid, e in node.entries.items() if gid in live]
         return sum(e.hits for e in entries), len(entries)
 
     seq = itertools.count()
@@ -81,8 +81,8 @@ def top_prefixes(cache: RadixCache, k: int = 16, max_visits: int = 20_000) -> Tr
         found = []
         for child in node.children.values():
             visits += 1
-            hits, caches = shared(child)
-            found.append((hits, caches))
+            hits, generations = shared(child)
+            found.append((hits, generations))
             if hits:
                 heapq.heappush(heap, (-hits, next(seq), child, group))
         return found
@@ -99,29 +99,29 @@ def top_prefixes(cache: RadixCache, k: int = 16, max_visits: int = 20_000) -> Tr
         visits += walked
         holders = [
             PrefixHolder(
-                tuple(sorted(cache._caches[cid].models)),
+                tuple(sorted(cache._generations[gid].models)),
                 entry.hits,
                 entry.lock_ref,
-                sums[cid],
-                cache._caches[cid].bytes_per_token,
+                sums[gid],
+                cache._generations[gid].bytes_per_token,
             )
-            for cid, entry in sorted(node.entries.items())
-            if cid in live
+            for gid, entry in sorted(node.entries.items())
+            if gid in live
         ]
         out.append(PrefixSummary(group, _tokens_to(node), len(node.children), holders))
     return TreeTop(out, visits < max_visits)
 
 
 def _subtree_tokens(top: Node, live: set[int], budget: int) -> tuple[Counter[int], int]:
-    """KV tokens per live cache at and below ``top``, walking at most
+    """KV tokens per live generation at and below ``top``, walking at most
     ``budget`` nodes; and how many it walked."""
     sums: Counter[int] = Counter()
     walked = 0
     for node in itertools.islice(_walk(top), max(0, budget)):
         walked += 1
-        for cid, entry in node.entries.items():
-            if cid in live:
-                sums[cid] += len(entry.slots)
+        for gid, entry in node.entries.items():
+            if gid in live:
+                sums[gid] += len(entry.slots)
     return sums, walked
 
 
@@ -147,7 +147,7 @@ def python_bytes(cache: RadixCache) -> int:
 
 
 def dump(cache: RadixCache) -> dict[int, dict[tuple[tuple[int, ...], int], int]]:
-    """Every cached token as ``{cache_id: {(page path, position): slot id}}``.
+    """Every cached token as ``{generation id: {(page path, position): slot id}}``.
 
     A token's key is the token path up to the end of its page and its
     position, so tokens of different pages never collide (tests, debugging).
@@ -159,8 +159,8 @@ def dump(cache: RadixCache) -> dict[int, dict[tuple[tuple[int, ...], int], int]]
         while stack:
             node, path = stack.pop()
             toks = tuple(np.frombuffer(node.key, dtype=np.int32).tolist())
-            for cid, entry in node.entries.items():
-                table = out.setdefault(cid, {})
+            for gid, entry in node.entries.items():
+                table = out.setdefault(gid, {})
                 for j, slot in enumerate(entry.slots.tolist()):
                     table[(path + toks[: (j // p + 1) * p], len(path) + j)] = slot
             stack.extend((c, path + toks) for c in node.children.values())
@@ -184,21 +184,21 @@ def check_invariants(
     cache.allocator.check()
     recorded = Counter({key: n for key, n in cache._locks.items() if n})
     if locks is not None:
-        claimed = Counter((h.node, h.cache_id) for h in locks)
+        claimed = Counter((h.node, h.generation_id) for h in locks)
         assert recorded == claimed, (
             f"{sum(recorded.values())} locks in the tree but live requests hold "
             f"{sum(claimed.values())} ({sum((recorded - claimed).values())} leaked, "
             f"{sum((claimed - recorded).values())} missing)"
         )
     expected_locks: Counter[tuple[int, int]] = Counter()
-    for (node, cid), count in recorded.items():
+    for (node, gid), count in recorded.items():
         n = node
         while n.parent is not None:
-            expected_locks[(id(n), cid)] += count
+            expected_locks[(id(n), gid)] += count
             n = n.parent
     tree_slots: dict[str, list[np.ndarray]] = {}
     tokens: Counter[int] = Counter()
-    leaves: dict[int, set[Node]] = {cid: set() for cid in cache._caches}
+    leaves: dict[int, set[Node]] = {gid: set() for gid in cache._generations}
     nodes = edge_bytes = entries = 0
     for root in cache._roots.values():
         assert not root.entries, "a root holds KV"
@@ -214,28 +214,28 @@ def check_invariants(
             ), "parent/child links broken"
             assert node.key and len(node.key) % cache._page_bytes == 0, "edge not whole pages"
             assert node.entries, "node with no entries left in the tree"
-            for cid, entry in node.entries.items():
+            for gid, entry in node.entries.items():
                 assert len(entry.slots) == node.num_tokens, "entry size != edge size"
                 if parent.parent is not None:
-                    assert cid in parent.entries, "cache not prefix-closed"
-                refs = sum(cid in c.entries for c in node.children.values())
+                    assert gid in parent.entries, "generation not prefix-closed"
+                refs = sum(gid in c.entries for c in node.children.values())
                 assert entry.child_refs == refs, "child_refs drifted"
                 if refs == 0:
-                    leaves[cid].add(node)
-                assert entry.lock_ref == expected_locks[(id(node), cid)], (
-                    f"lock count {entry.lock_ref} != live locks {expected_locks[(id(node), cid)]}"
+                    leaves[gid].add(node)
+                assert entry.lock_ref == expected_locks[(id(node), gid)], (
+                    f"lock count {entry.lock_ref} != live locks {expected_locks[(id(node), gid)]}"
                 )
                 assert entry.lock_ref >= 0
-                tree_slots.setdefault(cache._caches[cid].pool, []).append(entry.slots)
-                tokens[cid] += len(entry.slots)
+                tree_slots.setdefault(cache._generations[gid].pool, []).append(entry.slots)
+                tokens[gid] += len(entry.slots)
     assert nodes == cache._nodes, f"node count {cache._nodes} != {nodes}"
     assert (edge_bytes, entries) == (cache._edge_bytes, cache._entries), "index size drifted"
     offered = {id(item[4]) for heap in cache._heaps.values() for item in heap}
-    for cid, c in cache._caches.items():
-        assert c.cached_tokens == tokens[cid], "cached token count drifted"
-        assert c.leaves == leaves[cid], "leaf index drifted"
-        for node in c.leaves:
-            entry = node.entries[cid]
+    for gid, g in cache._generations.items():
+        assert g.cached_tokens == tokens[gid], "cached token count drifted"
+        assert g.leaves == leaves[gid], "leaf index drifted"
+        for node in g.leaves:
+            entry = node.entries[gid]
             assert entry.lock_ref or id(entry) in offered, "unlocked leaf not evictable"
     for pool in {s.pool for s in cache._models.values()}:
         in_tree = np.concatenate(tree_slots.get(pool, [np.zeros(0, np.int64)]))

@@ -85,7 +85,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     contained_failures: int = 0  # messages/results whose handling raised
     shared_prefix_rows: int = 0  # decode context rows read once for a group, not per member
     disk: DiskTierStats | None = None  # None: no disk tier
-    tree_tokens: int = 0  # KV tokens the tree holds, summed over caches
+    tree_tokens: int = 0  # KV tokens the tree holds, summed over generations
     tree_index_bytes: int = 0  # Python memory of the tree's index (estimate, O(1))
     pins: int = 0  # pinned prefixes (each holds one lock on the tree)
     pinned_bytes: int = 0  # KV bytes of pinned tokens, all models
@@ -118,7 +118,7 @@ class ArenaMap(msgspec.Struct, frozen=True):
 
 
 class PrefixHolderView(msgspec.Struct, frozen=True):
-    """One cache's KV under a shared prefix: its models, use and size."""
+    """One generation's KV under a shared prefix: its models, use and size."""
 
     models: list[str]
     hits: int  # lookups that matched through the prefix

@@ -111,7 +111,7 @@ class KVManager:
         return (
             self.use_cache
             and req.handle is not None
-            and req.handle.cache_id == self.cache.cache_id(req.model)
+            and req.handle.generation_id == self.cache.generation_of(req.model)
         )
 
     def cache_progress(self, req: Req) -> None:

@@ -14,37 +14,37 @@ from radixmux.memory.radix_diagnostics import check_invariants, dump, python_byt
 
 
 def test_evictions_by_reason_per_model() -> None:
-    cache = make_cache()  # a and a2 share one cache (same weights); b and c their own
+    cache = make_cache()  # a and a2 share one generation (same weights); b and c their own
     serve(cache, "a", [1, 2, 3, 4])
     serve(cache, "b", [1, 2, 3])
     serve(cache, "c", [9, 9])
     assert "unload" in EVICTION_REASONS
     # Invalidating b frees its 3 tokens: b's, and nobody else's.
     assert cache.invalidate("b") == 3
-    # Invalidating replica a2 frees nothing yet: a still uses the shared cache.
+    # Invalidating replica a2 frees nothing yet: a still uses the shared generation.
     assert cache.invalidate("a2") == 0
-    # A flush then frees a's 4 tokens (counted for a, whose cache it is now) and c's 2.
+    # A flush then frees a's 4 tokens (counted for a, whose generation it is now) and c's 2.
     assert cache.flush() == 4 + 2
     per = cache.stats().evicted_by_model
     assert per["b"] == {"capacity": 0, "invalidation": 3, "flush": 0, "unload": 0}
     assert per["a"]["flush"] == 4 and per["a2"]["flush"] == 0
     assert per["c"]["flush"] == 2
-    # The global counts are the per-cache sums.
+    # The global counts are the per-generation sums.
     assert cache.stats().evicted_tokens["flush"] == 6
     check_invariants(cache, held={})
 
 
-def test_an_orphaned_cache_counts_for_the_models_it_served() -> None:
+def test_an_orphaned_generation_counts_for_the_models_it_served() -> None:
     cache = make_cache()
     serve(cache, "a", [1, 2, 3, 4, 5])
-    cache.invalidate("a2")  # a2 leaves the shared cache first
+    cache.invalidate("a2")  # a2 leaves the shared generation first
     assert cache.invalidate("a") == 5  # now orphaned: freed under its last users
     per = cache.stats().evicted_by_model
-    # Both replicas-by-weight used that cache, so both count its invalidation.
+    # Both replicas-by-weight used that generation, so both count its invalidation.
     assert per["a"]["invalidation"] == 5 and per["a2"]["invalidation"] == 5
 
 
-def test_capacity_evictions_count_for_the_evicted_cache() -> None:
+def test_capacity_evictions_count_for_the_evicted_generation() -> None:
     cache = make_cache(num_blocks=1)  # one block: 64 TINY tokens
     serve(cache, "a", list(range(100, 140)))  # 40 tokens of a
     serve(cache, "a", list(range(200, 240)))  # needs 40: evicts the first path

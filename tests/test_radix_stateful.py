@@ -3,7 +3,7 @@
 Random interleavings of request start (match + lock + allocate), finish
 (insert + unlock), abort (free + unlock), evict, invalidate, invalidate_prefix
 and flush, across four models (two sharing weights) in two tokenizer groups.
-The reference is, per cache, a dict ``{token prefix: slot id}``. After every
+The reference is, per generation, a dict ``{token prefix: slot id}``. After every
 step the tree must equal the reference, every live request's matched prefix
 must still be cached with the same slots (nothing evicted while locked), and
 ``check_invariants`` must prove every slot is free, in the tree or held by a
@@ -58,7 +58,7 @@ class Req:
     tokens: list[int]
     slots: np.ndarray
     handle: CacheHandle
-    cid: int
+    generation_id: int  # the generation it matched in (orphaned once its model is invalidated)
 
     @property
     def owned(self) -> np.ndarray:
@@ -89,7 +89,7 @@ class RadixMachine(RuleBasedStateMachine):
         for spec in MODELS:
             self.cache.register_model(spec)
         for name in NAMES:
-            self.ref.setdefault(self.cache.cache_id(name), {})
+            self.ref.setdefault(self.cache.generation_of(name), {})
 
     # ---- reference helpers ------------------------------------------------
     def key(self, tokens: list[int], i: int) -> Key:
@@ -97,7 +97,7 @@ class RadixMachine(RuleBasedStateMachine):
         return (tuple(tokens[: (i // self.page + 1) * self.page]), i)
 
     def expected_match(self, model: str, tokens: list[int]) -> tuple[int, list[int]]:
-        table = self.ref[self.cache.cache_id(model)]
+        table = self.ref[self.cache.generation_of(model)]
         n = 0
         limit = len(tokens) - len(tokens) % self.page
         while n < limit and self.key(tokens, n) in table:
@@ -111,8 +111,8 @@ class RadixMachine(RuleBasedStateMachine):
         tree = dump(self.cache)
         gone: dict[int, set[Key]] = {}
         total = 0
-        for cid, table in self.ref.items():
-            now = tree.get(cid, {})
+        for gid, table in self.ref.items():
+            now = tree.get(gid, {})
             for prefix, slot in now.items():
                 assert table.get(prefix) == slot, "eviction changed or invented an entry"
             lost = set(table) - set(now)
@@ -121,9 +121,9 @@ class RadixMachine(RuleBasedStateMachine):
                     assert len(longer) <= len(prefix) or longer[: len(prefix)] != prefix, (
                         "evicted a head, kept its tail"
                     )
-            gone[cid] = lost
+            gone[gid] = lost
             total += len(lost)
-            self.ref[cid] = dict(now)
+            self.ref[gid] = dict(now)
         assert freed is None or total == freed, f"reported {freed} tokens freed, {total} gone"
         return gone
 
@@ -150,25 +150,29 @@ class RadixMachine(RuleBasedStateMachine):
             self._drop_orphans()
             return None
         req = Req(
-            model, tokens[:aligned], np.concatenate([m.slots, new]), m.handle, cache.cache_id(model)
+            model,
+            tokens[:aligned],
+            np.concatenate([m.slots, new]),
+            m.handle,
+            cache.generation_of(model),
         )
         self.live.append(req)
         return req
 
     def _drop_orphans(self) -> None:
-        """Orphaned caches lose their entries as soon as no lock holds them."""
-        current = {self.cache.cache_id(n) for n in NAMES}
-        for cid in set(self.ref) - current:
-            locked = self._locked_prefixes(cid)
-            self.ref[cid] = {p: s for p, s in self.ref[cid].items() if p in locked}
+        """Orphaned generations lose their entries as soon as no lock holds them."""
+        current = {self.cache.generation_of(n) for n in NAMES}
+        for gid in set(self.ref) - current:
+            locked = self._locked_prefixes(gid)
+            self.ref[gid] = {p: s for p, s in self.ref[gid].items() if p in locked}
 
     @rule(req=consumes(requests))
     def finish(self, req: Req | None) -> None:
         if req is None:
             return
         cache = self.cache
-        orphaned = req.cid not in {cache.cache_id(n) for n in NAMES}
-        table = self.ref[req.cid]
+        orphaned = req.generation_id not in {cache.generation_of(n) for n in NAMES}
+        table = self.ref[req.generation_id]
         already = 0
         while already < len(req.tokens) and self.key(req.tokens, already) in table:
             already += 1
@@ -203,10 +207,10 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(model=st.sampled_from(NAMES))
     def invalidate(self, model: str) -> None:
-        old = self.cache.cache_id(model)
-        sharers = [n for n in NAMES if n != model and self.cache.cache_id(n) == old]
+        old = self.cache.generation_of(model)
+        sharers = [n for n in NAMES if n != model and self.cache.generation_of(n) == old]
         freed = self.cache.invalidate(model)
-        new = self.cache.cache_id(model)
+        new = self.cache.generation_of(model)
         assert new != old and new not in self.ref
         self.ref[new] = {}
         gone = self.reconcile_removal(freed)
@@ -232,13 +236,16 @@ class RadixMachine(RuleBasedStateMachine):
         self.reconcile_removal(self.cache.flush())
         assert sum(len(t) for t in self.ref.values()) == self._locked_tokens()
 
-    def _locked_prefixes(self, cid: int) -> set[Key]:
+    def _locked_prefixes(self, gid: int) -> set[Key]:
         return {
-            self.key(r.tokens, i) for r in self.live if r.cid == cid for i in range(r.handle.length)
+            self.key(r.tokens, i)
+            for r in self.live
+            if r.generation_id == gid
+            for i in range(r.handle.length)
         }
 
     def _locked_tokens(self) -> int:
-        return sum(len(self._locked_prefixes(cid)) for cid in self.ref)
+        return sum(len(self._locked_prefixes(gid)) for gid in self.ref)
 
     # ---- invariants -------------------------------------------------------------
     @invariant()
@@ -247,11 +254,11 @@ class RadixMachine(RuleBasedStateMachine):
             return
         STEPS[0] += 1
         tree = dump(self.cache)
-        for cid, table in self.ref.items():
-            assert tree.get(cid, {}) == table, f"cache {cid} differs from the reference"
+        for gid, table in self.ref.items():
+            assert tree.get(gid, {}) == table, f"generation {gid} differs from the reference"
         assert set(tree) <= set(self.ref)
         for r in self.live:
-            table = tree.get(r.cid, {})
+            table = tree.get(r.generation_id, {})
             for i in range(r.handle.length):
                 assert table.get(self.key(r.tokens, i)) == int(r.slots[i]), (
                     "a locked prefix was evicted"
