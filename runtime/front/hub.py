@@ -32,7 +32,7 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-class Generation:
+class InFlight:
     """One request in flight: its output queue, usage and latency bookkeeping.
 
     Iterate it for ``TextOutput`` deltas; iteration ends after the finishing
@@ -55,7 +55,7 @@ class Generation:
         # that fails the request cancels it if the client stopped reading.
         self.writer: asyncio.Task[Any] | None = None
 
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> InFlight:
         return self
 
     async def __anext__(self) -> protocol.TextOutput:
@@ -155,7 +155,7 @@ class RequestHub:
         self.inbox = socket(actx, zmq.PULL, endpoints.front, bind=True)
         self.scheduler = socket(actx, zmq.PUSH, endpoints.scheduler, bind=False)
         self.launcher = socket(actx, zmq.PUSH, endpoints.launcher, bind=False)
-        self.live: dict[str, Generation] = {}
+        self.live: dict[str, InFlight] = {}
         # Replies awaited by req_id: the scheduler's ControlReply, a tokenizer
         # worker's TokenizerReply.
         self.replies: dict[str, asyncio.Future[Any]] = {}
@@ -203,12 +203,10 @@ class RequestHub:
         gen.queue.put_nowait(item)
 
     @contextlib.asynccontextmanager
-    async def generate(
-        self, req: protocol.GenerateRequest, source: str
-    ) -> AsyncIterator[Generation]:
-        """Submit ``req`` and yield its :class:`Generation`; leaving early aborts it."""
+    async def generate(self, req: protocol.GenerateRequest, source: str) -> AsyncIterator[InFlight]:
+        """Submit ``req`` and yield its :class:`InFlight`; leaving early aborts it."""
         self._check_ready()
-        gen = Generation(self, req)
+        gen = InFlight(self, req)
         self.live[req.rid] = gen
         log.info(
             "rid=%s accepted model=%s via=%s stream=%s max_new_tokens=%d",

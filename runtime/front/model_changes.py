@@ -38,7 +38,7 @@ from radixmux.runtime.client.messages import (
     model_card,
 )
 from radixmux.runtime.front.api.common import served_model
-from radixmux.runtime.front.hub import Generation, RequestHub, new_rid
+from radixmux.runtime.front.hub import InFlight, RequestHub, new_rid
 
 log = logging.getLogger("radixmux.front")
 
@@ -174,7 +174,7 @@ class ModelManager:
             await self._drained(model, ABORT_GRACE_S)
         return len(live)
 
-    def _live(self, model: protocol.ServedModel) -> list[Generation]:
+    def _live(self, model: protocol.ServedModel) -> list[InFlight]:
         return [g for g in self.hub.live.values() if g.model == model.instance]
 
     async def _drained(self, model: protocol.ServedModel, timeout: float) -> bool:

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from radixmux import protocol
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.front.api.common import error_response, json_response
-from radixmux.runtime.front.hub import Generation, RequestHub
+from radixmux.runtime.front.hub import InFlight, RequestHub
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -40,12 +40,12 @@ class Formatter(Protocol):
     """
 
     def chunks(
-        self, out: protocol.TextOutput, gen: Generation, index: int
+        self, out: protocol.TextOutput, gen: InFlight, index: int
     ) -> list[msgspec.Struct]: ...
 
-    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]: ...
+    def tail(self, gens: list[InFlight]) -> list[msgspec.Struct]: ...
 
-    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]) -> Any: ...
+    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[InFlight]) -> Any: ...
 
 
 def sse(obj: Any) -> bytes:
@@ -72,7 +72,7 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
         gone.cancel()
 
 
-async def _collect(gen: Generation, first: protocol.TextOutput) -> list[protocol.TextOutput]:
+async def _collect(gen: InFlight, first: protocol.TextOutput) -> list[protocol.TextOutput]:
     return [first, *[out async for out in gen]]
 
 
@@ -125,7 +125,7 @@ async def serve_generation(
 
 
 async def _interleaved(
-    gens: list[Generation], firsts: list[protocol.TextOutput]
+    gens: list[InFlight], firsts: list[protocol.TextOutput]
 ) -> AsyncIterator[tuple[int, protocol.TextOutput]]:
     """Every choice's outputs, each as soon as it arrives; a failing choice raises."""
     for i, first in enumerate(firsts):
@@ -136,7 +136,7 @@ async def _interleaved(
         return
     queue: asyncio.Queue[tuple[int, protocol.TextOutput | APIError | None]] = asyncio.Queue()
 
-    async def pump(i: int, gen: Generation) -> None:
+    async def pump(i: int, gen: InFlight) -> None:
         try:
             async for out in gen:
                 queue.put_nowait((i, out))
@@ -161,7 +161,7 @@ async def _interleaved(
 
 
 async def _events(
-    gens: list[Generation], firsts: list[protocol.TextOutput], fmt: Formatter
+    gens: list[InFlight], firsts: list[protocol.TextOutput], fmt: Formatter
 ) -> AsyncIterator[bytes]:
     for gen in gens:  # this runs in the stream's writer task (EventStream's pump)
         gen.writer = asyncio.current_task()

@@ -34,7 +34,7 @@ from radixmux.runtime.front.api.common import (
     resolve_model,
     stop_list,
 )
-from radixmux.runtime.front.hub import Generation, new_rid
+from radixmux.runtime.front.hub import InFlight, new_rid
 from radixmux.runtime.front.state import Front
 
 log = logging.getLogger("radixmux.front")
@@ -153,14 +153,14 @@ class ClientServer:
         )
 
 
-def _as_client(out: protocol.TextOutput, rid: str, gen: Generation) -> protocol.TextOutput:
+def _as_client(out: protocol.TextOutput, rid: str, gen: InFlight) -> protocol.TextOutput:
     """``out`` under the client's rid, with the front's view of how it finished."""
     return msgspec.structs.replace(
         out, rid=rid, finish_reason=gen.finish_reason if gen.done else None
     )
 
 
-def _merged(outs: list[protocol.TextOutput], rid: str, gen: Generation) -> protocol.TextOutput:
+def _merged(outs: list[protocol.TextOutput], rid: str, gen: InFlight) -> protocol.TextOutput:
     last = outs[-1]
     lps = [lp for o in outs for lp in o.logprobs or []]
     return protocol.TextOutput(

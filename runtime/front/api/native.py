@@ -33,7 +33,7 @@ from radixmux.runtime.front.api.common import (
     resolve_model,
     stop_list,
 )
-from radixmux.runtime.front.hub import Generation, new_rid
+from radixmux.runtime.front.hub import InFlight, new_rid
 from radixmux.runtime.front.openapi import Endpoint, Handler
 from radixmux.runtime.front.state import Front
 from radixmux.runtime.front.stream import serve_generation
@@ -291,7 +291,7 @@ class NativeFormat:
 
     def _response(
         self,
-        gen: Generation,
+        gen: InFlight,
         index: int,
         text: str,
         ids: list[int],
@@ -321,7 +321,7 @@ class NativeFormat:
             out.index = index
         return out
 
-    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: InFlight, index: int) -> list[msgspec.Struct]:
         item = self.streamed.setdefault(index, _Streamed())
         if out.token_ids:
             item.last_id = out.token_ids[-1]
@@ -336,10 +336,10 @@ class NativeFormat:
         lps = out.logprobs or []
         return [self._response(gen, index, text, ids, item.last_id, lps, out.prompt_logprobs)]
 
-    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+    def tail(self, gens: list[InFlight]) -> list[msgspec.Struct]:
         return []
 
-    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]) -> Any:
+    def full(self, outputs: list[list[protocol.TextOutput]], gens: list[InFlight]) -> Any:
         answers = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
             ids = [t for o in outs for t in o.token_ids]

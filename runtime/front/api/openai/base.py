@@ -29,7 +29,7 @@ from radixmux.runtime.front.api.common import (
     logit_bias,
     stop_list,
 )
-from radixmux.runtime.front.hub import Generation
+from radixmux.runtime.front.hub import InFlight
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -156,11 +156,11 @@ def usage(lasts: list[protocol.TextOutput | None], n: int = 1) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
-def usage_of(gens: list[Generation], n: int = 1) -> Usage:
+def usage_of(gens: list[InFlight], n: int = 1) -> Usage:
     return usage([g.last for g in gens], n)
 
 
-def finish_reason(gen: Generation) -> str | None:
+def finish_reason(gen: InFlight) -> str | None:
     return gen.finish_reason if gen.done else None
 
 

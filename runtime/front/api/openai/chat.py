@@ -33,7 +33,7 @@ from radixmux.runtime.front.api.openai.base import (
     top_alternatives,
     usage_of,
 )
-from radixmux.runtime.front.hub import Generation
+from radixmux.runtime.front.hub import InFlight
 
 # Chat has no documented default; a bounded one, because the tokenizer worker
 # rejects prompt + max_tokens beyond the context.
@@ -260,7 +260,7 @@ class ChatFormat:
         choices = [ChatChunkChoice(index, delta, lps, reason)]
         return ChatChunk(self.id, self.created, self.model, choices)
 
-    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: InFlight, index: int) -> list[msgspec.Struct]:
         found: list[msgspec.Struct] = []
         if index not in self.started:
             # OpenAI's first chunk of a choice announces the role with empty content.
@@ -273,13 +273,13 @@ class ChatFormat:
             found.append(self._chunk(index, ChatDelta(), reason=finish_reason(gen)))
         return found
 
-    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+    def tail(self, gens: list[InFlight]) -> list[msgspec.Struct]:
         if not self.include_usage:
             return []
         return [ChatChunk(self.id, self.created, self.model, [], usage_of(gens))]
 
     def full(
-        self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]
+        self, outputs: list[list[protocol.TextOutput]], gens: list[InFlight]
     ) -> msgspec.Struct:
         choices = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):

@@ -33,7 +33,7 @@ from radixmux.runtime.front.api.openai.base import (
     top_alternatives,
     usage_of,
 )
-from radixmux.runtime.front.hub import Generation
+from radixmux.runtime.front.hub import InFlight
 
 # OpenAI's documented default for /v1/completions.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -193,7 +193,7 @@ class CompletionFormat:
         """Prompt ``prompt``'s text when echoing it, else nothing."""
         return self.echo[prompt] if self.echo else ""
 
-    def chunks(self, out: protocol.TextOutput, gen: Generation, index: int) -> list[msgspec.Struct]:
+    def chunks(self, out: protocol.TextOutput, gen: InFlight, index: int) -> list[msgspec.Struct]:
         reason = finish_reason(gen)
         text = out.text
         if self.echo and index not in self.echoed:
@@ -206,11 +206,11 @@ class CompletionFormat:
         self.offsets[index] = offset + len(text)
         return [self._response([CompletionChoice(index, text, lps, reason)])]
 
-    def tail(self, gens: list[Generation]) -> list[msgspec.Struct]:
+    def tail(self, gens: list[InFlight]) -> list[msgspec.Struct]:
         return [self._response([], usage_of(gens, self.n))] if self.include_usage else []
 
     def full(
-        self, outputs: list[list[protocol.TextOutput]], gens: list[Generation]
+        self, outputs: list[list[protocol.TextOutput]], gens: list[InFlight]
     ) -> msgspec.Struct:
         picked = self._best(outputs)
         choices = [
