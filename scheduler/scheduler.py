@@ -28,9 +28,11 @@ import zmq
 
 from radixmux import protocol
 from radixmux.common.cpu import cpu_cores
+from radixmux.common.kv_events_config import parse_kv_events_config
 from radixmux.common.process import ProcessContext, report, run_process
 from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.tree_events import TreeEventLog
 from radixmux.scheduler import (
     bootstrap,
     control,
@@ -46,6 +48,7 @@ from radixmux.scheduler.batch_builder import ScheduledBatch
 from radixmux.scheduler.bootstrap import SchedulerSockets, Startup
 from radixmux.scheduler.control import READ_ONLY_OPS, InvariantWalk
 from radixmux.scheduler.disk_holds import HeldBatch
+from radixmux.scheduler.kv_events import KVEventPublisher
 from radixmux.scheduler.models import ModelState, PendingModel, StartupError
 from radixmux.scheduler.outbox import Outbox
 from radixmux.scheduler.request import Req
@@ -98,6 +101,12 @@ class Scheduler:
         self.warmups = Warmups(pins)  # warm-ups in flight and pinned prefixes
         for arg in args.models:  # registered in the cache by ``bootstrap.build``
             instances.serve(self, arg, startup.roll, arg.name)
+        self.kv_events: KVEventPublisher | None = None
+        if args.kv_events_config is not None:
+            config = parse_kv_events_config(args.kv_events_config)
+            if config.enabled:
+                self.kv_events = KVEventPublisher(config, self.cache.page_size)
+                self.cache.events = TreeEventLog()
 
     # ---- the loop --------------------------------------------------------------------
     def run(self, sockets: SchedulerSockets) -> None:
@@ -130,6 +139,9 @@ class Scheduler:
             self.after_events()
         if self.disk is not None:
             self.disk.close(flush=True)
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.close()
         for runner in self.runners.values():
             if runner.up:
                 self.outbox.to_runner(runner.runner_id, protocol.Shutdown())
@@ -143,6 +155,15 @@ class Scheduler:
             instances.finish_removals(self)
         if not self.stopping:
             self.dispatch()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Hand what the tree stored and dropped this round to the KV event publisher."""
+        assert self.kv_events is not None and self.cache.events is not None
+        events = self.cache.events.drain()
+        if events:
+            self.kv_events.submit(events, {n: m.served.name for n, m in self.models.items()})
 
     @contextlib.contextmanager
     def _contained(self, what: str, rids: list[str]) -> Iterator[None]:

@@ -1,0 +1,306 @@
+"""KV events in vLLM's format: what the radix cache stores and evicts, per model.
+
+Wire format, matched field for field to vLLM 0.32.0 and 0.33.0
+(``vllm/distributed/kv_events.py``; docs/kv-events.md has the details and the
+differences from older releases): a ZMQ PUB socket sends each batch as the
+multipart ``(topic, 8-byte big-endian sequence number, msgpack EventBatch)``;
+an optional ROUTER socket replays buffered batches from a sequence number a
+client sends, then an end marker.
+
+Several models share one stream. Each is published the way vLLM publishes a
+LoRA adapter on one engine: ``lora_name`` is the served model name and the
+name is the block's extra hash key, so equal tokens of two models have
+different block hashes and a ``BlockRemoved`` names its model through them.
+
+The loop only hands the tree's ``TreeEvent`` log to a bounded queue
+(``publish_tree_events``, after each round of events); hashing, encoding and
+sending happen on a thread of their own, so a slow subscriber never stalls
+the loop (a full queue drops the batch and counts it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from radixmux.common.kv_events_config import KVEventsConfig
+from radixmux.memory.tree_events import TreeEvent
+
+log = logging.getLogger("radixmux.scheduler.kv_events")
+
+# The arena is the tier vLLM calls "GPU" (its primary KV cache, whatever the device).
+MEDIUM_GPU = "GPU"
+# The seed of the first block's parent hash when PYTHONHASHSEED is unset (vLLM's
+# DEFAULT_NONE_HASH_SEED for its default, cryptographic hash).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+
+
+# ---- the wire format (vLLM 0.32 / 0.33 layout) --------------------------------------
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One batch: ``[ts, events]`` (``data_parallel_rank`` omitted while None)."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event: a msgpack map whose ``type`` key names its class."""
+
+
+class BlockStored(KVCacheEvent):
+    """Consecutive full pages of one model entered the cache."""
+
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Pages left the cache (their hashes name the model)."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Forget everything this publisher reported before."""
+
+
+# ---- block hashes ----------------------------------------------------------------------
+def _sha256(value: object) -> bytes:
+    """vLLM's default ``sha256``: SHA-256 of the highest-protocol pickle."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+class BlockHasher:
+    """vLLM's chained block hash: ``sha256((parent, block token ids, extra keys))``
+    with the first block's parent ``sha256(seed)`` (seed: PYTHONHASHSEED, else
+    vLLM's fixed default), published as the low 64 bits of the big-endian
+    digest (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default) or as
+    the 32 raw bytes when that variable is 0."""
+
+    CACHE_ENTRIES = 4096
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.none_hash = _sha256(os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED))
+        self.as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+        # (model, prefix length, prefix digest) -> the hash of the prefix's last page,
+        # so a store extending a path already hashed starts from there.
+        self._chain: OrderedDict[tuple[str, int, bytes], bytes] = OrderedDict()
+
+    def external(self, digest: bytes) -> int | bytes:
+        return int.from_bytes(digest, "big") & ((1 << 64) - 1) if self.as_int else digest
+
+    def hashes(self, model: str, tokens: bytes, start: int) -> tuple[bytes | None, list[bytes]]:
+        """The parent hash of page ``start`` (None at the root) and the hashes of
+        the pages from ``start`` to the end of ``tokens`` (packed int32)."""
+        ids = np.frombuffer(tokens, dtype=np.int32).tolist()
+        parent = self._cached(model, tokens, start) if start else None
+        # Unknown parent: hash the path from the root.
+        first = 0 if start and parent is None else start
+        prev = parent
+        out: list[bytes] = []
+        size = self.page_size
+        for pos in range(first, len(ids), size):
+            block = _sha256((prev or self.none_hash, tuple(ids[pos : pos + size]), (model,)))
+            if pos >= start:
+                out.append(block)
+            elif pos + size == start:
+                parent = block
+            prev = block
+        if out:
+            self._remember(model, tokens, len(ids), out[-1])
+        return parent, out
+
+    def _key(self, model: str, tokens: bytes, length: int) -> tuple[str, int, bytes]:
+        return model, length, hashlib.blake2b(tokens[: length * 4], digest_size=16).digest()
+
+    def _cached(self, model: str, tokens: bytes, length: int) -> bytes | None:
+        key = self._key(model, tokens, length)
+        found = self._chain.get(key)
+        if found is not None:
+            self._chain.move_to_end(key)
+        return found
+
+    def _remember(self, model: str, tokens: bytes, length: int, block: bytes) -> None:
+        self._chain[self._key(model, tokens, length)] = block
+        if len(self._chain) > self.CACHE_ENTRIES:
+            self._chain.popitem(last=False)
+
+
+# ---- the publisher ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Round:
+    """One loop round's tree events, as the loop handed them over."""
+
+    ts: float
+    events: list[TreeEvent]
+    names: Mapping[str, str]  # cache model (instance) name -> served name
+
+
+_CLEARED = "cleared"  # a queue item: publish AllBlocksCleared
+
+
+class KVEventPublisher:
+    """vLLM's ZMQ publisher: PUB (+ ROUTER replay) served by one thread.
+
+    ``submit`` never blocks: a round that finds the queue full is dropped
+    (``dropped`` counts them) rather than stalling the scheduler's loop.
+    """
+
+    def __init__(self, config: KVEventsConfig, page_size: int) -> None:
+        self.config = config
+        self.page_size = page_size
+        self.dropped = 0
+        # Instance -> served name, kept after an instance goes: its removals
+        # are drained after the scheduler forgot it.
+        self._names: dict[str, str] = {}
+        zctx = zmq.Context.instance()
+        self._queue: queue.Queue[_Round | str | None] = queue.Queue(config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._seq = 0
+        self._pub = zctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        if _binds(config.endpoint):
+            self._pub.bind(config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
+        self._replay: zmq.Socket | None = None
+        if config.replay_endpoint is not None:
+            self._replay = zctx.socket(zmq.ROUTER)
+            # A full replay and its end marker fit, even to a slow reader (vLLM's choice).
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(config.replay_endpoint)
+        # Subscribers drop what a previous run of this server told them.
+        self._queue.put_nowait(_CLEARED)
+        self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list[TreeEvent], names: Mapping[str, str]) -> None:
+        """Queue one round's events for the thread (dropped if the queue is full)."""
+        self._names.update(names)
+        try:
+            self._queue.put_nowait(_Round(time.time(), events, dict(self._names)))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("KV events: queue full, %d batches dropped", self.dropped)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Publish what is queued (for up to ``timeout``), then stop the thread."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout)
+        self._thread.join(timeout)
+
+    # ---- the thread ----------------------------------------------------------------
+    def _serve(self) -> None:
+        hasher = BlockHasher(self.page_size)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while True:
+                if self._replay is not None:
+                    while self._replay.poll(0):
+                        self._answer_replay()
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None:
+                    break
+                if item == _CLEARED:
+                    batch = EventBatch(time.time(), [AllBlocksCleared()])
+                else:
+                    assert isinstance(item, _Round)
+                    batch = EventBatch(item.ts, to_vllm_events(item, hasher))
+                if batch.events:
+                    self._send(encoder.encode(batch))
+        except Exception:
+            log.exception("KV events publisher stopped")
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _send(self, payload: bytes) -> None:
+        seq = self._seq
+        self._seq += 1
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+
+    def _answer_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("KV events: replay request of %d frames ignored", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard, ipc:// and inproc:// endpoints, connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def to_vllm_events(
+    item: _Round, hasher: BlockHasher
+) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """The vLLM events of one round: one event per tree event and model."""
+    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    size = hasher.page_size
+    for event in item.events:
+        for instance in event.models:
+            name = item.names.get(instance, instance)
+            parent, blocks = hasher.hashes(name, event.tokens, event.start)
+            hashes = [hasher.external(b) for b in blocks]
+            if event.kind == "removed":
+                out.append(BlockRemoved(hashes, MEDIUM_GPU, group_idx=0))
+                continue
+            ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
+            out.append(
+                BlockStored(
+                    hashes,
+                    None if parent is None else hasher.external(parent),
+                    ids,
+                    size,
+                    None,
+                    MEDIUM_GPU,
+                    name,
+                    extra_keys=[(name,)] * len(hashes),
+                    group_idx=0,
+                )
+            )
+    return out

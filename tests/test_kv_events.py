@@ -1,0 +1,296 @@
+"""KV events in vLLM's format from a real server, read by a ZMQ subscriber.
+
+The subscriber decodes with a schema written here from vLLM's documented
+0.32 layout (``EventBatch`` array, events as tagged maps) and recomputes each
+block hash from the tokens on its own, so a change of format or hash shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from bench.tiny_models import make_tiny_model_dir
+from radixmux.memory.allocator import KVAllocator
+from radixmux.memory.layout import KVLayout
+from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.memory.tree_events import TreeEventLog
+from radixmux.runtime.client.engine import Engine
+
+pytestmark = pytest.mark.timeout(180)
+
+PAGE = 4
+TOPIC = "kv@radixmux"
+WAIT_S = 20.0
+
+
+# ---- vLLM's layout, as its docs and kv_events.py state it ----------------------------
+class Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Stored | Removed | Cleared]
+    data_parallel_rank: int | None = None
+
+
+class Stored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class Removed(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class Cleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+DECODER = msgspec.msgpack.Decoder(Batch)
+
+
+def vllm_chain(model: str, tokens: list[int]) -> list[int]:
+    """vLLM's sha256 block hashes of every full page (model name as extra key),
+    as 64-bit ints (its default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)."""
+    seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+
+    def sha(value: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    parent, out = sha(seed), []
+    for pos in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        parent = sha((parent, tuple(tokens[pos : pos + PAGE]), (model,)))
+        out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
+    return out
+
+
+@dataclass
+class Received:
+    seq: int
+    payload: bytes
+    batch: Batch
+
+
+class Subscriber:
+    """A vLLM-style KV event consumer: SUB for the stream, DEALER for replay."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+        self.got: list[Received] = []
+
+    def poll(self, until: float) -> None:
+        while self.sub.poll(max(0, int((until - time.monotonic()) * 1000))):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == TOPIC.encode()
+            self.got.append(Received(int.from_bytes(seq, "big"), payload, DECODER.decode(payload)))
+            if time.monotonic() >= until:
+                return
+
+    def wait_for(self, pred) -> Any:
+        """Read until an event satisfies ``pred``; return it."""
+        deadline = time.monotonic() + WAIT_S
+        seen = 0
+        while time.monotonic() < deadline:
+            for r in self.got[seen:]:
+                for ev in r.batch.events:
+                    if pred(ev):
+                        return ev
+            seen = len(self.got)
+            self.poll(min(deadline, time.monotonic() + 0.2))
+        raise AssertionError(f"no matching event in {len(self.got)} batches")
+
+    def replay(self, start: int) -> list[tuple[int, bytes]]:
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        try:
+            while dealer.poll(int(WAIT_S * 1000)):
+                _, topic, seq, payload = dealer.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    return out
+                assert topic == TOPIC.encode()
+                out.append((int.from_bytes(seq, "big"), payload))
+            raise AssertionError("replay ended without its end marker")
+        finally:
+            dealer.close(linger=0)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+@dataclass
+class Server:
+    url: str
+    events: Subscriber
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("kv_events")
+    alpha = make_tiny_model_dir(root / "alpha", seed=41)
+    beta = make_tiny_model_dir(root / "beta", seed=42)
+    sockets = tempfile.mkdtemp(prefix="kvev", dir="/tmp")  # ipc paths must be short
+    endpoint, replay = f"ipc://{sockets}/pub", f"ipc://{sockets}/replay"
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+        "buffer_steps": 1000,
+        "topic": TOPIC,
+    }
+    engine = Engine(
+        model=[f"{alpha},name=alpha", f"{beta},name=beta"],
+        kv_cache_bytes=16 << 20,
+        kv_block_bytes=64 << 10,
+        page_size=PAGE,
+        runner_threads=1,
+        dtype="float32",
+        kv_events_config=json.dumps(config),
+    )
+    events = Subscriber(endpoint, replay)
+    try:
+        yield Server(f"http://127.0.0.1:{engine.args.port}", events)
+    finally:
+        events.close()
+        engine.shutdown()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def generate(url: str, model: str, ids: list[int]) -> None:
+    body = {"model": model, "input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    r = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def stored_for(model: str, first: list[int]):
+    return lambda ev: (
+        isinstance(ev, Stored) and ev.lora_name == model and ev.token_ids[: len(first)] == first
+    )
+
+
+def test_prompt_pages_are_stored_with_vllm_chained_hashes(server: Server) -> None:
+    ids = [101 + i for i in range(10)]  # two full pages and a partial one
+    generate(server.url, "alpha", ids)
+    ev = server.events.wait_for(stored_for("alpha", ids[:4]))
+    assert ev.parent_block_hash is None  # from the root
+    assert ev.block_size == PAGE and ev.medium == "GPU" and ev.lora_id is None
+    assert len(ev.token_ids) == PAGE * len(ev.block_hashes)
+    assert ev.token_ids[:8] == ids[:8]
+    assert ev.block_hashes == vllm_chain("alpha", ev.token_ids)
+    assert ev.extra_keys == [["alpha"]] * len(ev.block_hashes)
+
+
+def test_an_extension_chains_on_its_parent(server: Server) -> None:
+    base = [201 + i for i in range(8)]
+    generate(server.url, "alpha", base)
+    server.events.wait_for(stored_for("alpha", base))
+    longer = [*base, 301, 302, 303, 304, 305]
+    generate(server.url, "alpha", longer)
+    ev = server.events.wait_for(stored_for("alpha", longer[8:12]))
+    chain = vllm_chain("alpha", longer[:8] + ev.token_ids)
+    assert ev.parent_block_hash == chain[1]
+    assert ev.block_hashes == chain[2:]
+
+
+def test_two_models_are_told_apart(server: Server) -> None:
+    ids = [401 + i for i in range(8)]
+    generate(server.url, "alpha", ids)
+    generate(server.url, "beta", ids)
+    a = server.events.wait_for(stored_for("alpha", ids))
+    b = server.events.wait_for(stored_for("beta", ids))
+    assert a.token_ids[:8] == b.token_ids[:8]
+    assert a.block_hashes[:2] != b.block_hashes[:2]
+    assert b.block_hashes == vllm_chain("beta", b.token_ids)
+
+
+def test_flush_and_invalidate_remove_what_was_stored(server: Server) -> None:
+    ids = [501 + i for i in range(8)]
+    generate(server.url, "beta", ids)
+    stored = server.events.wait_for(stored_for("beta", ids))
+    r = httpx.post(f"{server.url}/models/beta/invalidate", timeout=30)
+    assert r.status_code == 200, r.text
+    server.events.wait_for(
+        lambda ev: isinstance(ev, Removed) and stored.block_hashes[0] in ev.block_hashes
+    )
+    generate(server.url, "alpha", ids)
+    kept = server.events.wait_for(stored_for("alpha", ids))
+    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    removed: set[int] = set()
+    server.events.wait_for(
+        lambda ev: (
+            isinstance(ev, Removed)
+            and not removed.update(ev.block_hashes)
+            and set(kept.block_hashes) <= removed
+        )
+    )
+
+
+def test_sequence_numbers_increase_and_replay_returns_missed_batches(server: Server) -> None:
+    generate(server.url, "alpha", [601 + i for i in range(8)])
+    server.events.wait_for(stored_for("alpha", [601, 602, 603, 604]))
+    seqs = [r.seq for r in server.events.got]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    replayed = server.events.replay(0)
+    # The first batch, sent before any subscriber could connect, clears a
+    # previous run's blocks: only the replay has it.
+    assert [s for s, _ in replayed] == list(range(len(replayed)))
+    assert DECODER.decode(replayed[0][1]).events == [Cleared()]
+    live = {r.seq: r.payload for r in server.events.got}
+    assert all(live[s] == p for s, p in replayed if s in live)
+    assert set(live) <= {s for s, _ in replayed}
+    tail = server.events.replay(seqs[-1])
+    assert [s for s, _ in tail] == [seqs[-1]]
+
+
+def test_capacity_eviction_and_unload_are_recorded_per_page() -> None:
+    """The tree's own log (what the publisher hashes): capacity evictions and an
+    unloaded model's entries come out as removals of exactly what was stored."""
+    cache = RadixCache(KVAllocator(64, 4096, PAGE))
+    cache.events = TreeEventLog()
+    for name in ("a", "b"):
+        cache.register_model(ModelSpec(name, "g", f"pool-{name}", KVLayout(1, 1, 1)))
+    for name in ("a", "b"):
+        cache.insert(name, list(range(8)), np.asarray(cache.allocator.alloc(f"pool-{name}", 8)))
+    stored = cache.events.drain()
+    assert [(e.kind, e.models, e.start) for e in stored] == [
+        ("stored", ("a",), 0),
+        ("stored", ("b",), 0),
+    ]
+    assert cache.evict(num_tokens=8) == 8
+    (gone,) = cache.events.drain()
+    assert gone.kind == "removed" and gone.tokens == stored[0].tokens
+    cache.unregister_model("b")
+    (unloaded,) = cache.events.drain()
+    assert (unloaded.kind, unloaded.models, unloaded.tokens) == (
+        "removed",
+        ("b",),
+        stored[1].tokens,
+    )
