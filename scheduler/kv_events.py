@@ -7,10 +7,11 @@ multipart ``(topic, 8-byte big-endian sequence number, msgpack EventBatch)``;
 an optional ROUTER socket replays buffered batches from a sequence number a
 client sends, then an end marker.
 
-Several models share one stream. Each is published the way vLLM publishes a
-LoRA adapter on one engine: ``lora_name`` is the served model name and the
-name is the block's extra hash key, so equal tokens of two models have
-different block hashes and a ``BlockRemoved`` names its model through them.
+Several models share one stream: each batch holds one model's events and its
+topic frame is the configured ``topic`` followed by the served model name, so a
+subscriber filters one model with ``SUBSCRIBE topic+name`` (or takes all with
+``topic``). Within a model the events are exactly what vLLM publishes for a
+model without LoRA: no ``lora_name``, no extra keys, the same block hashes.
 
 The loop only hands the tree's ``TreeEvent`` log to a bounded queue
 (``publish_tree_events``, after each round of events); hashing, encoding and
@@ -96,11 +97,12 @@ def _sha256(value: object) -> bytes:
 
 
 class BlockHasher:
-    """vLLM's chained block hash: ``sha256((parent, block token ids, extra keys))``
-    with the first block's parent ``sha256(seed)`` (seed: PYTHONHASHSEED, else
-    vLLM's fixed default), published as the low 64 bits of the big-endian
-    digest (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, its default) or as
-    the 32 raw bytes when that variable is 0."""
+    """vLLM's chained block hash, ``sha256((parent, block token ids, None))``
+    (None: no extra keys, as for a request without LoRA, multimodal input or
+    cache salt). The first block's parent is ``sha256(seed)``, the seed being
+    PYTHONHASHSEED, else vLLM's fixed default. Published as the low 64 bits of
+    the big-endian digest (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
+    or as the 32 raw bytes when that variable is 0."""
 
     CACHE_ENTRIES = 4096
 
@@ -108,46 +110,46 @@ class BlockHasher:
         self.page_size = page_size
         self.none_hash = _sha256(os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED))
         self.as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
-        # (model, prefix length, prefix digest) -> the hash of the prefix's last page,
+        # (prefix length, prefix digest) -> the hash of the prefix's last page,
         # so a store extending a path already hashed starts from there.
-        self._chain: OrderedDict[tuple[str, int, bytes], bytes] = OrderedDict()
+        self._chain: OrderedDict[tuple[int, bytes], bytes] = OrderedDict()
 
     def external(self, digest: bytes) -> int | bytes:
         return int.from_bytes(digest, "big") & ((1 << 64) - 1) if self.as_int else digest
 
-    def hashes(self, model: str, tokens: bytes, start: int) -> tuple[bytes | None, list[bytes]]:
+    def hashes(self, tokens: bytes, start: int) -> tuple[bytes | None, list[bytes]]:
         """The parent hash of page ``start`` (None at the root) and the hashes of
         the pages from ``start`` to the end of ``tokens`` (packed int32)."""
         ids = np.frombuffer(tokens, dtype=np.int32).tolist()
-        parent = self._cached(model, tokens, start) if start else None
+        parent = self._cached(tokens, start) if start else None
         # Unknown parent: hash the path from the root.
         first = 0 if start and parent is None else start
         prev = parent
         out: list[bytes] = []
         size = self.page_size
         for pos in range(first, len(ids), size):
-            block = _sha256((prev or self.none_hash, tuple(ids[pos : pos + size]), (model,)))
+            block = _sha256((prev or self.none_hash, tuple(ids[pos : pos + size]), None))
             if pos >= start:
                 out.append(block)
             elif pos + size == start:
                 parent = block
             prev = block
         if out:
-            self._remember(model, tokens, len(ids), out[-1])
+            self._remember(tokens, len(ids), out[-1])
         return parent, out
 
-    def _key(self, model: str, tokens: bytes, length: int) -> tuple[str, int, bytes]:
-        return model, length, hashlib.blake2b(tokens[: length * 4], digest_size=16).digest()
+    def _key(self, tokens: bytes, length: int) -> tuple[int, bytes]:
+        return length, hashlib.blake2b(tokens[: length * 4], digest_size=16).digest()
 
-    def _cached(self, model: str, tokens: bytes, length: int) -> bytes | None:
-        key = self._key(model, tokens, length)
+    def _cached(self, tokens: bytes, length: int) -> bytes | None:
+        key = self._key(tokens, length)
         found = self._chain.get(key)
         if found is not None:
             self._chain.move_to_end(key)
         return found
 
-    def _remember(self, model: str, tokens: bytes, length: int, block: bytes) -> None:
-        self._chain[self._key(model, tokens, length)] = block
+    def _remember(self, tokens: bytes, length: int, block: bytes) -> None:
+        self._chain[self._key(tokens, length)] = block
         if len(self._chain) > self.CACHE_ENTRIES:
             self._chain.popitem(last=False)
 
@@ -162,7 +164,11 @@ class _Round:
     names: Mapping[str, str]  # cache model (instance) name -> served name
 
 
-_CLEARED = "cleared"  # a queue item: publish AllBlocksCleared
+@dataclass(frozen=True)
+class _Cleared:
+    """Publish AllBlocksCleared for each of these served models."""
+
+    models: tuple[str, ...]
 
 
 class KVEventPublisher:
@@ -172,18 +178,17 @@ class KVEventPublisher:
     (``dropped`` counts them) rather than stalling the scheduler's loop.
     """
 
-    def __init__(self, config: KVEventsConfig, page_size: int) -> None:
+    def __init__(self, config: KVEventsConfig, page_size: int, models: Mapping[str, str]) -> None:
         self.config = config
         self.page_size = page_size
         self.dropped = 0
         # Instance -> served name, kept after an instance goes: its removals
         # are drained after the scheduler forgot it.
-        self._names: dict[str, str] = {}
-        zctx = zmq.Context.instance()
-        self._queue: queue.Queue[_Round | str | None] = queue.Queue(config.max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._topic = config.topic.encode()
+        self._names: dict[str, str] = dict(models)
+        self._queue: queue.Queue[_Round | _Cleared | None] = queue.Queue(config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
+        zctx = zmq.Context.instance()
         self._pub = zctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -199,7 +204,7 @@ class KVEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(config.replay_endpoint)
         # Subscribers drop what a previous run of this server told them.
-        self._queue.put_nowait(_CLEARED)
+        self._queue.put_nowait(_Cleared(tuple(sorted(set(models.values())))))
         self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -234,13 +239,16 @@ class KVEventPublisher:
                     continue
                 if item is None:
                     break
-                if item == _CLEARED:
-                    batch = EventBatch(time.time(), [AllBlocksCleared()])
+                if isinstance(item, _Cleared):
+                    now = time.time()
+                    batches = {m: EventBatch(now, [AllBlocksCleared()]) for m in item.models}
                 else:
-                    assert isinstance(item, _Round)
-                    batch = EventBatch(item.ts, to_vllm_events(item, hasher))
-                if batch.events:
-                    self._send(encoder.encode(batch))
+                    batches = {
+                        m: EventBatch(item.ts, events)
+                        for m, events in to_vllm_events(item, hasher).items()
+                    }
+                for model, batch in batches.items():
+                    self._send((self.config.topic + model).encode(), encoder.encode(batch))
         except Exception:
             log.exception("KV events publisher stopped")
         finally:
@@ -248,11 +256,11 @@ class KVEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
 
-    def _send(self, payload: bytes) -> None:
+    def _send(self, topic: bytes, payload: bytes) -> None:
         seq = self._seq
         self._seq += 1
-        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, topic, payload))
 
     def _answer_replay(self) -> None:
         assert self._replay is not None
@@ -262,11 +270,9 @@ class KVEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        for seq, topic, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart(
-                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                )
+                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
@@ -275,32 +281,22 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def to_vllm_events(
-    item: _Round, hasher: BlockHasher
-) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-    """The vLLM events of one round: one event per tree event and model."""
-    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+VLLMEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def to_vllm_events(item: _Round, hasher: BlockHasher) -> dict[str, list[VLLMEvent]]:
+    """One round's vLLM events by served model, in the order the tree changed."""
+    out: dict[str, list[VLLMEvent]] = {}
     size = hasher.page_size
     for event in item.events:
-        for instance in event.models:
-            name = item.names.get(instance, instance)
-            parent, blocks = hasher.hashes(name, event.tokens, event.start)
-            hashes = [hasher.external(b) for b in blocks]
-            if event.kind == "removed":
-                out.append(BlockRemoved(hashes, MEDIUM_GPU, group_idx=0))
-                continue
+        parent, blocks = hasher.hashes(event.tokens, event.start)
+        hashes = [hasher.external(b) for b in blocks]
+        if event.kind == "removed":
+            made: VLLMEvent = BlockRemoved(hashes, MEDIUM_GPU, group_idx=0)
+        else:
             ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
-            out.append(
-                BlockStored(
-                    hashes,
-                    None if parent is None else hasher.external(parent),
-                    ids,
-                    size,
-                    None,
-                    MEDIUM_GPU,
-                    name,
-                    extra_keys=[(name,)] * len(hashes),
-                    group_idx=0,
-                )
-            )
+            parent_hash = None if parent is None else hasher.external(parent)
+            made = BlockStored(hashes, parent_hash, ids, size, None, MEDIUM_GPU, None, group_idx=0)
+        for instance in event.models:
+            out.setdefault(item.names.get(instance, instance), []).append(made)
     return out

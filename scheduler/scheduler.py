@@ -105,7 +105,7 @@ class Scheduler:
         if args.kv_events_config is not None:
             config = parse_kv_events_config(args.kv_events_config)
             if config.enabled:
-                self.kv_events = KVEventPublisher(config, self.cache.page_size)
+                self.kv_events = KVEventPublisher(config, self.cache.page_size, self.served_names())
                 self.cache.events = TreeEventLog()
 
     # ---- the loop --------------------------------------------------------------------
@@ -158,12 +158,16 @@ class Scheduler:
         if self.kv_events is not None:
             self.publish_kv_events()
 
+    def served_names(self) -> dict[str, str]:
+        """Each instance's served model name (what clients and routers ask for)."""
+        return {n: m.served.name for n, m in self.models.items()}
+
     def publish_kv_events(self) -> None:
         """Hand what the tree stored and dropped this round to the KV event publisher."""
         assert self.kv_events is not None and self.cache.events is not None
         events = self.cache.events.drain()
         if events:
-            self.kv_events.submit(events, {n: m.served.name for n, m in self.models.items()})
+            self.kv_events.submit(events, self.served_names())
 
     @contextlib.contextmanager
     def _contained(self, what: str, rids: list[str]) -> Iterator[None]:

@@ -3,6 +3,8 @@
 The subscriber decodes with a schema written here from vLLM's documented
 0.32 layout (``EventBatch`` array, events as tagged maps) and recomputes each
 block hash from the tokens on its own, so a change of format or hash shows.
+Each batch's topic frame is the configured topic followed by the model name.
+With ``vllm-router`` installed, its ``kv_aware`` policy consumes the stream.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ class Cleared(msgspec.Struct, tag="AllBlocksCleared"):
 DECODER = msgspec.msgpack.Decoder(Batch)
 
 
-def vllm_chain(model: str, tokens: list[int]) -> list[int]:
-    """vLLM's sha256 block hashes of every full page (model name as extra key),
+def vllm_chain(tokens: list[int]) -> list[int]:
+    """vLLM's default (sha256) block hashes of every full page, no extra keys,
     as 64-bit ints (its default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)."""
     seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
 
@@ -80,13 +82,14 @@ def vllm_chain(model: str, tokens: list[int]) -> list[int]:
 
     parent, out = sha(seed), []
     for pos in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
-        parent = sha((parent, tuple(tokens[pos : pos + PAGE]), (model,)))
+        parent = sha((parent, tuple(tokens[pos : pos + PAGE]), None))
         out.append(int.from_bytes(parent, "big") & ((1 << 64) - 1))
     return out
 
 
 @dataclass
 class Received:
+    topic: str
     seq: int
     payload: bytes
     batch: Batch
@@ -95,10 +98,10 @@ class Received:
 class Subscriber:
     """A vLLM-style KV event consumer: SUB for the stream, DEALER for replay."""
 
-    def __init__(self, endpoint: str, replay: str) -> None:
+    def __init__(self, endpoint: str, replay: str, topic: str = TOPIC) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
         self.replay_endpoint = replay
         self.got: list[Received] = []
@@ -106,25 +109,25 @@ class Subscriber:
     def poll(self, until: float) -> None:
         while self.sub.poll(max(0, int((until - time.monotonic()) * 1000))):
             topic, seq, payload = self.sub.recv_multipart()
-            assert topic == TOPIC.encode()
-            self.got.append(Received(int.from_bytes(seq, "big"), payload, DECODER.decode(payload)))
+            batch = DECODER.decode(payload)
+            self.got.append(Received(topic.decode(), int.from_bytes(seq, "big"), payload, batch))
             if time.monotonic() >= until:
                 return
 
     def wait_for(self, pred) -> Any:
-        """Read until an event satisfies ``pred``; return it."""
+        """Read until ``pred(topic, event)`` holds; return the event."""
         deadline = time.monotonic() + WAIT_S
         seen = 0
         while time.monotonic() < deadline:
             for r in self.got[seen:]:
                 for ev in r.batch.events:
-                    if pred(ev):
+                    if pred(r.topic, ev):
                         return ev
             seen = len(self.got)
             self.poll(min(deadline, time.monotonic() + 0.2))
         raise AssertionError(f"no matching event in {len(self.got)} batches")
 
-    def replay(self, start: int) -> list[tuple[int, bytes]]:
+    def replay(self, start: int) -> list[tuple[str, int, bytes]]:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.replay_endpoint)
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -134,8 +137,7 @@ class Subscriber:
                 _, topic, seq, payload = dealer.recv_multipart()
                 if seq == (-1).to_bytes(8, "big", signed=True):
                     return out
-                assert topic == TOPIC.encode()
-                out.append((int.from_bytes(seq, "big"), payload))
+                out.append((topic.decode(), int.from_bytes(seq, "big"), payload))
             raise AssertionError("replay ended without its end marker")
         finally:
             dealer.close(linger=0)
@@ -147,6 +149,8 @@ class Subscriber:
 @dataclass
 class Server:
     url: str
+    endpoint: str
+    replay: str
     events: Subscriber
 
 
@@ -176,7 +180,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )
     events = Subscriber(endpoint, replay)
     try:
-        yield Server(f"http://127.0.0.1:{engine.args.port}", events)
+        yield Server(f"http://127.0.0.1:{engine.args.port}", endpoint, replay, events)
     finally:
         events.close()
         engine.shutdown()
@@ -190,9 +194,21 @@ def generate(url: str, model: str, ids: list[int]) -> None:
 
 
 def stored_for(model: str, first: list[int]):
-    return lambda ev: (
-        isinstance(ev, Stored) and ev.lora_name == model and ev.token_ids[: len(first)] == first
+    return lambda topic, ev: (
+        topic == TOPIC + model and isinstance(ev, Stored) and ev.token_ids[: len(first)] == first
     )
+
+
+def removed_all(model: str, hashes: list[int]):
+    """A predicate true once removals on ``model``'s topic covered ``hashes``."""
+    removed: set[int] = set()
+
+    def pred(topic: str, ev: Any) -> bool:
+        if topic == TOPIC + model and isinstance(ev, Removed):
+            removed.update(ev.block_hashes)
+        return set(hashes) <= removed
+
+    return pred
 
 
 def test_prompt_pages_are_stored_with_vllm_chained_hashes(server: Server) -> None:
@@ -200,11 +216,11 @@ def test_prompt_pages_are_stored_with_vllm_chained_hashes(server: Server) -> Non
     generate(server.url, "alpha", ids)
     ev = server.events.wait_for(stored_for("alpha", ids[:4]))
     assert ev.parent_block_hash is None  # from the root
-    assert ev.block_size == PAGE and ev.medium == "GPU" and ev.lora_id is None
+    assert ev.block_size == PAGE and ev.medium == "GPU" and ev.group_idx == 0
+    assert ev.lora_id is None and ev.lora_name is None and ev.extra_keys is None
     assert len(ev.token_ids) == PAGE * len(ev.block_hashes)
     assert ev.token_ids[:8] == ids[:8]
-    assert ev.block_hashes == vllm_chain("alpha", ev.token_ids)
-    assert ev.extra_keys == [["alpha"]] * len(ev.block_hashes)
+    assert ev.block_hashes == vllm_chain(ev.token_ids)
 
 
 def test_an_extension_chains_on_its_parent(server: Server) -> None:
@@ -214,20 +230,26 @@ def test_an_extension_chains_on_its_parent(server: Server) -> None:
     longer = [*base, 301, 302, 303, 304, 305]
     generate(server.url, "alpha", longer)
     ev = server.events.wait_for(stored_for("alpha", longer[8:12]))
-    chain = vllm_chain("alpha", longer[:8] + ev.token_ids)
+    chain = vllm_chain(longer[:8] + ev.token_ids)
     assert ev.parent_block_hash == chain[1]
     assert ev.block_hashes == chain[2:]
 
 
-def test_two_models_are_told_apart(server: Server) -> None:
-    ids = [401 + i for i in range(8)]
-    generate(server.url, "alpha", ids)
-    generate(server.url, "beta", ids)
-    a = server.events.wait_for(stored_for("alpha", ids))
-    b = server.events.wait_for(stored_for("beta", ids))
-    assert a.token_ids[:8] == b.token_ids[:8]
-    assert a.block_hashes[:2] != b.block_hashes[:2]
-    assert b.block_hashes == vllm_chain("beta", b.token_ids)
+def test_two_models_are_told_apart_by_topic(server: Server) -> None:
+    only_beta = Subscriber(server.endpoint, server.replay, TOPIC + "beta")
+    try:
+        time.sleep(0.5)  # the SUB's connection and subscription reach the publisher
+        ids = [401 + i for i in range(8)]
+        generate(server.url, "alpha", ids)
+        generate(server.url, "beta", ids)
+        a = server.events.wait_for(stored_for("alpha", ids))
+        b = server.events.wait_for(stored_for("beta", ids))
+        # The same tokens: the same hashes, as two vLLM engines would publish.
+        assert a.block_hashes[:2] == b.block_hashes[:2] == vllm_chain(ids)
+        only_beta.wait_for(stored_for("beta", ids))
+        assert {r.topic for r in only_beta.got} == {TOPIC + "beta"}
+    finally:
+        only_beta.close()
 
 
 def test_flush_and_invalidate_remove_what_was_stored(server: Server) -> None:
@@ -236,21 +258,12 @@ def test_flush_and_invalidate_remove_what_was_stored(server: Server) -> None:
     stored = server.events.wait_for(stored_for("beta", ids))
     r = httpx.post(f"{server.url}/models/beta/invalidate", timeout=30)
     assert r.status_code == 200, r.text
-    server.events.wait_for(
-        lambda ev: isinstance(ev, Removed) and stored.block_hashes[0] in ev.block_hashes
-    )
+    server.events.wait_for(removed_all("beta", stored.block_hashes))
     generate(server.url, "alpha", ids)
     kept = server.events.wait_for(stored_for("alpha", ids))
     r = httpx.post(f"{server.url}/flush_cache", timeout=30)
     assert r.status_code == 200, r.text
-    removed: set[int] = set()
-    server.events.wait_for(
-        lambda ev: (
-            isinstance(ev, Removed)
-            and not removed.update(ev.block_hashes)
-            and set(kept.block_hashes) <= removed
-        )
-    )
+    server.events.wait_for(removed_all("alpha", kept.block_hashes))
 
 
 def test_sequence_numbers_increase_and_replay_returns_missed_batches(server: Server) -> None:
@@ -259,15 +272,16 @@ def test_sequence_numbers_increase_and_replay_returns_missed_batches(server: Ser
     seqs = [r.seq for r in server.events.got]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     replayed = server.events.replay(0)
-    # The first batch, sent before any subscriber could connect, clears a
-    # previous run's blocks: only the replay has it.
-    assert [s for s, _ in replayed] == list(range(len(replayed)))
-    assert DECODER.decode(replayed[0][1]).events == [Cleared()]
-    live = {r.seq: r.payload for r in server.events.got}
-    assert all(live[s] == p for s, p in replayed if s in live)
-    assert set(live) <= {s for s, _ in replayed}
+    assert [s for _, s, _ in replayed] == list(range(len(replayed)))
+    # The first batches, sent before any subscriber could connect, clear what
+    # a previous run of the server published, model by model: only the replay has them.
+    first = {(t, type(DECODER.decode(p).events[0])) for t, _, p in replayed[:2]}
+    assert first == {(TOPIC + "alpha", Cleared), (TOPIC + "beta", Cleared)}
+    live = {r.seq: (r.topic, r.payload) for r in server.events.got}
+    assert all(live[s] == (t, p) for t, s, p in replayed if s in live)
+    assert set(live) <= {s for _, s, _ in replayed}
     tail = server.events.replay(seqs[-1])
-    assert [s for s, _ in tail] == [seqs[-1]]
+    assert [s for _, s, _ in tail] == [seqs[-1]]
 
 
 def test_capacity_eviction_and_unload_are_recorded_per_page() -> None:
