@@ -7,11 +7,14 @@ multipart ``(topic, 8-byte big-endian sequence number, msgpack EventBatch)``;
 an optional ROUTER socket replays buffered batches from a sequence number a
 client sends, then an end marker.
 
-Several models share one stream: each batch holds one model's events and its
-topic frame is the configured ``topic`` followed by the served model name, so a
-subscriber filters one model with ``SUBSCRIBE topic+name`` (or takes all with
-``topic``). Within a model the events are exactly what vLLM publishes for a
-model without LoRA: no ``lora_name``, no extra keys, the same block hashes.
+Several models share one stream. The events of a model are exactly what vLLM
+publishes for a model without LoRA (no ``lora_name``, no extra keys, the same
+block hashes), so a consumer such as vllm-router's ``kv_aware`` policy matches
+them against its own hashes of a prompt. A model is told apart by the topic
+frame: ``{model}`` in the configured topic is replaced by the served model name
+(``"topic": "kv.{model}"`` gives ``kv.alpha``, ``kv.beta``; a subscriber filters
+one model by its topic). A topic without ``{model}`` is sent as it is for every
+model, as vLLM does (what a consumer that only knows vLLM's fixed topic needs).
 
 The loop only hands the tree's ``TreeEvent`` log to a bounded queue
 (``publish_tree_events``, after each round of events); hashing, encoding and
@@ -30,7 +33,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +52,7 @@ MEDIUM_GPU = "GPU"
 # DEFAULT_NONE_HASH_SEED for its default, cryptographic hash).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+MODEL_PLACEHOLDER = "{model}"  # in the configured topic: the served model name
 
 
 # ---- the wire format (vLLM 0.32 / 0.33 layout) --------------------------------------
@@ -240,21 +244,25 @@ class KVEventPublisher:
                 if item is None:
                     break
                 if isinstance(item, _Cleared):
-                    now = time.time()
-                    batches = {m: EventBatch(now, [AllBlocksCleared()]) for m in item.models}
+                    topics = {self.topic_of(m) for m in item.models} or {self.topic_of("")}
+                    batches = {t: EventBatch(time.time(), [AllBlocksCleared()]) for t in topics}
                 else:
                     batches = {
-                        m: EventBatch(item.ts, events)
-                        for m, events in to_vllm_events(item, hasher).items()
+                        topic: EventBatch(item.ts, events)
+                        for topic, events in to_vllm_events(item, hasher, self.topic_of).items()
                     }
-                for model, batch in batches.items():
-                    self._send((self.config.topic + model).encode(), encoder.encode(batch))
+                for topic, batch in sorted(batches.items()):
+                    self._send(topic, encoder.encode(batch))
         except Exception:
             log.exception("KV events publisher stopped")
         finally:
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
+
+    def topic_of(self, model: str) -> bytes:
+        """The topic frame of a served model's batches."""
+        return self.config.topic.replace(MODEL_PLACEHOLDER, model).encode()
 
     def _send(self, topic: bytes, payload: bytes) -> None:
         seq = self._seq
@@ -284,9 +292,11 @@ def _binds(endpoint: str) -> bool:
 VLLMEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def to_vllm_events(item: _Round, hasher: BlockHasher) -> dict[str, list[VLLMEvent]]:
-    """One round's vLLM events by served model, in the order the tree changed."""
-    out: dict[str, list[VLLMEvent]] = {}
+def to_vllm_events(
+    item: _Round, hasher: BlockHasher, topic_of: Callable[[str], bytes]
+) -> dict[bytes, list[VLLMEvent]]:
+    """One round's vLLM events by topic, in the order the tree changed."""
+    out: dict[bytes, list[VLLMEvent]] = {}
     size = hasher.page_size
     for event in item.events:
         parent, blocks = hasher.hashes(event.tokens, event.start)
@@ -297,6 +307,6 @@ def to_vllm_events(item: _Round, hasher: BlockHasher) -> dict[str, list[VLLMEven
             ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
             parent_hash = None if parent is None else hasher.external(parent)
             made = BlockStored(hashes, parent_hash, ids, size, None, MEDIUM_GPU, None, group_idx=0)
-        for instance in event.models:
-            out.setdefault(item.names.get(instance, instance), []).append(made)
+        for topic in {topic_of(item.names.get(m, m)) for m in event.models}:
+            out.setdefault(topic, []).append(made)
     return out

@@ -3,21 +3,23 @@
 The subscriber decodes with a schema written here from vLLM's documented
 0.32 layout (``EventBatch`` array, events as tagged maps) and recomputes each
 block hash from the tokens on its own, so a change of format or hash shows.
-Each batch's topic frame is the configured topic followed by the model name.
+A ``{model}`` in the configured topic gives each model a topic of its own.
 With ``vllm-router`` installed, its ``kv_aware`` policy consumes the stream.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
-import shutil
-import tempfile
+import re
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,17 +28,20 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.server_process import ServerProcess, free_port
 from bench.tiny_models import make_tiny_model_dir
+from radixmux.common.kv_events_config import KVEventsConfig
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.tree_events import TreeEventLog
 from radixmux.runtime.client.engine import Engine
+from radixmux.scheduler.kv_events import KVEventPublisher
 
 pytestmark = pytest.mark.timeout(180)
 
 PAGE = 4
-TOPIC = "kv@radixmux"
+TOPIC = ""  # vLLM's default: one topic for every model (what vllm-router reads)
 WAIT_S = 20.0
 
 
@@ -151,6 +156,7 @@ class Server:
     url: str
     endpoint: str
     replay: str
+    alpha: Path  # the model folder (its tokenizer, for a router)
     events: Subscriber
 
 
@@ -159,13 +165,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("kv_events")
     alpha = make_tiny_model_dir(root / "alpha", seed=41)
     beta = make_tiny_model_dir(root / "beta", seed=42)
-    sockets = tempfile.mkdtemp(prefix="kvev", dir="/tmp")  # ipc paths must be short
-    endpoint, replay = f"ipc://{sockets}/pub", f"ipc://{sockets}/replay"
+    # tcp://*: vLLM's rule binds an endpoint with a wildcard (routers connect to it).
+    pub_port, replay_port = free_port(), free_port()
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": endpoint,
-        "replay_endpoint": replay,
+        "endpoint": f"tcp://*:{pub_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
         "buffer_steps": 1000,
         "topic": TOPIC,
     }
@@ -178,13 +184,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         dtype="float32",
         kv_events_config=json.dumps(config),
     )
+    endpoint, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
     events = Subscriber(endpoint, replay)
     try:
-        yield Server(f"http://127.0.0.1:{engine.args.port}", endpoint, replay, events)
+        yield Server(f"http://127.0.0.1:{engine.args.port}", endpoint, replay, alpha, events)
     finally:
         events.close()
         engine.shutdown()
-        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def generate(url: str, model: str, ids: list[int]) -> None:
@@ -193,18 +199,18 @@ def generate(url: str, model: str, ids: list[int]) -> None:
     assert r.status_code == 200, r.text
 
 
-def stored_for(model: str, first: list[int]):
-    return lambda topic, ev: (
-        topic == TOPIC + model and isinstance(ev, Stored) and ev.token_ids[: len(first)] == first
+def stored_for(first: list[int], topic: str = TOPIC):
+    return lambda got, ev: (
+        got == topic and isinstance(ev, Stored) and ev.token_ids[: len(first)] == first
     )
 
 
-def removed_all(model: str, hashes: list[int]):
-    """A predicate true once removals on ``model``'s topic covered ``hashes``."""
+def removed_all(hashes: list[int]):
+    """A predicate true once removals covered ``hashes``."""
     removed: set[int] = set()
 
     def pred(topic: str, ev: Any) -> bool:
-        if topic == TOPIC + model and isinstance(ev, Removed):
+        if isinstance(ev, Removed):
             removed.update(ev.block_hashes)
         return set(hashes) <= removed
 
@@ -214,7 +220,7 @@ def removed_all(model: str, hashes: list[int]):
 def test_prompt_pages_are_stored_with_vllm_chained_hashes(server: Server) -> None:
     ids = [101 + i for i in range(10)]  # two full pages and a partial one
     generate(server.url, "alpha", ids)
-    ev = server.events.wait_for(stored_for("alpha", ids[:4]))
+    ev = server.events.wait_for(stored_for(ids[:4]))
     assert ev.parent_block_hash is None  # from the root
     assert ev.block_size == PAGE and ev.medium == "GPU" and ev.group_idx == 0
     assert ev.lora_id is None and ev.lora_name is None and ev.extra_keys is None
@@ -226,57 +232,78 @@ def test_prompt_pages_are_stored_with_vllm_chained_hashes(server: Server) -> Non
 def test_an_extension_chains_on_its_parent(server: Server) -> None:
     base = [201 + i for i in range(8)]
     generate(server.url, "alpha", base)
-    server.events.wait_for(stored_for("alpha", base))
+    server.events.wait_for(stored_for(base))
     longer = [*base, 301, 302, 303, 304, 305]
     generate(server.url, "alpha", longer)
-    ev = server.events.wait_for(stored_for("alpha", longer[8:12]))
+    ev = server.events.wait_for(stored_for(longer[8:12]))
     chain = vllm_chain(longer[:8] + ev.token_ids)
     assert ev.parent_block_hash == chain[1]
     assert ev.block_hashes == chain[2:]
 
 
-def test_two_models_are_told_apart_by_topic(server: Server) -> None:
-    only_beta = Subscriber(server.endpoint, server.replay, TOPIC + "beta")
+def test_two_models_share_vllm_hashes(server: Server) -> None:
+    ids = [401 + i for i in range(8)]
+    generate(server.url, "alpha", ids)
+    generate(server.url, "beta", ids)
+    # Two stores of the same tokens (each model's pool holds its own KV) with
+    # the same hashes, as two vLLM engines would publish them.
+    a = server.events.wait_for(stored_for(ids))
+    b = server.events.wait_for(lambda t, ev: stored_for(ids)(t, ev) and ev is not a)
+    assert a.block_hashes[:2] == b.block_hashes[:2] == vllm_chain(ids)
+
+
+def test_a_model_placeholder_gives_each_model_its_topic(tmp_path: Path) -> None:
+    """The publisher on its own, fed by a real tree: ``{model}`` in the topic
+    sends each served model's batches under its name, so a SUB filters one."""
+    cache = RadixCache(KVAllocator(64, 4096, PAGE))
+    cache.events = TreeEventLog()
+    for name in ("a", "b"):
+        cache.register_model(ModelSpec(name, "g", f"pool-{name}", KVLayout(1, 1, 1)))
+    endpoint = f"ipc://{tmp_path}/pub"
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, topic="kv/{model}")
+    served = {"a": "alpha", "b": "beta"}
+    publisher = KVEventPublisher(config, PAGE, served)
+    only_beta = Subscriber(endpoint, "", "kv/beta")
+    every = Subscriber(endpoint, "", "kv/")
     try:
-        time.sleep(0.5)  # the SUB's connection and subscription reach the publisher
-        ids = [401 + i for i in range(8)]
-        generate(server.url, "alpha", ids)
-        generate(server.url, "beta", ids)
-        a = server.events.wait_for(stored_for("alpha", ids))
-        b = server.events.wait_for(stored_for("beta", ids))
-        # The same tokens: the same hashes, as two vLLM engines would publish.
-        assert a.block_hashes[:2] == b.block_hashes[:2] == vllm_chain(ids)
-        only_beta.wait_for(stored_for("beta", ids))
-        assert {r.topic for r in only_beta.got} == {TOPIC + "beta"}
+        time.sleep(0.5)  # the SUBs' connections and subscriptions reach the publisher
+        for name in ("a", "b"):
+            cache.insert(name, list(range(8)), np.asarray(cache.allocator.alloc(f"pool-{name}", 8)))
+        publisher.submit(cache.events.drain(), served)
+        every.wait_for(stored_for([0, 1, 2, 3], "kv/alpha"))
+        every.wait_for(stored_for([0, 1, 2, 3], "kv/beta"))
+        only_beta.wait_for(stored_for([0, 1, 2, 3], "kv/beta"))
+        assert {r.topic for r in only_beta.got} == {"kv/beta"}
     finally:
+        publisher.close()
         only_beta.close()
+        every.close()
 
 
 def test_flush_and_invalidate_remove_what_was_stored(server: Server) -> None:
     ids = [501 + i for i in range(8)]
     generate(server.url, "beta", ids)
-    stored = server.events.wait_for(stored_for("beta", ids))
+    stored = server.events.wait_for(stored_for(ids))
     r = httpx.post(f"{server.url}/models/beta/invalidate", timeout=30)
     assert r.status_code == 200, r.text
-    server.events.wait_for(removed_all("beta", stored.block_hashes))
+    server.events.wait_for(removed_all(stored.block_hashes))
     generate(server.url, "alpha", ids)
-    kept = server.events.wait_for(stored_for("alpha", ids))
+    kept = server.events.wait_for(stored_for(ids))
     r = httpx.post(f"{server.url}/flush_cache", timeout=30)
     assert r.status_code == 200, r.text
-    server.events.wait_for(removed_all("alpha", kept.block_hashes))
+    server.events.wait_for(removed_all(kept.block_hashes))
 
 
 def test_sequence_numbers_increase_and_replay_returns_missed_batches(server: Server) -> None:
     generate(server.url, "alpha", [601 + i for i in range(8)])
-    server.events.wait_for(stored_for("alpha", [601, 602, 603, 604]))
+    server.events.wait_for(stored_for([601, 602, 603, 604]))
     seqs = [r.seq for r in server.events.got]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     replayed = server.events.replay(0)
     assert [s for _, s, _ in replayed] == list(range(len(replayed)))
-    # The first batches, sent before any subscriber could connect, clear what
-    # a previous run of the server published, model by model: only the replay has them.
-    first = {(t, type(DECODER.decode(p).events[0])) for t, _, p in replayed[:2]}
-    assert first == {(TOPIC + "alpha", Cleared), (TOPIC + "beta", Cleared)}
+    # The first batch, sent before any subscriber could connect, clears what a
+    # previous run of the server published: only the replay has it.
+    assert DECODER.decode(replayed[0][2]).events == [Cleared()]
     live = {r.seq: (r.topic, r.payload) for r in server.events.got}
     assert all(live[s] == (t, p) for t, s, p in replayed if s in live)
     assert set(live) <= {s for _, s, _ in replayed}
@@ -308,3 +335,56 @@ def test_capacity_eviction_and_unload_are_recorded_per_page() -> None:
         ("b",),
         stored[1].tokens,
     )
+
+
+def test_vllm_router_kv_aware_credits_the_published_prefix(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm-router's ``kv_aware`` policy, fed by this stream, credits a repeated
+    prompt's cached pages: it rebuilt its index from our BlockStored events."""
+    if importlib.util.find_spec("vllm_router") is None:
+        pytest.skip("vllm-router is not installed (pip install -e '.[dev]')")
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        server.url,
+        "--policy",
+        "kv_aware",
+        "--kv-event-source",
+        f"{server.url}={server.endpoint}",
+        "--kv-event-replay-source",
+        f"{server.url}={server.replay}",
+        "--kv-event-block-size",
+        str(PAGE),
+        "--kv-event-model",
+        "alpha",
+        "--log-level",
+        "debug",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    log = tmp_path / "router.log"
+    # The router tokenizes each prompt itself (offline: from the model's folder).
+    monkeypatch.setenv("VLLM_ROUTER_TOKENIZER", str(server.alpha))
+    monkeypatch.setenv("NO_COLOR", "1")
+    proc = ServerProcess(cmd, port, log)
+    try:
+        proc.wait_healthy(60.0)
+        body = {"model": "alpha", "prompt": "the cached prefix " * 12, "max_tokens": 1}
+        for _ in range(2):
+            r = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            time.sleep(0.5)  # the store's event reaches the router before the repeat
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # its colours
+        decisions = re.findall(r"credited_prefix_tokens=(\d+)", text)
+        credited = [int(n) for n in decisions]
+        assert len(credited) >= 2 and credited[0] == 0 and credited[-1] > 0, credited
+    finally:
+        proc.stop()
