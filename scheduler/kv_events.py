@@ -32,7 +32,7 @@ import pickle
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -230,7 +230,7 @@ class KVEventPublisher:
 
     # ---- the thread ----------------------------------------------------------------
     def _serve(self) -> None:
-        hasher = BlockHasher(self.page_size)
+        translator = EventTranslator(BlockHasher(self.page_size), self.topic_of)
         encoder = msgspec.msgpack.Encoder()
         try:
             while True:
@@ -249,7 +249,7 @@ class KVEventPublisher:
                 else:
                     batches = {
                         topic: EventBatch(item.ts, events)
-                        for topic, events in to_vllm_events(item, hasher, self.topic_of).items()
+                        for topic, events in translator.translate(item).items()
                     }
                 for topic, batch in sorted(batches.items()):
                     self._send(topic, encoder.encode(batch))
@@ -292,21 +292,75 @@ def _binds(endpoint: str) -> bool:
 VLLMEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def to_vllm_events(
-    item: _Round, hasher: BlockHasher, topic_of: Callable[[str], bytes]
-) -> dict[bytes, list[VLLMEvent]]:
-    """One round's vLLM events by topic, in the order the tree changed."""
-    out: dict[bytes, list[VLLMEvent]] = {}
-    size = hasher.page_size
-    for event in item.events:
-        parent, blocks = hasher.hashes(event.tokens, event.start)
-        hashes = [hasher.external(b) for b in blocks]
-        if event.kind == "removed":
-            made: VLLMEvent = BlockRemoved(hashes, MEDIUM_GPU, group_idx=0)
-        else:
-            ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
-            parent_hash = None if parent is None else hasher.external(parent)
-            made = BlockStored(hashes, parent_hash, ids, size, None, MEDIUM_GPU, None, group_idx=0)
-        for topic in {topic_of(item.names.get(m, m)) for m in event.models}:
-            out.setdefault(topic, []).append(made)
-    return out
+class EventTranslator:
+    """Tree events to vLLM events, by topic.
+
+    A topic's block is published stored when its first holder stores it and
+    removed when its last holder drops it: several instances can hold one
+    block under one topic (replicas, a reload serving the same name while
+    the old instance drains, models sharing a fixed topic), and one of them
+    dropping it must not tell the consumer it is gone. Costs one counter per
+    block held (per topic).
+    """
+
+    def __init__(self, hasher: BlockHasher, topic_of: Callable[[str], bytes]) -> None:
+        self.hasher = hasher
+        self.topic_of = topic_of
+        self._holders: Counter[tuple[bytes, bytes]] = Counter()  # (topic, digest) -> holders
+
+    def translate(self, item: _Round) -> dict[bytes, list[VLLMEvent]]:
+        """One round's vLLM events by topic, in the order the tree changed."""
+        out: dict[bytes, list[VLLMEvent]] = {}
+        for event in item.events:
+            parent, blocks = self.hasher.hashes(event.tokens, event.start)
+            topics = Counter(self.topic_of(item.names.get(m, m)) for m in event.models)
+            for topic, holders in topics.items():
+                if event.kind == "stored":
+                    ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
+                    made = self._stored(topic, holders, ids, parent, blocks)
+                else:
+                    made = self._removed(topic, holders, blocks)
+                out.setdefault(topic, []).extend(made)
+        return out
+
+    def _stored(
+        self, topic: bytes, holders: int, ids: list[int], parent: bytes | None, blocks: list[bytes]
+    ) -> list[VLLMEvent]:
+        """A BlockStored per run of blocks new to the topic (usually one run);
+        ``ids`` are the blocks' tokens, ``parent`` the hash before the first."""
+        size = self.hasher.page_size
+        runs: list[tuple[bytes | None, list[int]]] = []  # (parent, block indices)
+        for i, block in enumerate(blocks):
+            key = (topic, block)
+            self._holders[key] += holders
+            if self._holders[key] == holders:  # nobody held it before
+                if runs and runs[-1][1][-1] == i - 1:
+                    runs[-1][1].append(i)
+                else:
+                    runs.append((blocks[i - 1] if i else parent, [i]))
+        ext = self.hasher.external
+        return [
+            BlockStored(
+                [ext(blocks[i]) for i in run],
+                None if first_parent is None else ext(first_parent),
+                ids[run[0] * size : (run[-1] + 1) * size],
+                size,
+                None,
+                MEDIUM_GPU,
+                None,
+                group_idx=0,
+            )
+            for first_parent, run in runs
+        ]
+
+    def _removed(self, topic: bytes, holders: int, blocks: list[bytes]) -> list[VLLMEvent]:
+        gone = []
+        for block in blocks:
+            key = (topic, block)
+            left = self._holders[key] - holders
+            if left > 0:
+                self._holders[key] = left
+            else:
+                self._holders.pop(key, None)
+                gone.append(self.hasher.external(block))
+        return [BlockRemoved(gone, MEDIUM_GPU, group_idx=0)] if gone else []

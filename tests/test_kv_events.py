@@ -241,15 +241,29 @@ def test_an_extension_chains_on_its_parent(server: Server) -> None:
     assert ev.block_hashes == chain[2:]
 
 
-def test_two_models_share_vllm_hashes(server: Server) -> None:
+def test_a_shared_topic_reports_a_block_until_its_last_holder_drops_it(server: Server) -> None:
+    """On one topic the consumer sees the union of the models: beta storing
+    alpha's tokens adds nothing (same vLLM hashes), and alpha dropping them
+    removes nothing while beta still holds them."""
     ids = [401 + i for i in range(8)]
     generate(server.url, "alpha", ids)
+    stored = server.events.wait_for(stored_for(ids))
+    assert stored.block_hashes[:2] == vllm_chain(ids)
     generate(server.url, "beta", ids)
-    # Two stores of the same tokens (each model's pool holds its own KV) with
-    # the same hashes, as two vLLM engines would publish them.
-    a = server.events.wait_for(stored_for(ids))
-    b = server.events.wait_for(lambda t, ev: stored_for(ids)(t, ev) and ev is not a)
-    assert a.block_hashes[:2] == b.block_hashes[:2] == vllm_chain(ids)
+    r = httpx.post(f"{server.url}/models/alpha/invalidate", timeout=30)
+    assert r.status_code == 200, r.text
+    marker = [451 + i for i in range(4)]
+    generate(server.url, "alpha", marker)
+    server.events.wait_for(stored_for(marker))
+    later = [e for r in server.events.got for e in r.batch.events]
+    after = later[later.index(stored) + 1 :]
+    assert not any(isinstance(e, Stored) and e.token_ids[:4] == ids[:4] for e in after)
+    assert not any(
+        isinstance(e, Removed) and set(e.block_hashes) & set(stored.block_hashes) for e in after
+    )
+    r = httpx.post(f"{server.url}/models/beta/invalidate", timeout=30)
+    assert r.status_code == 200, r.text
+    server.events.wait_for(removed_all(stored.block_hashes[:2]))
 
 
 def test_a_model_placeholder_gives_each_model_its_topic(tmp_path: Path) -> None:
