@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 TreeEventKind = Literal["stored", "removed"]
+# Where the KV is: the arena (the tree's own entries) or the disk tier's chunks.
+TreeEventTier = Literal["arena", "disk"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class TreeEvent:
     models: tuple[str, ...]
     tokens: bytes
     start: int
+    tier: TreeEventTier = "arena"
 
 
 @dataclass
@@ -33,9 +36,16 @@ class TreeEventLog:
 
     events: list[TreeEvent] = field(default_factory=list)
 
-    def add(self, kind: TreeEventKind, models: tuple[str, ...], tokens: bytes, start: int) -> None:
+    def add(
+        self,
+        kind: TreeEventKind,
+        models: tuple[str, ...],
+        tokens: bytes,
+        start: int,
+        tier: TreeEventTier = "arena",
+    ) -> None:
         if models and len(tokens) > start * 4:
-            self.events.append(TreeEvent(kind, models, tokens, start))
+            self.events.append(TreeEvent(kind, models, tokens, start, tier))
 
     def drain(self) -> list[TreeEvent]:
         """The events recorded so far, oldest first; the log starts empty again."""

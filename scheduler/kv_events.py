@@ -46,8 +46,11 @@ from radixmux.memory.tree_events import TreeEvent
 
 log = logging.getLogger("radixmux.scheduler.kv_events")
 
-# The arena is the tier vLLM calls "GPU" (its primary KV cache, whatever the device).
+# vLLM's media: the arena is what vLLM calls "GPU" (its primary KV cache, whatever
+# the device), the disk tier what it calls "STORAGE".
 MEDIUM_GPU = "GPU"
+MEDIUM_STORAGE = "STORAGE"
+MEDIUM_OF_TIER = {"arena": MEDIUM_GPU, "disk": MEDIUM_STORAGE}
 # The seed of the first block's parent hash when PYTHONHASHSEED is unset (vLLM's
 # DEFAULT_NONE_HASH_SEED for its default, cryptographic hash).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
@@ -306,7 +309,8 @@ class EventTranslator:
     def __init__(self, hasher: BlockHasher, topic_of: Callable[[str], bytes]) -> None:
         self.hasher = hasher
         self.topic_of = topic_of
-        self._holders: Counter[tuple[bytes, bytes]] = Counter()  # (topic, digest) -> holders
+        # (topic, medium, block digest) -> how many hold it
+        self._holders: Counter[tuple[bytes, str, bytes]] = Counter()
 
     def translate(self, item: _Round) -> dict[bytes, list[VLLMEvent]]:
         """One round's vLLM events by topic, in the order the tree changed."""
@@ -314,24 +318,30 @@ class EventTranslator:
         for event in item.events:
             parent, blocks = self.hasher.hashes(event.tokens, event.start)
             topics = Counter(self.topic_of(item.names.get(m, m)) for m in event.models)
+            medium = MEDIUM_OF_TIER[event.tier]
             for topic, holders in topics.items():
                 if event.kind == "stored":
                     ids = np.frombuffer(event.tokens, dtype=np.int32)[event.start :].tolist()
-                    made = self._stored(topic, holders, ids, parent, blocks)
+                    made = self._stored((topic, medium), holders, ids, parent, blocks)
                 else:
-                    made = self._removed(topic, holders, blocks)
+                    made = self._removed((topic, medium), holders, blocks)
                 out.setdefault(topic, []).extend(made)
         return out
 
     def _stored(
-        self, topic: bytes, holders: int, ids: list[int], parent: bytes | None, blocks: list[bytes]
+        self,
+        where: tuple[bytes, str],
+        holders: int,
+        ids: list[int],
+        parent: bytes | None,
+        blocks: list[bytes],
     ) -> list[VLLMEvent]:
         """A BlockStored per run of blocks new to the topic (usually one run);
         ``ids`` are the blocks' tokens, ``parent`` the hash before the first."""
         size = self.hasher.page_size
         runs: list[tuple[bytes | None, list[int]]] = []  # (parent, block indices)
         for i, block in enumerate(blocks):
-            key = (topic, block)
+            key = (*where, block)
             self._holders[key] += holders
             if self._holders[key] == holders:  # nobody held it before
                 if runs and runs[-1][1][-1] == i - 1:
@@ -346,21 +356,23 @@ class EventTranslator:
                 ids[run[0] * size : (run[-1] + 1) * size],
                 size,
                 None,
-                MEDIUM_GPU,
+                where[1],
                 None,
                 group_idx=0,
             )
             for first_parent, run in runs
         ]
 
-    def _removed(self, topic: bytes, holders: int, blocks: list[bytes]) -> list[VLLMEvent]:
+    def _removed(
+        self, where: tuple[bytes, str], holders: int, blocks: list[bytes]
+    ) -> list[VLLMEvent]:
         gone = []
         for block in blocks:
-            key = (topic, block)
+            key = (*where, block)
             left = self._holders[key] - holders
             if left > 0:
                 self._holders[key] = left
             else:
                 self._holders.pop(key, None)
                 gone.append(self.hasher.external(block))
-        return [BlockRemoved(gone, MEDIUM_GPU, group_idx=0)] if gone else []
+        return [BlockRemoved(gone, where[1], group_idx=0)] if gone else []

@@ -47,6 +47,7 @@ from radixmux.scheduler import (
 from radixmux.scheduler.batch_builder import ScheduledBatch
 from radixmux.scheduler.bootstrap import SchedulerSockets, Startup
 from radixmux.scheduler.control import READ_ONLY_OPS, InvariantWalk
+from radixmux.scheduler.disk_events import DiskEvents
 from radixmux.scheduler.disk_holds import HeldBatch
 from radixmux.scheduler.kv_events import KVEventPublisher
 from radixmux.scheduler.models import ModelState, PendingModel, StartupError
@@ -107,6 +108,8 @@ class Scheduler:
             if config.enabled:
                 self.kv_events = KVEventPublisher(config, self.cache.page_size, self.served_names())
                 self.cache.events = TreeEventLog()
+                if self.disk is not None:
+                    self.disk.events = DiskEvents(self.cache, self.cache.events, self.disk.chunk)
 
     # ---- the loop --------------------------------------------------------------------
     def run(self, sockets: SchedulerSockets) -> None:

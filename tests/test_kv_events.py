@@ -183,6 +183,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         runner_threads=1,
         dtype="float32",
         kv_events_config=json.dumps(config),
+        # The disk tier saving each insert at once: its chunks are STORAGE events.
+        kv_disk_bytes=64 << 20,
+        kv_disk_dir=str(root / "disk"),
+        kv_disk_write_policy="write_through",
+        kv_disk_chunk_tokens=2 * PAGE,
     )
     endpoint, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
     events = Subscriber(endpoint, replay)
@@ -199,18 +204,21 @@ def generate(url: str, model: str, ids: list[int]) -> None:
     assert r.status_code == 200, r.text
 
 
-def stored_for(first: list[int], topic: str = TOPIC):
+def stored_for(first: list[int], topic: str = TOPIC, medium: str = "GPU"):
     return lambda got, ev: (
-        got == topic and isinstance(ev, Stored) and ev.token_ids[: len(first)] == first
+        got == topic
+        and isinstance(ev, Stored)
+        and ev.medium == medium
+        and ev.token_ids[: len(first)] == first
     )
 
 
-def removed_all(hashes: list[int]):
-    """A predicate true once removals covered ``hashes``."""
+def removed_all(hashes: list[int], medium: str = "GPU"):
+    """A predicate true once removals (from ``medium``) covered ``hashes``."""
     removed: set[int] = set()
 
     def pred(topic: str, ev: Any) -> bool:
-        if isinstance(ev, Removed):
+        if isinstance(ev, Removed) and ev.medium == medium:
             removed.update(ev.block_hashes)
         return set(hashes) <= removed
 
@@ -257,13 +265,27 @@ def test_a_shared_topic_reports_a_block_until_its_last_holder_drops_it(server: S
     server.events.wait_for(stored_for(marker))
     later = [e for r in server.events.got for e in r.batch.events]
     after = later[later.index(stored) + 1 :]
-    assert not any(isinstance(e, Stored) and e.token_ids[:4] == ids[:4] for e in after)
+    assert not any(
+        isinstance(e, Stored) and e.medium == "GPU" and e.token_ids[:4] == ids[:4] for e in after
+    )
     assert not any(
         isinstance(e, Removed) and set(e.block_hashes) & set(stored.block_hashes) for e in after
     )
     r = httpx.post(f"{server.url}/models/beta/invalidate", timeout=30)
     assert r.status_code == 200, r.text
     server.events.wait_for(removed_all(stored.block_hashes[:2]))
+
+
+def test_disk_chunks_are_storage_blocks(server: Server) -> None:
+    ids = [701 + i for i in range(8)]  # one disk chunk
+    generate(server.url, "alpha", ids)
+    arena = server.events.wait_for(stored_for(ids))
+    disk = server.events.wait_for(stored_for(ids, medium="STORAGE"))
+    assert disk.block_hashes == arena.block_hashes[:2] == vllm_chain(ids)
+    assert disk.parent_block_hash is None and disk.token_ids == ids
+    r = httpx.post(f"{server.url}/flush_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    server.events.wait_for(removed_all(disk.block_hashes, medium="STORAGE"))
 
 
 def test_a_model_placeholder_gives_each_model_its_topic(tmp_path: Path) -> None:
