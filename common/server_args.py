@@ -317,7 +317,8 @@ _FLAGS: list[tuple[str, type, str]] = [
         str,
         "vLLM's KV events JSON (enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
         "buffer_steps, hwm, max_queue_size, topic): publish what the radix cache stores and "
-        "evicts, per model, as vLLM's ZMQ KV events (docs/kv-events.md)",
+        "evicts, per model, as vLLM's ZMQ KV events; {model} in the topic: one topic per "
+        "served model (docs/kv-events.md)",
     ),
 ]
 # (flag, help) of list flags: repeat them or give a comma list; default: empty.

@@ -30,7 +30,8 @@ import zmq
 
 from bench.server_process import ServerProcess, free_port
 from bench.tiny_models import make_tiny_model_dir
-from radixmux.common.kv_events_config import KVEventsConfig
+from radixmux.common.kv_events_config import KVEventsConfig, parse_kv_events_config
+from radixmux.common.server_args import ServerArgs
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
@@ -424,3 +425,17 @@ def test_vllm_router_kv_aware_credits_the_published_prefix(
         assert len(credited) >= 2 and credited[0] == 0 and credited[-1] > 0, credited
     finally:
         proc.stop()
+
+
+def test_the_config_is_vllms_json_and_a_wrong_one_is_named() -> None:
+    config = parse_kv_events_config('{"enable_kv_cache_events": true, "topic": "kv"}')
+    assert config.enabled and config.endpoint == "tcp://*:5557" and config.buffer_steps == 10_000
+    null = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}')
+    assert not null.enabled
+    assert not parse_kv_events_config("{}").enabled
+    with pytest.raises(ValueError, match="enable_kv_cache_event"):
+        ServerArgs(kv_events_config='{"enable_kv_cache_event": true}')
+    with pytest.raises(ValueError, match="hwm"):
+        parse_kv_events_config('{"hwm": "many"}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_kv_events_config("{enable")
