@@ -439,3 +439,33 @@ def test_the_config_is_vllms_json_and_a_wrong_one_is_named() -> None:
         parse_kv_events_config('{"hwm": "many"}')
     with pytest.raises(ValueError, match="not valid JSON"):
         parse_kv_events_config("{enable")
+
+
+def test_the_bytes_are_vllms_own() -> None:
+    """With vLLM installed, its own structs encode our batches to the same bytes
+    (0.32.0 exactly; 0.33's BlockStored map header is wider, see docs/kv-events.md)."""
+    vllm = pytest.importorskip("vllm.distributed.kv_events")
+    from radixmux.scheduler import kv_events as ours
+
+    def batch(mod: Any) -> bytes:
+        events = [
+            mod.BlockStored(
+                block_hashes=[12345, 2**63 + 5],
+                parent_block_hash=None,
+                token_ids=list(range(2 * PAGE)),
+                block_size=PAGE,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+            ),
+            mod.BlockRemoved(block_hashes=[7], medium="STORAGE", group_idx=0),
+            mod.AllBlocksCleared(),
+        ]
+        return msgspec.msgpack.encode(getattr(mod, "KVEventBatch", mod.EventBatch)(1.5, events))
+
+    assert DECODER.decode(batch(ours)) == DECODER.decode(batch(vllm))
+    import vllm as package
+
+    if package.__version__.startswith("0.32."):
+        assert batch(ours) == batch(vllm)
