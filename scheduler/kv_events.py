@@ -209,7 +209,12 @@ class KVEventPublisher:
             # A full replay and its end marker fit, even to a slow reader (vLLM's choice).
             self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(config.replay_endpoint)
+            try:
+                self._replay.bind(config.replay_endpoint)
+            except zmq.ZMQError:
+                self._pub.close()
+                self._replay.close()
+                raise
         # Subscribers drop what a previous run of this server told them.
         self._queue.put_nowait(_Cleared(tuple(sorted(set(models.values())))))
         self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)

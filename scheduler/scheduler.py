@@ -102,14 +102,24 @@ class Scheduler:
         self.warmups = Warmups(pins)  # warm-ups in flight and pinned prefixes
         for arg in args.models:  # registered in the cache by ``bootstrap.build``
             instances.serve(self, arg, startup.roll, arg.name)
-        self.kv_events: KVEventPublisher | None = None
-        if args.kv_events_config is not None:
-            config = parse_kv_events_config(args.kv_events_config)
-            if config.enabled:
-                self.kv_events = KVEventPublisher(config, self.cache.page_size, self.served_names())
-                self.cache.events = TreeEventLog()
-                if self.disk is not None:
-                    self.disk.events = DiskEvents(self.cache, self.cache.events, self.disk.chunk)
+        self.kv_events = self._start_kv_events()
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        """The KV event publisher when ``--kv-events-config`` enables it; the
+        tree (and the disk tier) then log what they store and drop."""
+        if self.args.kv_events_config is None:
+            return None
+        config = parse_kv_events_config(self.args.kv_events_config)
+        if not config.enabled:
+            return None
+        try:
+            publisher = KVEventPublisher(config, self.cache.page_size, self.served_names())
+        except zmq.ZMQError as exc:
+            raise StartupError(f"--kv-events-config: cannot open its sockets: {exc}") from exc
+        self.cache.events = TreeEventLog()
+        if self.disk is not None:
+            self.disk.events = DiskEvents(self.cache, self.cache.events, self.disk.chunk)
+        return publisher
 
     # ---- the loop --------------------------------------------------------------------
     def run(self, sockets: SchedulerSockets) -> None:
