@@ -1,11 +1,10 @@
-"""KV events in vLLM's format: what the radix cache stores and evicts, per model.
+"""Publishing KV events in vLLM's format: what the radix cache stores and
+evicts, per model (the format and hashes: ``kv_event_format``).
 
-Wire format, matched field for field to vLLM 0.32.0 and 0.33.0
-(``vllm/distributed/kv_events.py``; docs/kv-events.md has the details and the
-differences from older releases): a ZMQ PUB socket sends each batch as the
-multipart ``(topic, 8-byte big-endian sequence number, msgpack EventBatch)``;
-an optional ROUTER socket replays buffered batches from a sequence number a
-client sends, then an end marker.
+A ZMQ PUB socket sends each batch as the multipart ``(topic, 8-byte big-endian
+sequence number, msgpack EventBatch)``; an optional ROUTER socket replays
+buffered batches from a sequence number a client sends, then an end marker
+(vLLM 0.32's ``ZmqEventPublisher`` protocol; docs/kv-events.md).
 
 Several models share one stream. The events of a model are exactly what vLLM
 publishes for a model without LoRA (no ``lora_name``, no extra keys, the same
@@ -17,7 +16,7 @@ one model by its topic). A topic without ``{model}`` is sent as it is for every
 model, as vLLM does (what a consumer that only knows vLLM's fixed topic needs).
 
 The loop only hands the tree's ``TreeEvent`` log to a bounded queue
-(``publish_tree_events``, after each round of events); hashing, encoding and
+(``Scheduler.publish_kv_events``, after each round of events); hashing, encoding and
 sending happen on a thread of their own, so a slow subscriber never stalls
 the loop (a full queue drops the batch and counts it).
 """
@@ -25,17 +24,13 @@ the loop (a full queue drops the batch and counts it).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
-import pickle
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -43,122 +38,20 @@ import zmq
 
 from radixmux.common.kv_events_config import KVEventsConfig
 from radixmux.memory.tree_events import TreeEvent
+from radixmux.scheduler.kv_event_format import (
+    MEDIUM_OF_TIER,
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    VLLMEvent,
+)
 
 log = logging.getLogger("radixmux.scheduler.kv_events")
 
-# vLLM's media: the arena is what vLLM calls "GPU" (its primary KV cache, whatever
-# the device), the disk tier what it calls "STORAGE".
-MEDIUM_GPU = "GPU"
-MEDIUM_STORAGE = "STORAGE"
-MEDIUM_OF_TIER = {"arena": MEDIUM_GPU, "disk": MEDIUM_STORAGE}
-# The seed of the first block's parent hash when PYTHONHASHSEED is unset (vLLM's
-# DEFAULT_NONE_HASH_SEED for its default, cryptographic hash).
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
 MODEL_PLACEHOLDER = "{model}"  # in the configured topic: the served model name
-
-
-# ---- the wire format (vLLM 0.32 / 0.33 layout) --------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One batch: ``[ts, events]`` (``data_parallel_rank`` omitted while None)."""
-
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """An event: a msgpack map whose ``type`` key names its class."""
-
-
-class BlockStored(KVCacheEvent):
-    """Consecutive full pages of one model entered the cache."""
-
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    """Pages left the cache (their hashes name the model)."""
-
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    """Forget everything this publisher reported before."""
-
-
-# ---- block hashes ----------------------------------------------------------------------
-def _sha256(value: object) -> bytes:
-    """vLLM's default ``sha256``: SHA-256 of the highest-protocol pickle."""
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-class BlockHasher:
-    """vLLM's chained block hash, ``sha256((parent, block token ids, None))``
-    (None: no extra keys, as for a request without LoRA, multimodal input or
-    cache salt). The first block's parent is ``sha256(seed)``, the seed being
-    PYTHONHASHSEED, else vLLM's fixed default. Published as the low 64 bits of
-    the big-endian digest (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1)
-    or as the 32 raw bytes when that variable is 0."""
-
-    CACHE_ENTRIES = 4096
-
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
-        self.none_hash = _sha256(os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED))
-        self.as_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
-        # (prefix length, prefix digest) -> the hash of the prefix's last page,
-        # so a store extending a path already hashed starts from there.
-        self._chain: OrderedDict[tuple[int, bytes], bytes] = OrderedDict()
-
-    def external(self, digest: bytes) -> int | bytes:
-        return int.from_bytes(digest, "big") & ((1 << 64) - 1) if self.as_int else digest
-
-    def hashes(self, tokens: bytes, start: int) -> tuple[bytes | None, list[bytes]]:
-        """The parent hash of page ``start`` (None at the root) and the hashes of
-        the pages from ``start`` to the end of ``tokens`` (packed int32)."""
-        ids = np.frombuffer(tokens, dtype=np.int32).tolist()
-        parent = self._cached(tokens, start) if start else None
-        # Unknown parent: hash the path from the root.
-        first = 0 if start and parent is None else start
-        prev = parent
-        out: list[bytes] = []
-        size = self.page_size
-        for pos in range(first, len(ids), size):
-            block = _sha256((prev or self.none_hash, tuple(ids[pos : pos + size]), None))
-            if pos >= start:
-                out.append(block)
-            elif pos + size == start:
-                parent = block
-            prev = block
-        if out:
-            self._remember(tokens, len(ids), out[-1])
-        return parent, out
-
-    def _key(self, tokens: bytes, length: int) -> tuple[int, bytes]:
-        return length, hashlib.blake2b(tokens[: length * 4], digest_size=16).digest()
-
-    def _cached(self, tokens: bytes, length: int) -> bytes | None:
-        key = self._key(tokens, length)
-        found = self._chain.get(key)
-        if found is not None:
-            self._chain.move_to_end(key)
-        return found
-
-    def _remember(self, tokens: bytes, length: int, block: bytes) -> None:
-        self._chain[self._key(tokens, length)] = block
-        if len(self._chain) > self.CACHE_ENTRIES:
-            self._chain.popitem(last=False)
 
 
 # ---- the publisher ---------------------------------------------------------------------
@@ -295,9 +188,6 @@ class KVEventPublisher:
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard, ipc:// and inproc:// endpoints, connect to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-VLLMEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventTranslator:

@@ -445,7 +445,7 @@ def test_the_bytes_are_vllms_own() -> None:
     """With vLLM installed, its own structs encode our batches to the same bytes
     (0.32.0 exactly; 0.33's BlockStored map header is wider, see docs/kv-events.md)."""
     vllm = pytest.importorskip("vllm.distributed.kv_events")
-    from radixmux.scheduler import kv_events as ours
+    from radixmux.scheduler import kv_event_format as ours
 
     def batch(mod: Any) -> bytes:
         events = [
