@@ -29,7 +29,7 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 # ---- the wire format (vLLM 0.32 / 0.33 layout) --------------------------------------
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One batch: ``[ts, events]`` (``data_parallel_rank`` omitted while None)."""
+    """One batch: the array ``[ts, events, data_parallel_rank]``."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]

@@ -144,12 +144,13 @@ class KVEventPublisher:
                     continue
                 if item is None:
                     break
+                # data_parallel_rank 0: what vLLM's publisher of a single rank sets.
                 if isinstance(item, _Cleared):
                     topics = {self.topic_of(m) for m in item.models} or {self.topic_of("")}
-                    batches = {t: EventBatch(time.time(), [AllBlocksCleared()]) for t in topics}
+                    batches = {t: EventBatch(time.time(), [AllBlocksCleared()], 0) for t in topics}
                 else:
                     batches = {
-                        topic: EventBatch(item.ts, events)
+                        topic: EventBatch(item.ts, events, 0)
                         for topic, events in translator.translate(item).items()
                     }
                 for topic, batch in sorted(batches.items()):
