@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from radixmux.common.allowed_names import check_flags as check_allowed_names
+from radixmux.common.kv_events_config import parse_kv_events_config
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
 from radixmux.protocol import ModelArg
@@ -118,6 +119,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     memory_reserve_bytes: int = 1 << 30
     drain_timeout: float = 30.0
     model_load_timeout: float = 900.0
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -165,6 +167,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         if not self.schedule_conservativeness >= 0:
             raise ValueError("--schedule-conservativeness must be >= 0")
         self._check_disk_tier()
+        if self.kv_events_config is not None:
+            parse_kv_events_config(self.kv_events_config)
         if not 0 <= self.max_pinned_fraction <= 1:  # also refuses NaN
             raise ValueError("--max-pinned-fraction must be in [0, 1]")
         if self.memory_reserve_bytes < 0 or not self.drain_timeout >= 0:  # NaN too
@@ -307,6 +311,14 @@ _FLAGS: list[tuple[str, type, str]] = [
         float,
         "seconds a model load at run time (POST /models, reload) may take; then it is "
         "cancelled and undone (504)",
+    ),
+    (
+        "kv-events-config",
+        str,
+        "vLLM's KV events JSON (enable_kv_cache_events, publisher, endpoint, replay_endpoint, "
+        "buffer_steps, hwm, max_queue_size, topic): publish what the radix cache stores and "
+        "evicts, per model, as vLLM's ZMQ KV events; {model} in the topic: one topic per "
+        "served model (docs/kv-events.md)",
     ),
 ]
 # (flag, help) of list flags: repeat them or give a comma list; default: empty.

@@ -34,6 +34,7 @@ import numpy as np
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.eviction import get_policy
 from radixmux.memory.layout import KVLayout
+from radixmux.memory.tree_events import TreeEventKind, TreeEventLog
 
 Tokens = Sequence[int] | np.ndarray | bytes
 # "unload": a model removed at run time (its generation's entries go with it).
@@ -256,6 +257,9 @@ class RadixCache:
         # tier copies the KV out first. The slots stay intact until the next
         # forward pass writes them.
         self.on_evict: Callable[[str, bytes, np.ndarray, int], None] | None = None
+        # What each model starts and stops holding, for KV event publishing;
+        # None (the default) records nothing.
+        self.events: TreeEventLog | None = None
 
     # ---- models ------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> None:
@@ -272,6 +276,7 @@ class RadixCache:
         self._generations[gid].attach(spec.name)
         self._model_generation[spec.name] = gid
         self._counters[spec.name] = ModelCounters()
+        self._record_all("stored", spec.name, gid)  # a generation it joins already holds KV
         self._reweigh(gid)
 
     def unregister_model(self, name: str) -> int:
@@ -281,6 +286,7 @@ class RadixCache:
         Returns tokens freed now."""
         self.model(name)
         gid = self._model_generation.pop(name)
+        self._record_all("removed", name, gid)
         del self._models[name]
         del self._counters[name]
         self._evicted_for.pop(name, None)
@@ -415,6 +421,25 @@ class RadixCache:
             node = node.parent
         empty = np.zeros(0, dtype=np.int64)
         return b"".join(reversed(keys)), np.concatenate([empty, *reversed(slots)])
+
+    def _path_tokens(self, node: Node) -> bytes:
+        keys: list[bytes] = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return b"".join(reversed(keys))
+
+    def _record_all(self, kind: TreeEventKind, model: str, gid: int) -> None:
+        """Record every entry of ``gid`` as stored or removed for ``model``
+        alone (it joins or leaves the generation), parents before children."""
+        if self.events is None:
+            return
+        for root in self._roots.values():
+            for node in _walk(root):
+                entry = node.entries.get(gid)
+                if entry is not None:
+                    path = self._path_tokens(node)
+                    self.events.add(kind, (model,), path, len(path) // 4 - len(entry.slots))
 
     def cached_paths(self) -> Iterable[tuple[str, bytes, np.ndarray]]:
         """``(pool, tokens, slots)`` of every leaf-most entry of a live generation:
@@ -554,6 +579,9 @@ class RadixCache:
         gen = self._generations[gid]
         gen.cached_tokens += len(slots)
         gen.leaves.add(node)
+        if self.events is not None:
+            path = self._path_tokens(node)
+            self.events.add("stored", tuple(sorted(gen.models)), path, len(path) // 4 - len(slots))
         parent = node.parent
         if parent is not None and parent.parent is not None:
             up = parent.entries[gid]
@@ -567,6 +595,12 @@ class RadixCache:
         if self.on_evict is not None and reason == "capacity" and not gen.orphaned:
             tokens, slots = self.path(node, gid)
             self.on_evict(gen.pool, tokens, slots, len(slots) - len(entry.slots))
+        if self.events is not None:
+            # An orphaned generation's entries were reported gone when its last
+            # model left (``_record_all``): they no longer match from then on.
+            path = self._path_tokens(node)
+            models = tuple(sorted(gen.models))
+            self.events.add("removed", models, path, len(path) // 4 - len(entry.slots))
         del node.entries[gid]
         self.allocator.free(gen.pool, entry.slots)
         gen.cached_tokens -= len(entry.slots)
@@ -763,6 +797,7 @@ class RadixCache:
         spec = self.model(model)
         old = self._model_generation[model]
         gen = self._generations[old]
+        self._record_all("removed", model, old)
         gen.models.discard(model)
         new = self._new_generation(spec.pool, gen.bytes_per_token)
         self._generations[new].attach(model)

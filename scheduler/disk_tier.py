@@ -54,6 +54,7 @@ from radixmux.memory.kv_transfer import (
 )
 from radixmux.memory.radix_cache import CacheHandle, RadixCache
 from radixmux.protocol import DiskTierStats
+from radixmux.scheduler.disk_events import DiskEvents
 from radixmux.scheduler.request import Req
 
 log = logging.getLogger("radixmux.scheduler")
@@ -124,6 +125,7 @@ class DiskTier:
         self.load_seconds = 0.0
         self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.tokens_loaded: collections.Counter[str] = collections.Counter()
+        self.events: DiskEvents | None = None  # set while KV events are published
         if write_policy == "write_back":
             cache.on_evict = self._spill
         log.info(
@@ -168,6 +170,8 @@ class DiskTier:
         chunk_slots = np.concatenate([slots[i * c : (i + 1) * c] for i in todo])
         chosen = [keys[i] for i in todo]
         self._queued.update(chosen)
+        if self.events is not None:
+            self.events.queued(pool, tokens, chosen, todo)
         job = SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c)
         return self.transfer.submit(job)
 
@@ -294,6 +298,9 @@ class DiskTier:
             for key, why in result.bad:
                 self.write_errors += 1
                 log.warning("disk tier: could not save chunk %s: %s", key.hex()[:16], why)
+            if self.events is not None:
+                self.events.failed(key for key, _ in result.bad)
+                self.events.written(key for key, _ in result.written)
             self._reading.pop(job.job_id, None)
             handle = self._through_locks.pop(job.job_id, None)
             if handle is not None:
@@ -305,6 +312,8 @@ class DiskTier:
                 victims += self.store.added(key, ns_dir, size)
             if victims:
                 self.transfer.submit(DeleteJob(victims))
+                if self.events is not None:
+                    self.events.dropped(v.key for v in victims)
             self.bytes_written += result.nbytes
             self.chunks_written += len(result.written)
             return None
@@ -312,6 +321,8 @@ class DiskTier:
             for key, why in result.bad:
                 self.chunks_dropped += 1
                 log.warning("disk tier: dropped chunk %s (%s)", self.store.discard(key), why)
+                if self.events is not None:
+                    self.events.dropped([key])
             load = self.loading.pop(job.job_id)
             for ch in load.chunks:
                 self._loading_keys[ch.key] -= 1
@@ -354,6 +365,8 @@ class DiskTier:
         deletes only chunk files, never anything else in the directory."""
         self.store.clear()
         self.transfer.submit(ClearJob())
+        if self.events is not None:
+            self.events.cleared()
 
     def close(self, flush: bool) -> None:
         """Stop the I/O thread; with ``flush`` (a graceful stop under write-back)

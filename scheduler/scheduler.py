@@ -28,9 +28,11 @@ import zmq
 
 from radixmux import protocol
 from radixmux.common.cpu import cpu_cores
+from radixmux.common.kv_events_config import parse_kv_events_config
 from radixmux.common.process import ProcessContext, report, run_process
 from radixmux.common.server_args import ServerArgs
 from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.tree_events import TreeEventLog
 from radixmux.scheduler import (
     bootstrap,
     control,
@@ -45,7 +47,9 @@ from radixmux.scheduler import (
 from radixmux.scheduler.batch_builder import ScheduledBatch
 from radixmux.scheduler.bootstrap import SchedulerSockets, Startup
 from radixmux.scheduler.control import READ_ONLY_OPS, InvariantWalk
+from radixmux.scheduler.disk_events import DiskEvents
 from radixmux.scheduler.disk_holds import HeldBatch
+from radixmux.scheduler.kv_events import KVEventPublisher
 from radixmux.scheduler.models import ModelState, PendingModel, StartupError
 from radixmux.scheduler.outbox import Outbox
 from radixmux.scheduler.request import Req
@@ -98,6 +102,24 @@ class Scheduler:
         self.warmups = Warmups(pins)  # warm-ups in flight and pinned prefixes
         for arg in args.models:  # registered in the cache by ``bootstrap.build``
             instances.serve(self, arg, startup.roll, arg.name)
+        self.kv_events = self._start_kv_events()
+
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        """The KV event publisher when ``--kv-events-config`` enables it; the
+        tree (and the disk tier) then log what they store and drop."""
+        if self.args.kv_events_config is None:
+            return None
+        config = parse_kv_events_config(self.args.kv_events_config)
+        if not config.enabled:
+            return None
+        try:
+            publisher = KVEventPublisher(config, self.cache.page_size, self.served_names())
+        except zmq.ZMQError as exc:
+            raise StartupError(f"--kv-events-config: cannot open its sockets: {exc}") from exc
+        self.cache.events = TreeEventLog()
+        if self.disk is not None:
+            self.disk.events = DiskEvents(self.cache, self.cache.events, self.disk.chunk)
+        return publisher
 
     # ---- the loop --------------------------------------------------------------------
     def run(self, sockets: SchedulerSockets) -> None:
@@ -130,6 +152,9 @@ class Scheduler:
             self.after_events()
         if self.disk is not None:
             self.disk.close(flush=True)
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.close()
         for runner in self.runners.values():
             if runner.up:
                 self.outbox.to_runner(runner.runner_id, protocol.Shutdown())
@@ -143,6 +168,19 @@ class Scheduler:
             instances.finish_removals(self)
         if not self.stopping:
             self.dispatch()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+
+    def served_names(self) -> dict[str, str]:
+        """Each instance's served model name (what clients and routers ask for)."""
+        return {n: m.served.name for n, m in self.models.items()}
+
+    def publish_kv_events(self) -> None:
+        """Hand what the tree stored and dropped this round to the KV event publisher."""
+        assert self.kv_events is not None and self.cache.events is not None
+        events = self.cache.events.drain()
+        if events:
+            self.kv_events.submit(events, self.served_names())
 
     @contextlib.contextmanager
     def _contained(self, what: str, rids: list[str]) -> Iterator[None]:
