@@ -8,11 +8,19 @@ chat templates, detokenizer, runners) runs for real in seconds.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+# Pristine folders made in this process, by their arguments: the same model
+# again is a copy of the files (milliseconds) rather than a tokenizer load and
+# a model init (seconds). Copies of a private folder, not links nor the first
+# caller's folder: tests edit the files of theirs.
+_MADE: dict[tuple[object, ...], Path] = {}
+_PRISTINE: list[tempfile.TemporaryDirectory[str]] = []
 
 
 def tokenizer_source(name: str = "smollm2") -> Path:
@@ -37,6 +45,18 @@ def make_tiny_model_dir(
     """
     if (path / "model.safetensors").exists():
         return path
+    key = (seed, chat_template, layers, hidden, context)
+    if key not in _MADE:
+        if not _PRISTINE:
+            _PRISTINE.append(tempfile.TemporaryDirectory(prefix="radixmux-tiny-models-"))
+        made = Path(_PRISTINE[0].name) / str(len(_MADE))
+        _make(made, *key)
+        _MADE[key] = made
+    shutil.copytree(_MADE[key], path, dirs_exist_ok=True)
+    return path
+
+
+def _make(path: Path, seed: int, chat_template: bool, layers: int, hidden: int, context: int):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     src = tokenizer_source("smollm2")
@@ -64,4 +84,3 @@ def make_tiny_model_dir(
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path, safe_serialization=True)
-    return path

@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 
 KEY = "fuzz-key"
 LIMIT = 8192
-CASES_PER_OPERATION = 200
+CASES_PER_OPERATION = 100
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -100,7 +100,7 @@ def test_generated_requests_never_get_a_5xx(front: RunningFront) -> None:
     print(f"\nfuzz cases per operation ({total} in all):")
     for label, n in sorted(cases.items()):
         print(f"  {n:5d}  {label}")
-    assert total >= 2000, cases
+    assert total >= 12 * CASES_PER_OPERATION, cases
     assert front.proc.poll() is None
     assert httpx.get(f"{front.url}/health", timeout=10).status_code == 200
 
@@ -111,7 +111,7 @@ def test_generated_model_changes_never_get_a_5xx() -> None:
     with chat_and_base_front(api_key=KEY, max_request_bytes=LIMIT) as front:
         cases = fuzz_operations(front, model_changes=True)
         print(f"\nmodel-change fuzz cases: {dict(cases)}")
-        assert sum(cases.values()) >= 400, cases
+        assert sum(cases.values()) >= 4 * CASES_PER_OPERATION, cases
         assert front.proc.poll() is None
         models = httpx.get(
             f"{front.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10

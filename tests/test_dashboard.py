@@ -122,7 +122,8 @@ def test_shared_prefix_hits_saved_tokens_and_queue_times(server: str) -> None:
 
 
 def test_invalidate_and_flush_move_per_model_evictions_by_exact_tokens(server: str) -> None:
-    for i in range(3):
+    for i in range(3):  # both caches hold tokens, whatever ran before
+        complete(server, "a", [*ids(4000, 30), 4500 + i])
         complete(server, "b", [*ids(5000, 30), 6000 + i])
     before = scrape(server)
     held_a = value(before, "radixmux_cached_tokens", model="a")
@@ -299,6 +300,7 @@ def test_dashboard_in_headless_chromium_agrees_with_metrics(server: str, tmp_pat
     if browser is None:
         pytest.skip("chromium not found (Debian: apt-get install chromium; `make setup` does it)")
     page = f"{server}/dashboard#key={KEY}"
+    complete(server, "a2", "Where are we?")  # the load's models are a and b; a2 is asked too
     start = scrape(server)
     load = Load(server)
     load.start()
@@ -338,8 +340,10 @@ def test_dashboard_in_headless_chromium_agrees_with_metrics(server: str, tmp_pat
             ("queue_time_count", "radixmux_request_queue_time_seconds_count"),
         ):
             assert quiet.number(model, field) == value(final, metric, model=model), (model, field)
+        # A model never asked has no rate (the page shows a dash, /metrics a 0).
         rate = value(final, "radixmux_cache_hit_rate", model=model)
-        assert quiet.cell(model, "hit_rate") == f"{100 * rate:.1f}%"
+        asked = value(final, "radixmux_cache_tokens_queried_total", model=model)
+        assert quiet.cell(model, "hit_rate") == (f"{100 * rate:.1f}%" if asked else "–")
         for reason in REASONS:
             assert quiet.number(model, f"evicted_{reason}") == value(
                 final, "radixmux_model_evicted_tokens_total", model=model, reason=reason

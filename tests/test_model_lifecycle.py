@@ -74,8 +74,9 @@ class Traffic:
 ENDPOINTS: dict[str, str] = {}  # base url -> the ZMQ client endpoint
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(folders: dict[str, Path]) -> Iterator[str]:
+    """A server of its own per test: each one loads, reloads and unloads models."""
     eng = Engine(
         model=[f"{folders['a']},name=a", f"{folders['b']},name=b"],
         kv_cache_bytes=64 << 20,

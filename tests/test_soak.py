@@ -1,10 +1,10 @@
-"""The soak and chaos harness (``python -m bench.soak``) for two minutes on tiny
+"""The soak and chaos harness (``python -m bench.soak``) for 90 seconds on tiny
 models, with its hostile clients (``--hostile``).
 
 The real two-model server runs as a subprocess on a small arena under the
 harness's whole mixed load (shared prefixes, multi-turn chats, abandoned
 streams, bursts that outgrow the arena, disconnects during tokenization, bad
-input, invalidations and flushes); a minute in, model ``a``'s runner is
+input, invalidations and flushes); 45 seconds in, model ``a``'s runner is
 SIGKILLed (one kill, so ``b``'s runner lives through the memory check from the
 halfway point to the end). Beside that load run the hostile clients (lists at
 and past every bound, slow and stalled readers, model changes under streams
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ from bench.soak.records import Outage, ProcessSeries, RequestRecord, RunState
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Start (~40 s), the hostile clients alone (~1 min), 2 min of load, end phase,
+# Start (~40 s), the hostile clients alone (~40 s), 90 s of load, end phase,
 # a restart on the same disk store, stop; slow when the machine is shared.
 RUN_TIMEOUT_S = 1500
 
@@ -63,11 +64,11 @@ HOSTILE_CHECKS = (
 TIMED_CHECKS = frozenset({"hostile_stall_ratio"})
 
 
-def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
+def test_short_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "2", "--tiny"]
+    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "1.5", "--tiny"]
     proc = subprocess.run(
-        [*cmd, "--hostile", "--kill-every", "60", "--out", str(out)],
+        [*cmd, "--hostile", "--kill-every", "45", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -77,7 +78,7 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert out.exists(), tail
     data = json.loads(out.read_text())
 
-    # The stall ratio is a speed figure: on a shared 2-core machine a 2-minute
+    # The stall ratio is a speed figure: on a shared 2-core machine a 90-second
     # tiny run measures the neighbours; the 30-minute bench run judges it. Here
     # only that it was measured (its probes answered) is asserted.
     failed = [
@@ -116,7 +117,10 @@ def test_two_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert [s["when"] for s in hostile["state_checks"]] == ["before", "after"]
     assert hostile["restart"]["ready"] and hostile["restart"]["exit_code"] == 0
     assert {"idle", "hostile", "load"} <= hostile["stall"].keys(), hostile["stall"]
-    assert not Path(data["config"]["hostile_dir"]).exists()  # removed after a pass
+    # Removed after a pass; kept for a look when a check failed (a timed one may).
+    kept = Path(data["config"]["hostile_dir"])
+    assert kept.exists() == (not data["passed"]), data["passed"]
+    shutil.rmtree(kept, ignore_errors=True)
 
 
 # ---- the judging logic on hand-made records (milliseconds, no server) -------------------
@@ -176,6 +180,10 @@ def test_rss_growth_is_judged_over_each_process_warm_life() -> None:
     # Killed at 150 s: judged up to its death.
     killed = ProcessSeries(3, "runner b#0", [-1.0, 60.0, 150.0], [100, 100, 110])
     assert rss_growth(killed, 60.0, 200.0) == pytest.approx(0.10)
+    # A 90-second run: each process is judged over the second half of its life.
+    short = ProcessSeries(4, "runner b#0", [-1.0, 45.0, 90.0], [100, 100, 102])
+    assert rss_growth(short, 45.0, 90.0) == pytest.approx(0.02)
+    assert rss_growth(restarted, 45.0, 90.0) is None  # warm at 90 s: no window left
     assert rss_baseline_s(120.0) == 60.0 and rss_baseline_s(1800.0) == 120.0
 
 

@@ -3,8 +3,10 @@
 One tiny random-weight model (SmolLM2's real tokenizer and chat template) in
 a small arena (2,048 tokens of KV), so a few long prompts evict everything
 that is not pinned. The scheduler checks its invariants after every step.
-The server is started once, with ``--warmup FILE`` (a server start is most of
-this module's time); the tests run in order on it.
+Two servers (a server start is most of this module's time): one started with
+``--warmup FILE`` for the tests that read what the file left (they never
+flush), one for the tests that pin, flush and evict. Each test passes alone
+and in any order.
 """
 
 from __future__ import annotations
@@ -49,11 +51,22 @@ def start(model_dir: Path, **flags: object) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def warmed(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server started with a warm-up file pinning ``SYSTEM``; nothing flushes it."""
     path = tmp_path_factory.mktemp("warmup_file") / "warm.jsonl"
     line = {"model": "a", "messages": [{"role": "system", "content": SYSTEM}], "pin": True}
     path.write_text("# system prompts\n" + json.dumps(line) + "\n\n")
     engine = start(model_dir, warmup=str(path))
+    try:
+        yield f"http://127.0.0.1:{engine.args.port}"
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(model_dir: Path) -> Iterator[str]:
+    """A server for the tests that pin, flush and evict."""
+    engine = start(model_dir)
     try:
         yield f"http://127.0.0.1:{engine.args.port}"
     finally:
@@ -100,8 +113,9 @@ def random_ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def test_warmup_file_made_the_first_request_hit(url: str) -> None:
+def test_warmup_file_made_the_first_request_hit(warmed: str) -> None:
     """Ready (/health 200) only after the file's warm-up: the first chat hits it."""
+    url = warmed
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     pinned = pinned_metric(url)
     assert pinned > 60
@@ -111,7 +125,8 @@ def test_warmup_file_made_the_first_request_hit(url: str) -> None:
     assert sched["invariants"] == "ok" and sched["locks_held"] == sched["pins"] == 1
 
 
-def test_warmed_system_prompt_is_hit_by_the_first_chat(url: str) -> None:
+def test_warmed_system_prompt_is_hit_by_the_first_chat(warmed: str) -> None:
+    url = warmed
     r = warmup(url, messages=[{"role": "system", "content": OTHER_SYSTEM}])
     assert r.status_code == 200, r.text
     item = r.json()["items"][0]

@@ -244,13 +244,15 @@ def rss_growth(series: ProcessSeries, warm_s: float, end_t: float) -> float | No
 
     A runner restarted after a kill is a new process: it is judged over its own
     life, from when it is warm (weights loaded, kernels built) to its death or
-    the end. None when that window is shorter than ``RSS_MIN_WINDOW_S``.
+    the end. None when that window is shorter than ``RSS_MIN_WINDOW_S``, or
+    than ``warm_s`` itself in a run too short for that (the window then as
+    long as the warm-up before it: the second half of its life).
     """
     if not series.t:
         return None
     base = max(warm_s, series.t[0] + warm_s)
     last = min(series.t[-1], end_t)
-    if last - base < RSS_MIN_WINDOW_S:
+    if last - base < min(RSS_MIN_WINDOW_S, warm_s):
         return None
     i = next(i for i, t in enumerate(series.t) if t >= base)
     j = max(i for i, t in enumerate(series.t) if t <= last)

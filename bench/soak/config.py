@@ -16,7 +16,7 @@ PROGRESS_EVERY_S = 10.0
 RSS_EVERY_S = 5.0
 RSS_GROWTH_LIMIT = 0.05  # the issue: < 5% between minute 2 and the end
 RSS_BASELINE_S = 120.0  # "minute 2"; runs shorter than 4 minutes use their halfway point
-RSS_MIN_WINDOW_S = 60.0  # a process is compared over at least this long, or listed apart
+RSS_MIN_WINDOW_S = 60.0  # compared over at least this long (half a shorter run), or listed apart
 OUTAGE_GRACE_S = 3.0  # a 503 this close to an outage still belongs to it (polling lag)
 # A killed runner must be serving again within this: generous, since on a
 # shared 2-core machine a restart may also rebuild the decode kernel.
