@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.radixmux-installed
 
-.PHONY: setup browser serve test lint bench clean
+.PHONY: setup browser serve cluster test lint bench clean
 
 setup: $(STAMP) browser
 
@@ -36,6 +36,11 @@ $(STAMP): pyproject.toml
 
 serve: setup
 	$(PY) launch.py $(ARGS)
+
+# N instances and one router in front (docs/cluster.md), e.g.
+# make cluster CLUSTER_ARGS='--instances 2 --model smollm2 -- --kv-cache-bytes 4294967296'
+cluster: setup
+	$(PY) -m deploy.cluster $(CLUSTER_ARGS)
 
 test: setup
 	$(VENV)/bin/ruff check .

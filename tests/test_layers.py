@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"launch"},
 ]
 LEVEL = {part: i for i, layer in enumerate(LAYERS) for part in layer}
-OUTSIDE = ("tests", "bench", ".venv", "build")
+OUTSIDE = ("tests", "bench", "deploy", ".venv", "build")
 
 
 def module_files() -> dict[str, Path]:

@@ -1,0 +1,89 @@
+"""The command lines of a cluster's members: a radixmux instance and a router."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.server_process import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The router's launch module per name; both take the same core flags.
+ROUTERS = {"sglang": "sglang_router.launch_router", "vllm": "vllm_router.launch_router"}
+
+# Both routers' defaults check health once a minute and keep a tripped circuit
+# open a minute: a dead instance would draw requests (each retried elsewhere)
+# and a restarted one would wait a minute for traffic. These make both a
+# matter of seconds.
+FAILOVER_FLAGS = (
+    "--health-check-interval-secs", "1",
+    "--health-failure-threshold", "1",
+    "--health-success-threshold", "1",
+    "--health-check-timeout-secs", "2",
+    "--cb-failure-threshold", "3",
+    "--cb-timeout-duration-secs", "2",
+    "--cb-success-threshold", "1",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One local radixmux server: its models, address and own state folder."""
+
+    port: int
+    models: tuple[str, ...]
+    state_dir: Path
+    host: str = "127.0.0.1"
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """``launch.py`` with this instance's port, models and disk-tier folder.
+
+        Its sockets go to a private runtime dir the launcher makes under the temp
+        dir (a deep state dir would pass the length limit of a socket path). The
+        disk tier (used with ``--kv-disk-bytes``) is the instance's own and outlives
+        a restart, so a restarted instance comes back with it warm.
+        """
+        cmd = [sys.executable, str(ROOT / "launch.py"), "--host", self.host]
+        cmd += ["--port", str(self.port)]
+        flags = {a.split("=", 1)[0] for a in self.extra_args}
+        if "--kv-disk-bytes" in flags and "--kv-disk-dir" not in flags:
+            cmd += ["--kv-disk-dir", str(self.state_dir / "kv")]
+        for model in self.models:
+            cmd += ["--model", model]
+        return cmd + list(self.extra_args)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router in front: which one, its policy, where it listens, whom it routes to."""
+
+    kind: str
+    port: int
+    worker_urls: tuple[str, ...]
+    policy: str = "cache_aware"
+    # Route by the request's model field (vllm-router's --enable-igw): the
+    # workers are added after start, each for the one model it serves.
+    by_model: bool = False
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    prometheus_port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        """The router's command line, failover flags included."""
+        cmd = [sys.executable, "-m", ROUTERS[self.kind], "--host", self.host]
+        cmd += ["--port", str(self.port), "--policy", self.policy]
+        workers = ["--enable-igw"] if self.by_model else ["--worker-urls", *self.worker_urls]
+        cmd += [*workers, *FAILOVER_FLAGS]
+        # Its own metrics port: the default one is shared by every router on the host.
+        cmd += ["--prometheus-port", str(self.prometheus_port)]
+        if self.api_key:  # sent to the workers as 'Authorization: Bearer KEY'
+            cmd += ["--api-key", self.api_key]
+        return cmd + list(self.extra_args)
