@@ -420,7 +420,9 @@ class Launcher:
             if self.lifecycle is not None:
                 self.lifecycle.poll()
             for child in list(self.children):
-                code = child.proc.poll()
+                # Runners are supervised above; one the lifecycle killed just
+                # now must not read as a core process's death.
+                code = child.proc.poll() if child.runner_id is None else None
                 if code is None:
                     continue
                 if self._stop_requested.is_set():
