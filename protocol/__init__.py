@@ -97,6 +97,7 @@ from radixmux.protocol.sockets import (
 )
 from radixmux.protocol.types import (
     ChatMessage,
+    Constraint,
     ModelArg,
     ModelInfo,
     RunnerId,
@@ -124,6 +125,7 @@ __all__ = [
     "ArenaMap",
     "ArenaPool",
     "ChatMessage",
+    "Constraint",
     "ControlReply",
     "ControlRequest",
     "DashboardSnapshot",

@@ -3,7 +3,7 @@ messages, logprobs. Plain frozen Structs, no behaviour beyond naming."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import msgspec
 
@@ -41,6 +41,24 @@ class ModelInfo(msgspec.Struct, frozen=True):
     device: str
 
 
+class Constraint(msgspec.Struct, frozen=True):
+    """A grammar the generated tokens must stay inside (structured output).
+
+    ``kind``: ``"json"`` (``spec`` a JSON schema as JSON text, ``""`` for any
+    JSON value), ``"regex"``, or ``"ebnf"`` (xgrammar's EBNF, GBNF-like, with a
+    ``root`` rule). ``strict``: a JSON schema's objects take no properties it
+    does not list (OpenAI's ``strict``; off, they may). ``field`` names the
+    request field it came from, so an error about it can say where to look.
+    The runner masks every sampled token to the grammar; the row ends with
+    ``finish_reason == "stop"`` once the grammar is complete.
+    """
+
+    kind: Literal["json", "regex", "ebnf"]
+    spec: str = ""
+    strict: bool = True
+    field: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick a sequence's next token. Defaults mean greedy, no penalties.
 
@@ -51,6 +69,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ``logprobs`` asks for the chosen token's log-probability and the
     ``top_logprobs`` most likely alternatives. ``logit_bias`` adds to the
     logits of the listed token ids (after penalties, before everything else).
+    ``constraint`` limits the output to a grammar (logprobs are then those of
+    the masked distribution, as vLLM reports them).
     ``prompt_logprobs_start >= 0`` asks for the log-probability (and the top
     alternatives) of every prompt token from that index on (the first prompt
     token has none): the scheduler then computes those positions instead of
@@ -72,6 +92,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_logprobs: int = 0
     logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
     prompt_logprobs_start: int = -1
+    constraint: Constraint | None = None
 
 
 class ServedModel(msgspec.Struct, frozen=True):
