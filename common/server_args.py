@@ -120,6 +120,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0
     model_load_timeout: float = 900.0
     kv_events_config: str | None = None
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         _one_of("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
@@ -147,6 +148,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             "runner_timeout",
             "kv_disk_timeout",
             "model_load_timeout",
+            "grammar_compile_timeout",
         ):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -319,6 +321,12 @@ _FLAGS: list[tuple[str, type, str]] = [
         "buffer_steps, hwm, max_queue_size, topic): publish what the radix cache stores and "
         "evicts, per model, as vLLM's ZMQ KV events; {model} in the topic: one topic per "
         "served model (docs/kv-events.md)",
+    ),
+    (
+        "grammar-compile-timeout",
+        float,
+        "seconds a structured-output constraint (JSON schema, regex, EBNF, tools) may take "
+        "to compile for a model's tokenizer; a slower or invalid one is a 400 naming its field",
     ),
 ]
 # (flag, help) of list flags: repeat them or give a comma list; default: empty.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -10,8 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixmux.common.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.model_runners import paged_decode
+from radixmux.model_runners.grammar import GrammarRows, StepMasks
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.lean_stack import LeanStack
 from radixmux.model_runners.loader import LoadedModel
@@ -27,6 +31,7 @@ from radixmux.protocol import (
     ForwardBatch,
     ForwardResult,
     PrefixGroup,
+    SamplingParams,
     SeqInput,
     SeqOutput,
     pack_bias,
@@ -65,6 +70,7 @@ class ModelRunner:
         kv: torch.Tensor,
         attention_backend: str = "auto",
         lean: bool = True,
+        grammar_compile_timeout: float = COMPILE_TIMEOUT_S,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -88,6 +94,22 @@ class ModelRunner:
         # Llama-code models with fused ops skip transformers' per-module Python
         # (lean_stack.py; same kernels, same results). lean=False: never.
         self.lean = LeanStack.build(self.model) if lean else None
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self._grammar: GrammarRows | None = None  # built at the first constrained request
+
+    @property
+    def grammar(self) -> GrammarRows:
+        """This model's structured-output matchers (the tokenizer's grammar tables
+        are built on first use: a server that never constrains pays nothing)."""
+        if self._grammar is None:
+            info = self.info
+            self._grammar = GrammarRows(
+                self.loaded.tokenizer,
+                info.vocab_size,
+                list(info.eos_token_ids),
+                self.grammar_compile_timeout,
+            )
+        return self._grammar
 
     def _pick_kernel(self, backend: str) -> bool:
         """Whether decode attention runs in the C++ kernel (else gather + SDPA)."""
@@ -290,13 +312,18 @@ class ModelRunner:
         forward ended (``perf_counter``)."""
         rows = [i for i, s in enumerate(inputs) if s.sample]
         scored = [i for i, s in enumerate(inputs) if _scores_prompt(s, seqs[i])]
-        logits, prompt_logits = self._logits(seqs, rows, groups, scored)
-        t1 = time.perf_counter()
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
+        pending = self._start_masks([inputs[i].rid for i in rows], params, outs)
+        logits, prompt_logits = self._logits(seqs, rows, groups, scored)
+        t1 = time.perf_counter()
+        masks = pending.result() if pending is not None else None
         steps = [seqs[i].num_output for i in rows]
         biases = [seqs[i].bias for i in rows]
-        picked = sample(logits, params, outs, steps, biases) if rows else None
+        constrain = None
+        if masks is not None:
+            constrain = functools.partial(masks.apply, vocab_size=self.info.vocab_size)
+        picked = sample(logits, params, outs, steps, biases, constrain) if rows else None
         prompt_lps = {i: _prompt_logprobs(prompt_logits[i], inputs[i], seqs[i]) for i in scored}
         outputs = []
         by_row = {r: j for j, r in enumerate(rows)}
@@ -307,6 +334,9 @@ class ModelRunner:
             if j is None or picked is None:
                 outputs.append(SeqOutput(s.rid, -1, prompt_logprobs=plp, prompt_top_logprobs=ptop))
                 continue
+            if masks is not None and j in masks.errors:
+                outputs.append(SeqOutput(s.rid, -1, error=masks.errors[j]))
+                continue
             token = int(picked.tokens[j])
             p = s.params
             finish = None
@@ -315,6 +345,15 @@ class ModelRunner:
                 finish = "stop"
             elif seqs[i].num_output + 1 >= p.max_new_tokens:
                 finish = "length"
+            if p.constraint is not None:
+                try:
+                    if self.grammar.accept(s.rid, token):
+                        finish = "stop"  # the grammar is complete
+                except GrammarError as exc:
+                    outputs.append(SeqOutput(s.rid, -1, error=exc.message))
+                    continue
+                if finish is not None:
+                    self.grammar.forget(s.rid)
             lp = float(picked.logprobs[j]) if picked.logprobs is not None and p.logprobs else None
             top = None
             if p.top_logprobs and picked.top_ids is not None:
@@ -323,6 +362,16 @@ class ModelRunner:
                 top = list(zip(ids, vals, strict=True))
             outputs.append(SeqOutput(s.rid, token, lp, top, finish, None, plp, ptop))
         return outputs, t1
+
+    def _start_masks(
+        self, rids: list[str], params: list[SamplingParams], outputs: list[np.ndarray]
+    ) -> concurrent.futures.Future[StepMasks] | None:
+        """This step's grammar masks, computed on a thread during the forward
+        pass (``None`` when no sampled row is constrained)."""
+        constraints = [p.constraint for p in params]
+        if all(c is None for c in constraints):
+            return None
+        return self.grammar.start(rids, constraints, outputs)
 
 
 def _scores_prompt(inp: SeqInput, seq: _Seq) -> bool:

@@ -49,6 +49,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     threads: int = 0
     num_runners: int = 1
     attention_backend: str = "auto"
+    grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout
     fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it
@@ -82,9 +83,7 @@ def serve(config: RunnerConfig) -> int:
 
     # SIGTERM (from a launcher) unwinds through the finally below, so the
     # socket is closed, not abandoned.
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(PARENT_GONE if os.getppid() != parent else 0)
-    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(PARENT_GONE if os.getppid() != parent else 0))
     threads = config.threads or default_threads(config.num_runners)
     torch.set_num_threads(threads)
     ctx = zmq.Context()
@@ -104,7 +103,12 @@ def serve(config: RunnerConfig) -> int:
         )
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
-        runner = ModelRunner(loaded, arena.view(geometry), config.attention_backend)
+        runner = ModelRunner(
+            loaded,
+            arena.view(geometry),
+            config.attention_backend,
+            grammar_compile_timeout=config.grammar_compile_timeout,
+        )
         t0 = time.perf_counter()
         arena.populate()  # no page faults on K/V writes while serving
         if config.max_batch_tokens:

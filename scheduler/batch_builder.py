@@ -78,7 +78,7 @@ class ScheduledBatch:
                     slots=req.slots[:end].astype(np.int32).tobytes(),
                     sample=end == req.num_tokens,
                     params=wire.params,
-                    output_ids=req.packed_output_ids() if wire.penalised else b"",
+                    output_ids=req.packed_output_ids() if wire.sends_output else b"",
                     next_token=int(req.input_ids[end]) if scored else -1,
                     stop_ids=wire.stop_ids,
                     logit_bias=wire.logit_bias,

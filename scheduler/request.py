@@ -24,7 +24,9 @@ class WireParams:
     params: SamplingParams
     stop_ids: bytes
     logit_bias: bytes
-    penalised: bool  # penalties count the output: its ids go with every step
+    # Penalties count the output, or a grammar's matcher may need rebuilding
+    # from it in the runner: its ids go with every step.
+    sends_output: bool
 
 
 @dataclass(eq=False)
@@ -67,11 +69,12 @@ class Req:
         """``params`` as forward batches carry them (``params`` never changes)."""
         p = self.params
         penalised = p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+        sends_output = penalised or p.constraint is not None
         return WireParams(
             msgspec.structs.replace(p, stop_token_ids=[], logit_bias=[]),
             pack_ids(p.stop_token_ids) if p.stop_token_ids else b"",
             pack_bias(p.logit_bias) if p.logit_bias else b"",
-            penalised,
+            sends_output,
         )
 
     def packed_output_ids(self) -> bytes:
