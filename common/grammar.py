@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import re
 import threading
+import time
 from typing import Any
 
 from radixmux.protocol import Constraint
@@ -53,6 +54,9 @@ class GrammarCompiler:
         self._stop_ids = list(stop_ids)
         self._compiler: Any = None  # xgrammar.GrammarCompiler, built on first use
         self._info: Any = None
+        # When the tokenizer's tables were ready (monotonic): a compile's time
+        # limit counts from then, not from the one-off table build.
+        self.tables_ready_at: float | None = None
         self._lock = threading.Lock()
         self._futures: collections.OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = (
             collections.OrderedDict()
@@ -78,10 +82,13 @@ class GrammarCompiler:
             )
             # xgrammar's own cache stays off: ours is keyed the same way and bounded by count.
             self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
+            self.tables_ready_at = time.monotonic()
 
     def compile(self, c: Constraint, timeout: float = COMPILE_TIMEOUT_S) -> Any:
         """The ``xgrammar.CompiledGrammar`` of ``c``; raises ``GrammarError``
-        when it is invalid or takes longer than ``timeout`` seconds."""
+        when it is invalid or takes longer than ``timeout`` seconds (the
+        tokenizer's tables, built once, first: they do not count)."""
+        self._ensure_compiler()
         return self._wait(self.start(c), c, timeout)
 
     def start(self, c: Constraint) -> concurrent.futures.Future:

@@ -6,7 +6,8 @@ ids with its model's own tokenizer and chat template, checks them, and PUSHes a
 ``TokenizedRequest`` to the scheduler. A request it rejects goes straight back
 to the front as a ``RequestError`` (status 400/404/500, ``param`` naming the
 field). Bad input never ends the process: every request is handled in its own
-``try``.
+``try``. A constrained request (structured output) goes on only once its
+grammar compiled for the model's tokenizer (``grammar_gate``).
 
 Run as ``python -m radixmux.runtime.tokenizer_worker '<ProcessContext JSON>'``.
 """
@@ -19,15 +20,17 @@ import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from radixmux import protocol
+from radixmux.common.grammar import GrammarCompiler
 from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
+from radixmux.runtime.grammar_gate import GrammarGate
 
 log = logging.getLogger("radixmux.tokenizer")
 
@@ -68,6 +71,17 @@ class ModelTokenizer:
     model: protocol.ServedModel
     tokenizer: Any
     chat_template: str | None
+    _grammar: GrammarCompiler | None = field(default=None, repr=False)
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """Structured-output grammars compiled for this tokenizer (built on first use)."""
+        if self._grammar is None:
+            info = self.model.info
+            self._grammar = GrammarCompiler(
+                self.tokenizer, info.vocab_size, list(info.eos_token_ids)
+            )
+        return self._grammar
 
     def encode_prompt(self, req: protocol.GenerateRequest) -> list[int]:
         """The request's prompt ids, from whichever of its three forms it carries."""
@@ -296,6 +310,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     to_scheduler = socket(zctx, zmq.PUSH, eps.scheduler, bind=False)
     to_front = socket(zctx, zmq.PUSH, eps.front, bind=False)
     tables = TableThread(zctx, eps.launcher, pctx.name)
+    gate = GrammarGate(zctx, eps, pctx.args.grammar_compile_timeout)
     table = socket(zctx, zmq.SUB, eps.models, bind=False)
     table.setsockopt(zmq.SUBSCRIBE, b"")
     decoder = protocol.decoder(protocol.TokenizerInbox)
@@ -315,6 +330,12 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
             continue
         try:
             out = tokenize(models, msg)
+            if out.params.constraint is not None:
+                now = gate.submit(model_tokenizer(models, msg.model).grammar, out)
+                if now is None:
+                    continue  # the gate sends it once its grammar compiled
+                if isinstance(now, protocol.RequestError):
+                    raise RejectedRequest(now.status, now.message, now.param)
         except RejectedRequest as exc:
             log.info("rid=%s rejected %d: %s", msg.rid, exc.status, exc.message)
             to_front.send(
