@@ -89,6 +89,8 @@ class BenchConfig:
     # Model -> base URL where models live on separate servers (e.g. one vLLM
     # per model); a model not listed goes to ``base_url``.
     model_urls: dict[str, str] = field(default_factory=dict)
+    # Fields added to every request body (e.g. a response_format).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def url_for(self, model: str) -> str:
         """The base URL serving ``model``."""
@@ -244,6 +246,7 @@ async def send_request(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **config.extra_body,
     }
     if config.api == "chat":
         path = "/v1/chat/completions"
