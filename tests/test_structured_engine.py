@@ -101,3 +101,31 @@ def test_a_grammar_too_slow_to_compile_is_refused_and_others_go_on(engine: Engin
             refused.result(timeout=120)
     assert err.value.status == 400 and err.value.param == "regex"
     assert "longer than 1 s to compile" in err.value.message
+
+
+def test_both_embedded_models_constrained_at_once() -> None:
+    """SmolLM2 (49k tokens) and Gemma 3 (262k) each mask with their own
+    tokenizer's grammar, in the same scheduler steps (a row given the other
+    model's mask would produce ids outside the grammar, or text that fails it)."""
+    schema = Constraint("json", json.dumps(SCHEMA), field="response_format")
+    work = [("smollm2", REGEX), ("gemma", schema), ("smollm2", schema), ("gemma", REGEX)]
+    with Engine(
+        model=["smollm2", "gemma3-270m,name=gemma"],
+        kv_cache_bytes=256 << 20,
+        dtype="float32",
+    ) as eng:
+
+        def one(i: int) -> str:
+            name, c = work[i]
+            out = eng.generate("Answer briefly:", {"max_tokens": 48, "constraint": c}, model=name)
+            assert out[0].finish_reason == "stop", out[0]
+            return out[0].text
+
+        with ThreadPoolExecutor(len(work)) as pool:
+            together = list(pool.map(one, range(len(work))))
+    for (_, c), text in zip(work, together, strict=True):
+        if c is REGEX:
+            assert re.fullmatch(PATTERN, text), text
+        else:
+            doc = json.loads(text)
+            assert set(doc) == {"ok", "pick"} and doc["pick"] in ("a", "b", "c")
