@@ -92,6 +92,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_fused_ops: bool = False
+    disable_jump_forward: bool = False
     kv_partition: str = "unified"
     max_queued_requests: int = 1024
     tokenizer_workers: int = 1
@@ -348,6 +349,11 @@ _SWITCHES: list[tuple[str, str]] = [
     (
         "disable-fused-ops",
         "run transformers' own RMSNorm, gated MLP and rotary code instead of the fused kernels",
+    ),
+    (
+        "disable-jump-forward",
+        "structured output: sample every token, even those the grammar forces (by default "
+        "they are appended at once and computed in the next step, as SGLang's jump-forward)",
     ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
     (

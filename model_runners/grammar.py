@@ -67,6 +67,7 @@ class GrammarRows:
         self, tokenizer: Any, vocab_size: int, stop_ids: list[int], compile_timeout: float
     ) -> None:
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_ids)
         self.compile_timeout = compile_timeout
         self._rows: collections.OrderedDict[str, _Row] = collections.OrderedDict()
@@ -142,6 +143,30 @@ class GrammarRows:
             raise GrammarError(row.constraint.field, f"token {token} does not follow the grammar")
         row.consumed += 1
         return bool(row.matcher.is_terminated())
+
+    def jump_forward(self, rid: str, most: int) -> list[int]:
+        """Tokens the grammar now forces for ``rid`` (at most ``most``), accepted
+        by its matcher: they are outputs without a forward pass each (SGLang's
+        jump-forward). The forced text is tokenized on its own, so the token
+        boundary with the sampled token before it may differ from what the
+        model would have chosen; every token is checked against the grammar."""
+        if most <= 0:
+            return []
+        row = self._rows[rid]
+        text = row.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        forced = []
+        for token in self.tokenizer.encode(text, add_special_tokens=False)[:most]:
+            if not row.matcher.accept_token(int(token)):
+                break  # a token the grammar does not take whole: stop before it
+            forced.append(int(token))
+        row.consumed += len(forced)
+        if row.matcher.is_terminated():  # never end on a forced token: leave the end to sampling
+            row.matcher.rollback(1)
+            row.consumed -= 1
+            forced.pop()
+        return forced
 
     def forget(self, rid: str) -> None:
         """Drop ``rid``'s matcher (its request ended here)."""

@@ -71,6 +71,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         lean: bool = True,
         grammar_compile_timeout: float = COMPILE_TIMEOUT_S,
+        jump_forward: bool = True,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -95,6 +96,7 @@ class ModelRunner:
         # (lean_stack.py; same kernels, same results). lean=False: never.
         self.lean = LeanStack.build(self.model) if lean else None
         self.grammar_compile_timeout = grammar_compile_timeout
+        self.jump_forward = jump_forward
         self._grammar: GrammarRows | None = None  # built at the first constrained request
 
     @property
@@ -345,10 +347,13 @@ class ModelRunner:
                 finish = "stop"
             elif seqs[i].num_output + 1 >= p.max_new_tokens:
                 finish = "length"
+            forced = None
             if p.constraint is not None:
                 try:
                     if self.grammar.accept(s.rid, token):
                         finish = "stop"  # the grammar is complete
+                    elif finish is None:
+                        forced = self._forced(s, seqs[i]) or None
                 except GrammarError as exc:
                     outputs.append(SeqOutput(s.rid, -1, error=exc.message))
                     continue
@@ -360,8 +365,23 @@ class ModelRunner:
                 ids = picked.top_ids[j, : p.top_logprobs].tolist()
                 vals = picked.top_logprobs[j, : p.top_logprobs].tolist()
                 top = list(zip(ids, vals, strict=True))
-            outputs.append(SeqOutput(s.rid, token, lp, top, finish, None, plp, ptop))
+            outputs.append(SeqOutput(s.rid, token, lp, top, finish, None, plp, ptop, forced))
         return outputs, t1
+
+    def _forced(self, inp: SeqInput, seq: _Seq) -> list[int]:
+        """Jump-forward tokens after this step's sampled one: none for a row that
+        asked for logprobs (a forced token has none to report); always room
+        left for one more sampled token, within ``max_new_tokens`` and the
+        context."""
+        p = inp.params
+        if not self.jump_forward or p.logprobs or p.top_logprobs:
+            return []
+        produced = seq.num_output + 1
+        room = min(
+            p.max_new_tokens - produced - 1,
+            self.info.context_length - (len(seq.slots) + 1) - 1,
+        )
+        return self.grammar.jump_forward(inp.rid, room)
 
     def _start_masks(
         self, rids: list[str], params: list[SamplingParams], outputs: list[np.ndarray]

@@ -50,6 +50,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     num_runners: int = 1
     attention_backend: str = "auto"
     grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout
+    jump_forward: bool = True  # not --disable-jump-forward
     fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it
@@ -108,6 +109,7 @@ def serve(config: RunnerConfig) -> int:
             arena.view(geometry),
             config.attention_backend,
             grammar_compile_timeout=config.grammar_compile_timeout,
+            jump_forward=config.jump_forward,
         )
         t0 = time.perf_counter()
         arena.populate()  # no page faults on K/V writes while serving

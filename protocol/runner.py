@@ -71,7 +71,9 @@ class SeqOutput(msgspec.Struct, frozen=True):
     ``prompt_logprobs`` (with prompt logprobs asked for, on prompt chunks):
     the logprob of each prompt token this chunk scores, i.e. the tokens at
     positions ``first_pos + 1 ..`` of the chunk (and ``next_token``), with
-    their top alternatives in ``prompt_top_logprobs``.
+    their top alternatives in ``prompt_top_logprobs``. ``forced_ids``: tokens
+    a grammar forces after ``token_id`` (jump-forward), outputs too, whose
+    K/V the next step computes.
     """
 
     rid: str
@@ -82,6 +84,7 @@ class SeqOutput(msgspec.Struct, frozen=True):
     error: str | None = None  # this sequence alone failed (its batch-mates did not)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    forced_ids: list[int] | None = None
 
 
 class ForwardResult(msgspec.Struct, tag="result", frozen=True):

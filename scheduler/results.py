@@ -85,7 +85,8 @@ def apply_result(
 
 def _sampled(sched: Scheduler, req: Req, out: protocol.SeqOutput) -> protocol.RequestOutput:
     """Take the token a step sampled for ``req``; its output (finished or not)."""
-    req.output_ids.append(out.token_id)
+    new = [out.token_id, *(out.forced_ids or ())]  # forced: a grammar's jump-forward
+    req.output_ids += new
     finish = out.finish_reason
     if finish is None and req.num_tokens >= sched.models[req.model].info.context_length:
         finish = "length"
@@ -101,4 +102,4 @@ def _sampled(sched: Scheduler, req: Req, out: protocol.SeqOutput) -> protocol.Re
             len(req.output_ids),
             req.cached_tokens,
         )
-    return request_output(req, [out.token_id], finish, logprobs=logprobs)
+    return request_output(req, new, finish, logprobs=logprobs)

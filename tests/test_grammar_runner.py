@@ -49,9 +49,14 @@ def grammar_arena() -> Iterator[KVArena]:
         a.destroy()
 
 
+def _tokens(outs: list[SeqOutput]) -> list[int]:
+    """Every output token: each step's sampled one and those the grammar forced."""
+    return [t for o in outs for t in (o.token_id, *(o.forced_ids or ()))]
+
+
 def _generate(runner, prompts: dict[str, tuple[list[int], SamplingParams]], steps: int, pool):
-    """Run ``prompts`` together to the end (or ``steps``): rid -> outputs."""
-    ids = {rid: list(p) for rid, (p, _) in prompts.items()}
+    """Run ``prompts`` together to the end (or ``steps``), as the scheduler
+    would: rid -> each step's output."""
     slots: dict[str, list[int]] = {rid: [] for rid in prompts}
     out: dict[str, list[SeqOutput]] = {rid: [] for rid in prompts}
     new = {rid: list(p) for rid, (p, _) in prompts.items()}
@@ -62,7 +67,7 @@ def _generate(runner, prompts: dict[str, tuple[list[int], SamplingParams]], step
         batch = []
         for rid in sorted(live):
             slots[rid] += pool.take(len(new[rid]))
-            done = [o.token_id for o in out[rid]]
+            done = _tokens(out[rid])
             batch.append(
                 seq(
                     rid,
@@ -79,15 +84,14 @@ def _generate(runner, prompts: dict[str, tuple[list[int], SamplingParams]], step
         for o in result.outputs:
             assert o.error is None, o.error
             out[o.rid].append(o)
-            ids[o.rid].append(o.token_id)
-            new[o.rid] = [o.token_id]
+            new[o.rid] = [o.token_id, *(o.forced_ids or ())]
             if o.finish_reason is not None:
                 live.discard(o.rid)
     return out
 
 
 def _text(tok, outs: list[SeqOutput]) -> str:
-    return tok.decode([o.token_id for o in outs], skip_special_tokens=True)
+    return tok.decode(_tokens(outs), skip_special_tokens=True)
 
 
 def _valid(c: Constraint, text: str) -> bool:
@@ -125,7 +129,7 @@ def test_every_constrained_output_follows_its_grammar(name, real_models, grammar
             work[f"t{k}-{s}"] = (prompt, hot)
     out = _generate(runner, work, 60, SlotPool(runner.num_slots, 2))
     # The unconstrained row is the same with or without constrained batch-mates.
-    assert [o.token_id for o in out["u"]] == [o.token_id for o in alone["u"]]
+    assert _tokens(out["u"]) == _tokens(alone["u"])
     for rid, outs in out.items():
         c = work[rid][1].constraint
         if c is None:
@@ -147,51 +151,60 @@ def test_logprobs_are_those_of_the_masked_distribution(real_models, grammar_aren
     assert first.logprob == pytest.approx(first.top_logprobs[0][1], abs=1e-5)
 
 
+def test_jump_forward_appends_forced_tokens_and_saves_steps(real_models, grammar_arena):
+    loaded = real_models["gemma3-270m"]
+    tok = loaded.tokenizer
+    prompt = tok("Answer in the format asked. Is the sky blue?").input_ids
+    p = SamplingParams(max_new_tokens=60, constraint=JSON)
+    steps = {}
+    for jf in (True, False):
+        runner = make_runner(loaded, grammar_arena)
+        runner.jump_forward = jf
+        outs = _generate(runner, {"j": (prompt, p)}, 60, SlotPool(runner.num_slots, 6))["j"]
+        assert outs[-1].finish_reason == "stop" and _valid(JSON, _text(tok, outs))
+        assert any(o.forced_ids for o in outs) == jf
+        steps[jf] = len(outs)
+    # '{"answer": ', '"mood": "', '"n": ' and '}' are forced: far fewer steps.
+    assert steps[True] < steps[False] - 5, steps
+    # A row that asks for logprobs samples every token (a forced one has none).
+    runner = make_runner(loaded, grammar_arena)
+    lp = SamplingParams(max_new_tokens=60, constraint=JSON, logprobs=True)
+    outs = _generate(runner, {"l": (prompt, lp)}, 60, SlotPool(runner.num_slots, 7))["l"]
+    assert not any(o.forced_ids for o in outs) and all(o.logprob is not None for o in outs)
+
+
 def test_a_lost_matcher_is_rebuilt_from_the_output_ids(real_models, grammar_arena):
     loaded = real_models["smollm2"]
     runner = make_runner(loaded, grammar_arena)
+    runner.jump_forward = False  # every token sampled: the fresh runner must match each
     tok = loaded.tokenizer
     prompt = tok("Is it raining?").input_ids
     p = SamplingParams(max_new_tokens=40, constraint=REGEX)
-    whole = _generate(runner, {"r": (prompt, p)}, 40, SlotPool(runner.num_slots, 4))["r"]
+    whole = _tokens(_generate(runner, {"r": (prompt, p)}, 40, SlotPool(runner.num_slots, 4))["r"])
     # A fresh runner (as after a restart) continuing a request two tokens in
     # rebuilds the matcher from the ids and goes on exactly as before.
     again = make_runner(loaded, grammar_arena)
+    again.jump_forward = False
     pool = SlotPool(again.num_slots, 5)
-    head = [o.token_id for o in whole[:2]]
+    head = whole[:2]
     ctx = prompt + head
-    slots = pool.take(len(ctx))
     batch = ForwardBatch(
         1,
-        [
-            seq(
-                "r",
-                ctx,
-                slots,
-                0,
-                params=p,
-                output_ids=pack_ids(head),
-                num_output=2,
-            )
-        ],
+        [seq("r", ctx, pool.take(len(ctx)), 0, params=p, output_ids=pack_ids(head), num_output=2)],
     )
     o = again.forward(batch).outputs[0]
-    assert o.error is None and o.token_id == whole[2].token_id
+    assert o.error is None and o.token_id == whole[2]
     # Output ids that break the grammar fail that row alone, with a reason.
     bad = tok.encode("maybe", add_special_tokens=False)
+    ctx = prompt + bad
     batch = ForwardBatch(
         2,
         [
             seq(
-                "x",
-                prompt + bad,
-                pool.take(len(prompt) + len(bad)),
-                0,
-                params=p,
-                output_ids=pack_ids(bad),
+                "x", ctx, pool.take(len(ctx)), 0, params=p, output_ids=pack_ids(bad),
                 num_output=len(bad),
             )
         ],
-    )
+    )  # fmt: skip
     o = again.forward(batch).outputs[0]
     assert o.token_id == -1 and "grammar" in (o.error or "")
