@@ -13,6 +13,9 @@ Goal (stated by the issue): constrained TPOT p50 within 10% of unconstrained.
 
     .venv/bin/python -m bench.bench_structured [--concurrency 1 16] [--prompts 32]
 
+Each configuration (``--server-args``; by default as is, then with
+``--disable-jump-forward``) gets its own server and both runs.
+
 A vLLM row is not measured here: no vLLM CPU build is installed on this
 machine (bench/peers.py); with one, run vLLM's ``bench serve`` with
 ``--structured-output-ratio``-style options against both servers.
@@ -169,37 +172,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompts", type=int, default=32, help="requests per run (a multiple of 4)")
     ap.add_argument("--compile-models", nargs="*", default=["smollm2", "gemma3-270m"])
+    ap.add_argument(
+        "--server-args",
+        action="append",
+        default=None,
+        help="one radixmux configuration (repeatable; default: as is, then with "
+        "--disable-jump-forward)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/)")
     a = ap.parse_args(argv)
+    configs = a.server_args if a.server_args is not None else ["", "--disable-jump-forward"]
     compiled = compile_times(a.compile_models)
     logs = Path("bench/results/structured-logs")
     logs.mkdir(parents=True, exist_ok=True)
-    args = ["--model", a.model, "--dtype", a.dtype]
-    with radixmux(args, logs / "server.log") as server:
-        pairs = run_pairs(server.base_url, a.model, a.concurrency, a.prompts)
-    print(f"{'conc':>4} {'TPOT plain':>10} {'TPOT json':>10} {'ratio':>6}  goal <= 1.10")
-    for p in pairs:
-        ratio = p.tpot_ratio
-        verdict = "n/a" if ratio is None else ("PASS" if ratio <= 1.10 else "MISS")
-        print(
-            f"{p.concurrency:4} {p.plain.tpot_ms.p50 or 0:10.1f} "
-            f"{p.constrained.tpot_ms.p50 or 0:10.1f} {ratio or 0:6.2f}  {verdict}"
-        )
+    runs: dict[str, list[Pair]] = {}
+    for k, extra in enumerate(configs):
+        args = ["--model", a.model, "--dtype", a.dtype, *extra.split()]
+        print(f"== radixmux {' '.join(args)}", flush=True)
+        with radixmux(args, logs / f"server-{k}.log") as server:
+            runs[extra or "default"] = run_pairs(server.base_url, a.model, a.concurrency, a.prompts)
+    print(
+        f"{'config':24} {'conc':>4} {'TPOT plain':>10} {'TPOT json':>10} {'ratio':>6}  goal <= 1.10"
+    )
+    for name, pairs in runs.items():
+        for p in pairs:
+            ratio = p.tpot_ratio
+            verdict = "n/a" if ratio is None else ("PASS" if ratio <= 1.10 else "MISS")
+            print(
+                f"{name:24} {p.concurrency:4} {p.plain.tpot_ms.p50 or 0:10.1f} "
+                f"{p.constrained.tpot_ms.p50 or 0:10.1f} {ratio or 0:6.2f}  {verdict}"
+            )
     data = {
         "argv": sys.argv[1:],
         "compile_ms": compiled,
-        "pairs": [
-            {
-                "concurrency": p.concurrency,
-                "tpot_ratio": p.tpot_ratio,
-                "plain": p.plain.to_json(),
-                "constrained": p.constrained.to_json(),
-            }
-            for p in pairs
-        ],
+        "configs": {
+            name: [
+                {
+                    "concurrency": p.concurrency,
+                    "tpot_ratio": p.tpot_ratio,
+                    "plain": p.plain.to_json(),
+                    "constrained": p.constrained.to_json(),
+                }
+                for p in pairs
+            ]
+            for name, pairs in runs.items()
+        },
     }
     out = write_json(data, a.out, "structured")
-    plot(pairs, out.with_suffix(".png"))
+    plot([p for pairs in runs.values() for p in pairs], out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
