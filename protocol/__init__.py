@@ -104,6 +104,7 @@ from radixmux.protocol.types import (
     SamplingParams,
     ServedModel,
     TokenLogprob,
+    ToolSpec,
     instance_name,
     runner_ids,
 )
@@ -178,6 +179,7 @@ __all__ = [
     "TokenizerBroadcast",
     "TokenizerInbox",
     "TokenizerReply",
+    "ToolSpec",
     "WarmedPrefix",
     "WarmupReply",
     "WarmupRequest",

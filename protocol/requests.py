@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixmux.protocol.types import ChatMessage, SamplingParams, TokenLogprob
+from radixmux.protocol.types import ChatMessage, SamplingParams, TokenLogprob, ToolSpec
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
@@ -27,6 +27,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
     # Chat: how the template ends the prompt (transformers' apply_chat_template).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Chat with tool_choice "auto": the tools the template renders.
+    tools: list[ToolSpec] | None = None
 
 
 class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):

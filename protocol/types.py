@@ -152,6 +152,14 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str
 
 
+class ToolSpec(msgspec.Struct, frozen=True):
+    """A function a chat request offers the model (rendered by the chat template)."""
+
+    name: str
+    description: str
+    parameters: str  # its JSON schema, as JSON text
+
+
 class TokenLogprob(msgspec.Struct, frozen=True):
     """A sampled token's log-probability and the top alternatives'. ``text`` and
     ``top_text`` (the tokens as text) are filled in by the detokenizer."""

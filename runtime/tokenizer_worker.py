@@ -15,6 +15,7 @@ Run as ``python -m radixmux.runtime.tokenizer_worker '<ProcessContext JSON>'``.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
@@ -95,7 +96,10 @@ class ModelTokenizer:
             )
         if req.messages is not None:
             return self.encode_chat(
-                req.messages, req.add_generation_prompt, continue_final=req.continue_final_message
+                req.messages,
+                req.add_generation_prompt,
+                continue_final=req.continue_final_message,
+                tools=req.tools,
             )
         if req.input_ids is not None:
             return self.check_ids(req.input_ids, "input_ids")
@@ -114,11 +118,14 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         continue_final: bool = False,
+        tools: list[protocol.ToolSpec] | None = None,
     ) -> list[int]:
         """Chat messages through the model's template; the rendered template
         already holds every special token it wants, so none are added by default.
         ``continue_final``: the last message is left open for the model to go on
-        with (no end-of-turn after it), as transformers renders it."""
+        with (no end-of-turn after it), as transformers renders it. ``tools``
+        (tool_choice "auto") go to a template that renders them and writes
+        Hermes-style ``<tool_call>`` blocks; any other template is a 400."""
         if self.chat_template is None:
             raise RejectedRequest(
                 400,
@@ -128,6 +135,9 @@ class ModelTokenizer:
             )
         if not messages:
             raise RejectedRequest(400, "messages is empty", "messages")
+        extra: dict[str, Any] = {}
+        if tools is not None:
+            extra["tools"] = self.template_tools(tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in messages],
@@ -135,10 +145,35 @@ class ModelTokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final,
+                **extra,
             )
         except Exception as exc:  # the template's own raise_exception(), bad roles, ...
             raise RejectedRequest(400, f"chat template failed: {exc}", "messages") from exc
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def template_tools(self, tools: list[protocol.ToolSpec]) -> list[dict[str, Any]]:
+        """``tools`` as the chat template takes them (OpenAI's shape), or a 400
+        when this model's template does not render tools and Hermes-style calls."""
+        template = self.chat_template or ""
+        if "tools" not in template or "<tool_call>" not in template:
+            raise RejectedRequest(
+                400,
+                f"tool_choice 'auto' needs a chat template that declares tools; "
+                f"{self.model.name!r}'s does not (tool_choice 'required' or a named "
+                "function works on any model: the output is held to the tools' schemas)",
+                "tool_choice",
+            )
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": json.loads(t.parameters),
+                },
+            }
+            for t in tools
+        ]
 
     def check_ids(self, ids: list[int], field: str) -> list[int]:
         """``ids`` unchanged if every one is in the vocabulary; else a 400 naming ``field``."""

@@ -190,7 +190,7 @@ def test_a_value_not_honoured_is_refused_naming_the_field(
     url: str, path: str, body: dict, struct: type, table: dict, prefix: str
 ) -> None:
     cases = refusable(table, struct)
-    assert len(cases) >= 8  # the table really is exercised
+    assert len(cases) >= 5  # the table really is exercised
     with httpx.Client(timeout=60, trust_env=False) as client:
         for name, value in cases:
             r = client.post(url + path, json=with_field(body, prefix, name, value))

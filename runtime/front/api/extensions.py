@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from radixmux.runtime.front.api.structured import StructuredOutputs
+
 SGLANG, VLLM, BOTH = "SGLang", "vLLM", "SGLang, vLLM"
 
 
@@ -63,21 +65,22 @@ class OpenAIExtensions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     skip_special_tokens: bool | None = True
     no_stop_trim: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Structured output (api/structured.py reads and checks them).
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Accepted only when neutral (see OPENAI_SHARED).
     min_tokens: int | None = None
     spaces_between_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
-    regex: Any = None
-    ebnf: Any = None
     stop_regex: Any = None
     structural_tag: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     lora_path: Any = None
     session_id: Any = None
     session_params: Any = None
@@ -128,12 +131,9 @@ OPENAI_SHARED: tuple[Extension, ...] = (
     Extension("include_stop_str_in_output", VLLM, honoured=True),
     Extension("min_tokens", BOTH, (0,)),
     Extension("spaces_between_special_tokens", BOTH, (True,)),
+    *(Extension(name, SGLANG, honoured=True) for name in ("regex", "ebnf")),
     *(
-        Extension(name, SGLANG)
-        for name in ("regex", "ebnf", "stop_regex", "structural_tag", "lora_path")
-    ),
-    *(
-        Extension(name, VLLM)
+        Extension(name, VLLM, honoured=True)
         for name in (
             "guided_json",
             "guided_regex",
@@ -142,6 +142,12 @@ OPENAI_SHARED: tuple[Extension, ...] = (
             "guided_decoding_backend",
             "guided_whitespace_pattern",
             "structured_outputs",
+        )
+    ),
+    *(Extension(name, SGLANG) for name in ("stop_regex", "structural_tag", "lora_path")),
+    *(
+        Extension(name, VLLM)
+        for name in (
             "logits_processors",
             "request_id",
             "truncate_prompt_tokens",
@@ -194,7 +200,7 @@ COMPLETION: dict[str, Extension] = _table(
     *OPENAI_SHARED,
     # vLLM adds the tokenizer's special tokens (BOS) to a text prompt, as radixmux does.
     Extension("add_special_tokens", VLLM, (True,)),
-    Extension("json_schema", SGLANG),
+    Extension("json_schema", SGLANG, honoured=True),
 )
 
 CHAT: dict[str, Extension] = _table(
@@ -329,8 +335,8 @@ class SamplingExtensions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     min_new_tokens: int | None = None
     spaces_between_special_tokens: bool | None = None
     json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
+    regex: str | None = None
+    ebnf: str | None = None
     structural_tag: Any = None
     stop_regex: Any = None
     custom_params: Any = None
@@ -341,12 +347,10 @@ SAMPLING: dict[str, Extension] = _table(
     Extension("no_stop_trim", SGLANG, honoured=True),
     Extension("min_new_tokens", SGLANG, (0,)),
     Extension("spaces_between_special_tokens", SGLANG, (True,)),
+    *(Extension(name, SGLANG, honoured=True) for name in ("json_schema", "regex", "ebnf")),
     *(
         Extension(name, SGLANG)
         for name in (
-            "json_schema",
-            "regex",
-            "ebnf",
             "structural_tag",
             "stop_regex",
             "custom_params",

@@ -33,6 +33,7 @@ from radixmux.runtime.front.api.common import (
     resolve_model,
     stop_list,
 )
+from radixmux.runtime.front.api.structured import extension_fields, one_constraint
 from radixmux.runtime.front.hub import InFlight, new_rid
 from radixmux.runtime.front.openapi import Endpoint, Handler
 from radixmux.runtime.front.state import Front
@@ -127,6 +128,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         logit_bias=logit_bias(s.logit_bias, f"{pre}logit_bias"),
+        constraint=one_constraint(extension_fields(s, pre)),
     )
     check_sampling(params, info, pre, "max_new_tokens")
     return params

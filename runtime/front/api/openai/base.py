@@ -85,9 +85,14 @@ class ModelList(msgspec.Struct):
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, info: ModelInfo, logprobs: int | None
+    req: SamplingFields,
+    max_tokens: int,
+    info: ModelInfo,
+    logprobs: int | None,
+    constraint: protocol.Constraint | None = None,
 ) -> SamplingParams:
-    """Checked runner sampling parameters from an OpenAI request."""
+    """Checked runner sampling parameters from an OpenAI request (``constraint``:
+    its structured output, see ``api/structured.py``)."""
     n_choices(req)
     for tag in ("user", "safety_identifier", "prompt_cache_key"):
         check_name(getattr(req, tag), tag)
@@ -110,6 +115,7 @@ def sampling_params(
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
         logit_bias=logit_bias(req.logit_bias, "logit_bias"),
+        constraint=constraint,
     )
     check_sampling(params, info)
     return params

@@ -20,6 +20,7 @@ from radixmux.runtime.front.api.common import (
     check_len,
     refuse_unsupported,
 )
+from radixmux.runtime.front.api.openai import tools
 from radixmux.runtime.front.api.openai.base import (
     UNSUPPORTED_SHARED,
     SamplingFields,
@@ -32,6 +33,17 @@ from radixmux.runtime.front.api.openai.base import (
     token_name,
     top_alternatives,
     usage_of,
+)
+from radixmux.runtime.front.api.openai.tools import (
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+    ToolDef,
+)
+from radixmux.runtime.front.api.structured import (
+    ResponseFormat,
+    one_constraint,
+    openai_constraint,
 )
 from radixmux.runtime.front.hub import InFlight
 
@@ -49,11 +61,11 @@ class ChatRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     store: bool | None = None
-    # Declared only to be refused (see UNSUPPORTED).
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Declared only to be refused (see UNSUPPORTED).
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -98,10 +110,6 @@ UNSUPPORTED_CHAT = {
     **UNSUPPORTED_SHARED,
     **extensions.neutral_only(extensions.CHAT),
     "store": (False,),
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # means nothing without tools
     "functions": ([],),
     "function_call": ("none",),
     "modalities": (["text"],),
@@ -130,9 +138,10 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatMessageOut(msgspec.Struct):
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None (null) when the answer is tool calls
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -154,6 +163,7 @@ class ChatResponse(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -174,8 +184,9 @@ class ChatChunk(msgspec.Struct):
 
 def chat_request(
     req: ChatRequest, rid: str, model: protocol.ServedModel, arrival: float, template_flag: bool
-) -> protocol.GenerateRequest:
-    """The tokenizer's request for a /v1/chat/completions body."""
+) -> tuple[protocol.GenerateRequest, tools.ToolPlan]:
+    """The tokenizer's request for a /v1/chat/completions body, and what its
+    tools ask of the answer."""
     refuse_unsupported(req, UNSUPPORTED_CHAT)
     messages = chat_messages(req.messages, model, template_flag)
     if req.top_logprobs is not None and not req.logprobs:
@@ -184,8 +195,14 @@ def chat_request(
     max_tokens = or_default(
         req.max_completion_tokens, or_default(req.max_tokens, CHAT_DEFAULT_MAX_TOKENS)
     )
-    params = sampling_params(req, max_tokens, model.info, logprobs)
-    return generate_request(req, rid, model, params, arrival, messages=messages, **prompt_end(req))
+    plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    found = [c for c in (plan.constraint, openai_constraint(req)) if c is not None]
+    params = sampling_params(req, max_tokens, model.info, logprobs, one_constraint(found))
+    specs = list(plan.specs) if plan.mode == "auto" else None
+    gen = generate_request(
+        req, rid, model, params, arrival, messages=messages, tools=specs, **prompt_end(req)
+    )
+    return gen, plan
 
 
 def prompt_end(req: ChatRequest) -> dict[str, bool]:
@@ -246,15 +263,25 @@ def chat_logprobs(lps: list[protocol.TokenLogprob]) -> ChatLogprobs:
 
 
 class ChatFormat:
-    """``/v1/chat/completions``."""
+    """``/v1/chat/completions``. With tools the text of each choice is held
+    until it ends, then sent as tool calls (or as content, if it holds none)."""
 
-    def __init__(self, rid: str, model: str, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        plan: tools.ToolPlan = tools.NO_TOOLS,
+    ) -> None:
         self.id = f"chatcmpl-{rid}"
         self.model = model
         self.created = int(time.time())
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.plan = plan
         self.started: set[int] = set()  # choices whose role chunk is sent
+        self.held: dict[int, list[str]] = {}  # with tools: each choice's text so far
 
     def _chunk(self, index: int, delta: ChatDelta, lps=None, reason=None) -> ChatChunk:
         choices = [ChatChunkChoice(index, delta, lps, reason)]
@@ -266,6 +293,16 @@ class ChatFormat:
             # OpenAI's first chunk of a choice announces the role with empty content.
             self.started.add(index)
             found.append(self._chunk(index, ChatDelta(role="assistant", content="")))
+        if self.plan.parses_calls:
+            self.held.setdefault(index, []).append(out.text)
+            if gen.done:
+                content, calls = tools.read_calls(self.plan, "".join(self.held.pop(index)))
+                deltas = [tools.ToolCallDelta(k, c.id, c.function) for k, c in enumerate(calls)]
+                found.append(
+                    self._chunk(index, ChatDelta(content=content, tool_calls=deltas or None))
+                )
+                found.append(self._chunk(index, ChatDelta(), reason=_reason(gen, calls)))
+            return found
         if out.text or out.logprobs:
             lps = chat_logprobs(out.logprobs or []) if self.logprobs else None
             found.append(self._chunk(index, ChatDelta(content=out.text), lps))
@@ -287,6 +324,15 @@ class ChatFormat:
             lps = None
             if self.logprobs:
                 lps = chat_logprobs([lp for o in outs for lp in o.logprobs or []])
-            message = ChatMessageOut("assistant", text)
-            choices.append(ChatChoice(i, message, lps, finish_reason(gen)))
+            content: str | None = text
+            calls: list[ToolCall] = []
+            if self.plan.parses_calls:
+                content, calls = tools.read_calls(self.plan, text)
+            message = ChatMessageOut("assistant", content, calls or None)
+            choices.append(ChatChoice(i, message, lps, _reason(gen, calls)))
         return ChatResponse(self.id, self.created, self.model, choices, usage_of(gens))
+
+
+def _reason(gen: InFlight, calls: list[ToolCall]) -> str | None:
+    """A choice's finish reason: ``tool_calls`` when its answer is tool calls."""
+    return "tool_calls" if calls and gen.done else finish_reason(gen)

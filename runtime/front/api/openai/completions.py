@@ -33,6 +33,7 @@ from radixmux.runtime.front.api.openai.base import (
     top_alternatives,
     usage_of,
 )
+from radixmux.runtime.front.api.structured import ResponseFormat, openai_constraint
 from radixmux.runtime.front.hub import InFlight
 
 # OpenAI's documented default for /v1/completions.
@@ -45,6 +46,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # as vLLM takes it here too
     # Extensions of this endpoint alone (see extensions.COMPLETION).
     json_schema: Any = None
 
@@ -105,7 +107,8 @@ def completion_request(
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "'logprobs' must be in [0, 20]", "logprobs")
     max_tokens = or_default(req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-    params = sampling_params(req, max_tokens, model.info, req.logprobs)
+    constraint = openai_constraint(req)
+    params = sampling_params(req, max_tokens, model.info, req.logprobs, constraint)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs too
         params = msgspec.structs.replace(params, prompt_logprobs_start=0)
     if ranked:  # ranking needs every sample's logprobs, shown or not

@@ -70,10 +70,10 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         req = await front.body(request, ChatRequest)
         model = resolve_model(front.served, req.model)
         rid = new_rid()
-        gen = chat_request(req, rid, model, time.time(), front.chat_template_flag)
+        gen, plan = chat_request(req, rid, model, time.time(), front.chat_template_flag)
         _log_user(rid, req)
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage)
+        fmt = ChatFormat(rid, model.name, gen.params.logprobs, usage, plan)
         gens = fan_out([gen], n_choices(req))
         return await serve_generation(request, front.hub, gens, fmt, "chat")
 
