@@ -14,7 +14,7 @@ Goal (stated by the issue): constrained TPOT p50 within 10% of unconstrained.
     .venv/bin/python -m bench.bench_structured [--concurrency 1 16] [--prompts 32]
 
 Each configuration (``--server-args``; by default as is, then with
-``--disable-jump-forward``) gets its own server and both runs.
+``--enable-jump-forward``) gets its own server and both runs.
 
 A vLLM row is not measured here: no vLLM CPU build is installed on this
 machine (bench/peers.py); with one, run vLLM's ``bench serve`` with
@@ -177,11 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=None,
         help="one radixmux configuration (repeatable; default: as is, then with "
-        "--disable-jump-forward)",
+        "--enable-jump-forward)",
     )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/)")
     a = ap.parse_args(argv)
-    configs = a.server_args if a.server_args is not None else ["", "--disable-jump-forward"]
+    configs = a.server_args if a.server_args is not None else ["", "--enable-jump-forward"]
     compiled = compile_times(a.compile_models)
     logs = Path("bench/results/structured-logs")
     logs.mkdir(parents=True, exist_ok=True)

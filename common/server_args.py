@@ -92,7 +92,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_fused_ops: bool = False
-    disable_jump_forward: bool = False
+    enable_jump_forward: bool = False
     kv_partition: str = "unified"
     max_queued_requests: int = 1024
     tokenizer_workers: int = 1
@@ -351,9 +351,10 @@ _SWITCHES: list[tuple[str, str]] = [
         "run transformers' own RMSNorm, gated MLP and rotary code instead of the fused kernels",
     ),
     (
-        "disable-jump-forward",
-        "structured output: sample every token, even those the grammar forces (by default "
-        "they are appended at once and computed in the next step, as SGLang's jump-forward)",
+        "enable-jump-forward",
+        "structured output: append the tokens a grammar forces at once and compute them in "
+        "the next step (SGLang's jump-forward) instead of sampling each; fewer steps at low "
+        "concurrency, slower at high (docs/structured-output.md)",
     ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
     (

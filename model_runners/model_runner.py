@@ -71,7 +71,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         lean: bool = True,
         grammar_compile_timeout: float = COMPILE_TIMEOUT_S,
-        jump_forward: bool = True,
+        jump_forward: bool = False,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)

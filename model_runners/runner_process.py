@@ -50,7 +50,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     num_runners: int = 1
     attention_backend: str = "auto"
     grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout
-    jump_forward: bool = True  # not --disable-jump-forward
+    jump_forward: bool = False  # --enable-jump-forward
     fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it

@@ -234,7 +234,7 @@ class Launcher:
             num_runners=num_runners,
             attention_backend=args.attention_backend,
             grammar_compile_timeout=args.grammar_compile_timeout,
-            jump_forward=not args.disable_jump_forward,
+            jump_forward=args.enable_jump_forward,
             fuse_ops=not args.disable_fused_ops,
             # A step's budget counts its decodes (batch_builder): it holds at
             # most the chunk size, or only decodes when more requests run.

@@ -176,7 +176,6 @@ def test_jump_forward_appends_forced_tokens_and_saves_steps(real_models, grammar
 def test_a_lost_matcher_is_rebuilt_from_the_output_ids(real_models, grammar_arena):
     loaded = real_models["smollm2"]
     runner = make_runner(loaded, grammar_arena)
-    runner.jump_forward = False  # every token sampled: the fresh runner must match each
     tok = loaded.tokenizer
     prompt = tok("Is it raining?").input_ids
     p = SamplingParams(max_new_tokens=40, constraint=REGEX)
@@ -184,7 +183,6 @@ def test_a_lost_matcher_is_rebuilt_from_the_output_ids(real_models, grammar_aren
     # A fresh runner (as after a restart) continuing a request two tokens in
     # rebuilds the matcher from the ids and goes on exactly as before.
     again = make_runner(loaded, grammar_arena)
-    again.jump_forward = False
     pool = SlotPool(again.num_slots, 5)
     head = whole[:2]
     ctx = prompt + head
