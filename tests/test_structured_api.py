@@ -135,6 +135,21 @@ def test_completions_fields(url: str, fields: dict, check) -> None:
     assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
 
 
+def test_a_grammar_max_tokens_cannot_finish_ends_with_length(url: str) -> None:
+    long = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 300}},
+        "required": ["s"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "long", "schema": long}}
+    r = chat(url, response_format=fmt, max_tokens=12, temperature=1.0, seed=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"].startswith('{"s": "')
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+
 def test_generate_sampling_params(url: str) -> None:
     for sp, pattern in (
         ({"regex": r"[0-9]{3}-[0-9]{2}"}, r"[0-9]{3}-[0-9]{2}"),
