@@ -16,9 +16,10 @@ Goal (stated by the issue): constrained TPOT p50 within 10% of unconstrained.
 Each configuration (``--server-args``; by default as is, then with
 ``--enable-jump-forward``) gets its own server and both runs.
 
-A vLLM row is not measured here: no vLLM CPU build is installed on this
-machine (bench/peers.py); with one, run vLLM's ``bench serve`` with
-``--structured-output-ratio``-style options against both servers.
+``--peer vllm`` adds vLLM CPU (bench/peers.py installs it in its own
+environment) on the same weights, dtype and KV bytes, driven by the same
+client with the same ``response_format`` (vLLM's ``bench serve`` has no
+structured-output workload; its structured-output backend is xgrammar too).
 """
 
 from __future__ import annotations
@@ -103,9 +104,12 @@ def compile_times(models: Sequence[str]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_pairs(base_url: str, model: str, concurrency: Sequence[int], prompts: int) -> list[Pair]:
+def run_pairs(
+    base_url: str, served: str, model: str, concurrency: Sequence[int], prompts: int
+) -> list[Pair]:
     """For each concurrency, the plain run then the constrained one (fresh
-    prompts per concurrency: no run reuses another's cached prefixes)."""
+    prompts per concurrency: no run reuses another's cached prefixes);
+    ``served``: the name the server knows the model by."""
     pairs = []
     for i, c in enumerate(concurrency):
         gsp = GSPParams(
@@ -117,7 +121,7 @@ def run_pairs(base_url: str, model: str, concurrency: Sequence[int], prompts: in
         )
         base = BenchConfig(
             base_url=base_url,
-            models=[model],
+            models=[served],
             tokenizer=model,
             concurrency=c,
             seed=1000 + i,
@@ -179,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="one radixmux configuration (repeatable; default: as is, then with "
         "--enable-jump-forward)",
     )
+    ap.add_argument("--peer", choices=["vllm"], default=None, help="also measure this peer")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/)")
     a = ap.parse_args(argv)
     configs = a.server_args if a.server_args is not None else ["", "--enable-jump-forward"]
@@ -186,11 +191,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path("bench/results/structured-logs")
     logs.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Pair]] = {}
+    if a.peer:
+        from bench import peers
+
+        kv = 2 << 30  # radixmux's default --kv-cache-bytes: the same KV for both
+        print(f"== {a.peer} (peer)", flush=True)
+        with peers.start_peer(a.peer, a.model, dtype=a.dtype, kv_bytes=kv) as peer:
+            runs[a.peer] = run_pairs(
+                peer.base_url, peer.served_model, a.model, a.concurrency, a.prompts
+            )
     for k, extra in enumerate(configs):
         args = ["--model", a.model, "--dtype", a.dtype, *extra.split()]
         print(f"== radixmux {' '.join(args)}", flush=True)
         with radixmux(args, logs / f"server-{k}.log") as server:
-            runs[extra or "default"] = run_pairs(server.base_url, a.model, a.concurrency, a.prompts)
+            runs[extra or "default"] = run_pairs(
+                server.base_url, a.model, a.model, a.concurrency, a.prompts
+            )
     print(
         f"{'config':24} {'conc':>4} {'TPOT plain':>10} {'TPOT json':>10} {'ratio':>6}  goal <= 1.10"
     )
