@@ -133,9 +133,13 @@ class DiskTier:
         self.events: DiskEvents | None = None  # set while KV events are published
         if write_policy == "write_back":
             cache.on_evict = self._spill
+        sharing = ""
+        if store.shared:
+            sharing = " (shared, alone at start)" if store.alone else " (shared, joined)"
         log.info(
-            "disk tier: %s, %d chunks (%.1f MB of %.1f MB) found, %s, %d-token chunks",
+            "disk tier: %s%s, %d chunks (%.1f MB of %.1f MB) found, %s, %d-token chunks",
             store.directory,
+            sharing,
             len(store),
             store.size_bytes / 1e6,
             store.capacity_bytes / 1e6,
