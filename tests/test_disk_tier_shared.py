@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -71,6 +72,8 @@ def test_a_prompt_one_server_saved_is_loaded_by_another(model, tmp_path) -> None
         assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] < 64
         # B found every chunk written: it saved none again and owns none.
         assert disk["chunks_written"] == disk["store_chunks"] == 0
+        metrics = httpx.get(f"{b}/metrics", timeout=30).text
+        assert f"radixmux_disk_chunks_shared_total {float(saved['chunks_written'])}" in metrics
         assert chunk_files(tmp_path) == files
 
         # A's next prompt's files go bad under B: B drops them and recomputes.
