@@ -382,7 +382,7 @@ def chat(*messages: dict) -> dict:
         (GEN, {"model": "chat", "input_ids": [1, "a"]}, 400, "input_ids"),
         # Nothing silently ignored: a field outside the API, or one of the API
         # that is not implemented, is refused by name.
-        (CMPL, cmpl(guided_json={}), 400, "guided_json"),
+        (CMPL, cmpl(guided_json=[1]), 400, "guided_json"),  # not a schema
         (CMPL, cmpl(logit_bias={"x5": 10}), 400, "logit_bias"),
         (CMPL, cmpl(logit_bias={"5": 101}), 400, "logit_bias"),
         (CMPL, cmpl(logit_bias={"1000": 1}), 400, "logit_bias"),  # past the vocabulary
@@ -397,12 +397,12 @@ def chat(*messages: dict) -> dict:
         (GEN, {"model": "chat", "text": "x", "logprob_start_len": -3}, 400, "logprob_start_len"),
         (CMPL, cmpl(suffix="!"), 400, "suffix"),
         (CMPL, cmpl(service_tier="flex"), 400, "service_tier"),
-        (CHAT, {**chat({"role": "user", "content": "x"}), "tools": [{}]}, 400, "tools"),
+        (CHAT, {**chat({"role": "user", "content": "x"}), "tools": [{}]}, 400, "tools[0].type"),
         (
             CHAT,
-            {**chat({"role": "user", "content": "x"}), "response_format": {"type": "json_object"}},
+            {**chat({"role": "user", "content": "x"}), "response_format": {"type": "yaml"}},
             400,
-            "response_format",
+            "response_format.type",
         ),
         (CHAT, {**chat({"role": "user", "content": "x"}), "store": True}, 400, "store"),
         (CHAT, {**chat({"role": "user", "content": "x"}), "n_choices": 2}, 400, "n_choices"),
@@ -427,7 +427,11 @@ def chat(*messages: dict) -> dict:
         ),
         (
             GEN,
-            {"model": "chat", "text": "x", "sampling_params": {"regex": "a+"}},
+            {
+                "model": "chat",
+                "text": "x",
+                "sampling_params": {"regex": ""},
+            },
             400,
             "sampling_params.regex",
         ),
