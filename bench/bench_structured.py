@@ -129,7 +129,10 @@ def run_pairs(
             progress=False,
         )
         runs = {}
-        for label, extra in (("plain", {}), ("json_schema", {"response_format": RESPONSE_FORMAT})):
+        # The constrained side ends where its grammar does (a peer that honours
+        # ignore_eos past it would generate other text than the answer).
+        constrained = {"response_format": RESPONSE_FORMAT, "ignore_eos": False}
+        for label, extra in (("plain", {}), ("json_schema", constrained)):
             # Prompts of one shape but each run its own (another seed): the
             # second run must not hit the first's cached prefixes.
             cfg = dataclasses.replace(

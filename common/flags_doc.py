@@ -78,6 +78,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--kv-disk-chunk-tokens",
             "--kv-disk-min-load-tokens",
             "--kv-disk-timeout",
+            "--kv-disk-shared",
         ),
     ),
     (

@@ -115,6 +115,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     kv_disk_chunk_tokens: int = 64
     kv_disk_min_load_tokens: int = 0
     kv_disk_timeout: float = 300.0
+    kv_disk_shared: bool = False
     warmup: str | None = None
     max_pinned_fraction: float = 0.5
     memory_reserve_bytes: int = 1 << 30
@@ -187,8 +188,10 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         if self.kv_disk_bytes < 0 or self.kv_disk_min_load_tokens < 0:
             raise ValueError("--kv-disk-bytes and --kv-disk-min-load-tokens must be >= 0")
         if not self.kv_disk_bytes:
-            if self.kv_disk_dir is not None:
-                raise ValueError("--kv-disk-dir needs --kv-disk-bytes (the store's size)")
+            if self.kv_disk_dir is not None or self.kv_disk_shared:
+                raise ValueError(
+                    "--kv-disk-dir (or --kv-disk-shared) needs --kv-disk-bytes (the store's size)"
+                )
             return
         if self.disable_radix_cache:
             raise ValueError("--kv-disk-bytes needs the radix cache (not --disable-radix-cache)")
@@ -357,6 +360,11 @@ _SWITCHES: list[tuple[str, str]] = [
         "concurrency, slower at high (docs/structured-output.md)",
     ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
+    (
+        "kv-disk-shared",
+        "share --kv-disk-dir with other servers on this host that are given it with this flag: "
+        "each loads the chunks any of them saved, and evicts only its own",
+    ),
     (
         "incremental-streaming-output",
         "streamed /generate chunks carry only the new text and output_ids (SGLang's flag; "

@@ -48,13 +48,16 @@ class InstanceSpec:
         Its sockets go to a private runtime dir the launcher makes under the temp
         dir (a deep state dir would pass the length limit of a socket path). The
         disk tier (used with ``--kv-disk-bytes``) is the instance's own and outlives
-        a restart, so a restarted instance comes back with it warm.
+        a restart, so a restarted instance comes back with it warm; with
+        ``--kv-disk-shared`` it is one folder beside the instances' that all share.
         """
         cmd = [sys.executable, str(ROOT / "launch.py"), "--host", self.host]
         cmd += ["--port", str(self.port)]
         flags = {a.split("=", 1)[0] for a in self.extra_args}
         if "--kv-disk-bytes" in flags and "--kv-disk-dir" not in flags:
-            cmd += ["--kv-disk-dir", str(self.state_dir / "kv")]
+            shared = "--kv-disk-shared" in flags
+            kv = self.state_dir.parent / "kv-shared" if shared else self.state_dir / "kv"
+            cmd += ["--kv-disk-dir", str(kv)]
         for model in self.models:
             cmd += ["--model", model]
         return cmd + list(self.extra_args)

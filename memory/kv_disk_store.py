@@ -31,6 +31,24 @@ descriptor, and scans look with ``lstat``.
 owned by one thread, the scheduler's loop; reading and writing the files is
 done by ``kv_transfer`` on its I/O thread through ``StoreFiles``, whose
 operations touch nothing but the file they are given.
+
+**Shared** (``--kv-disk-shared``): instances on one host serving the same
+weights share one directory. Each holds a shared ``flock`` (an unshared
+server's exclusive one keeps both kinds apart), indexes only the chunks it
+wrote (its *own*: what it counts against its capacity and ever evicts) and
+finds the others' by their content names on disk (``has``: one ``stat``). A
+chunk is published with ``link(2)``, which never replaces a name: of two
+instances saving one chunk at once exactly one owns the file, the other's
+copy is dropped. A reader opens a whole file or none (a deleted file stays
+readable through an open descriptor, a missing one is recomputed). The
+instance that finds the directory free at its start adopts every chunk in it
+and cleans interrupted writes; one that joins live ones deletes only
+temporaries too old to be a write in progress. An instance that stops hands
+its own chunks over (a ``handover.<hex>.list`` of their names); the next one
+to start claims the list by renaming it and owns them from then on (bounded
+by its capacity), so a rolling restart leaves no chunk owned by no one. A
+killed instance hands nothing over: its chunks stay until a start that finds
+the directory free.
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ import re
 import secrets
 import stat
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -78,6 +97,10 @@ _CHUNK = re.compile(r"[0-9a-f]{64}\.kv")
 # A temporary: "<name>.<random hex>.tmp" (before the random names: "<name>.<pid>.tmp").
 _CHUNK_TEMPORARY = re.compile(r"[0-9a-f]{64}\.kv\.[0-9a-f]+\.tmp")
 _MARK_TEMPORARY = re.compile(r"radixmux-kv-store\.[0-9a-f]+\.tmp")
+# A shared store's list of the chunks an instance that stopped leaves to the next
+# (``.tmp``: being written, or claimed), and one line of it.
+_HANDOVER = re.compile(r"handover\.[0-9a-f]{16}\.(list|tmp)")
+_HANDOVER_LINE = re.compile(rb"([0-9a-f]{16})/([0-9a-f]{64})")
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
@@ -88,6 +111,12 @@ _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 _LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)  # O_NOFOLLOW met a link, or not a directory
 _REFUSE_HINT = "point --kv-disk-dir at an empty or new directory"
+# A temporary this old in a shared store is no write in progress (a chunk takes
+# milliseconds): a crashed instance left it.
+STALE_TEMPORARY_SECONDS = 600.0
+# How long a shared store waits for an instance that holds the directory alone
+# while it scans it at start (a scan lists files: well under this).
+SHARED_LOCK_WAIT_SECONDS = 10.0
 
 
 def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None:
@@ -181,9 +210,10 @@ class StoreFiles:
     only at start (the scan) when no I/O thread runs yet.
     """
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, shared: bool = False) -> None:
         self.fd = fd
         self.root = path
+        self.shared = shared
 
     def path(self, ref: ChunkRef) -> str:
         """The file's path, for messages (never opened by path)."""
@@ -207,9 +237,20 @@ class StoreFiles:
         finally:
             os.close(fd)
 
-    def write(self, ref: ChunkRef, ns: bytes, n_tokens: int, payload: memoryview) -> int:
-        """Write one chunk file atomically (a fresh temporary, then a rename);
-        returns its size."""
+    def has(self, ref: ChunkRef) -> bool:
+        """Whether a regular file is under the chunk's name (one ``stat``; any
+        thread). A hint: the read that follows checks the file itself."""
+        try:
+            st = os.stat(f"{ref.ns_dir}/{ref.name}", dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def write(self, ref: ChunkRef, ns: bytes, n_tokens: int, payload: memoryview) -> int | None:
+        """Write one chunk file atomically (a fresh temporary, then a rename;
+        in a shared store a link that never replaces a name); returns its
+        size, or None when a shared store already holds the chunk (another
+        instance's file: not this one's to count)."""
         header = _HEADER.pack(
             MAGIC, FORMAT_VERSION, n_tokens, payload.nbytes, checksum(payload), len(ns), ref.key
         )
@@ -220,12 +261,22 @@ class StoreFiles:
                     f.write(header)
                     f.write(ns)
                     f.write(payload)
-                # rename(2) replaces the directory entry at the destination and
-                # resolves no link in it: a link there would itself be replaced,
-                # its target never touched. Such a link is not ours, so it is
-                # left alone: the chunk is not saved.
-                _expect_file_or_nothing(d, ref.name, self.path(ref))
-                os.replace(tmp, ref.name, src_dir_fd=d, dst_dir_fd=d)
+                if self.shared:
+                    # linkat(2) fails on any name that exists (a link there
+                    # included): one writer per chunk, the loser's copy goes.
+                    try:
+                        os.link(tmp, ref.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                    except FileExistsError:
+                        return None
+                    finally:
+                        os.unlink(tmp, dir_fd=d)
+                else:
+                    # rename(2) replaces the directory entry at the destination and
+                    # resolves no link in it: a link there would itself be replaced,
+                    # its target never touched. Such a link is not ours, so it is
+                    # left alone: the chunk is not saved.
+                    _expect_file_or_nothing(d, ref.name, self.path(ref))
+                    os.replace(tmp, ref.name, src_dir_fd=d, dst_dir_fd=d)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=d)  # made by O_EXCL above: ours
@@ -293,10 +344,17 @@ class StoreFiles:
                 os.rmdir(entry.name, dir_fd=self.fd)
         return removed
 
-    def scan(self) -> _Scan:
-        """The chunk files a previous server left; interrupted writes are deleted."""
+    def scan(self, temporaries_older_than: float | None = None) -> _Scan:
+        """The chunk files a previous server left; interrupted writes are
+        deleted (with ``temporaries_older_than``, a time: only those last
+        written before it, the others may be live instances' writes)."""
         out = _Scan()
         for entry in os.scandir(self.fd):
+            if _HANDOVER.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                if temporaries_older_than is None:  # every chunk is adopted anyway
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=self.fd)
+                continue
             if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 out.leave(entry.name)
                 continue
@@ -313,6 +371,9 @@ class StoreFiles:
                         ref = ChunkRef(bytes.fromhex(e.name[: -len(SUFFIX)]), entry.name)
                         out.found.append((st.st_mtime, ref, st.st_size))
                     elif regular and _CHUNK_TEMPORARY.fullmatch(e.name):
+                        cutoff = temporaries_older_than
+                        if cutoff is not None and e.stat(follow_symlinks=False).st_mtime >= cutoff:
+                            continue
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(e.name, dir_fd=d)
                         out.temporaries += 1
@@ -321,6 +382,58 @@ class StoreFiles:
             finally:
                 os.close(d)
         return out
+
+    def hand_over(self, refs: list[ChunkRef]) -> None:
+        """Leave these chunks (a shared store's own, at its stop) to the next
+        instance that starts: a list written under a temporary name, then renamed."""
+        text = b"".join(f"{r.ns_dir}/{r.key.hex()}\n".encode() for r in refs)
+        fd, tmp = _create_temporary(self.fd, "handover", self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+            final = f"handover.{secrets.token_hex(8)}.list"
+            os.rename(tmp, final, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
+
+    def take_handovers(self) -> list[tuple[float, ChunkRef, int]]:
+        """The chunks stopped instances handed over (``hand_over``) whose files
+        are still there, as (mtime, ref, size). Each list is claimed by renaming
+        it: of instances starting at once, one takes it."""
+        found = []
+        for entry in os.scandir(self.fd):
+            if not (
+                entry.name.endswith(".list")
+                and _HANDOVER.fullmatch(entry.name)
+                and entry.is_file(follow_symlinks=False)
+            ):
+                continue
+            claimed = _temporary_name("handover")
+            try:
+                os.rename(entry.name, claimed, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            except FileNotFoundError:  # another instance took it
+                continue
+            try:
+                with os.fdopen(os.open(claimed, _READ_FLAGS, dir_fd=self.fd), "rb") as f:
+                    text = f.read()
+            except OSError:
+                text = b""
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(claimed, dir_fd=self.fd)
+            for line in text.splitlines():
+                if (m := _HANDOVER_LINE.fullmatch(line)) is None:
+                    continue
+                ref = ChunkRef(bytes.fromhex(m[2].decode()), m[1].decode())
+                try:
+                    st = os.stat(f"{ref.ns_dir}/{ref.name}", dir_fd=self.fd, follow_symlinks=False)
+                except OSError:  # deleted since (a reader found it bad)
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime, ref, st.st_size))
+        return found
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -343,13 +456,18 @@ class DiskKVStore:
     server from corrupting it (``StoreLocked`` names the other server's pid).
     The path given is resolved once, as given (a link in it is the user's
     choice); nothing under it is followed.
+
+    ``shared``: instances share the directory (see the module's docstring);
+    the index holds this instance's own chunks and ``has`` finds the others'.
     """
 
-    def __init__(self, directory: str, capacity_bytes: int) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, shared: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ValueError("a disk store needs a positive capacity")
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.capacity_bytes = capacity_bytes
+        self.shared = shared
+        self.alone = True  # held the directory alone at start (adopted what it found)
         self.root = os.path.join(self.directory, f"v{FORMAT_VERSION}")
         self._lock_fd: int | None = None
         self.files: StoreFiles | None = None
@@ -359,7 +477,7 @@ class DiskKVStore:
         top = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             _claim(top, self.directory)
-            self._lock_fd = _lock_directory(top, self.directory)
+            self._lock_fd, self.alone = _lock_directory(top, self.directory, shared)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(os.path.basename(self.root), 0o700, dir_fd=top)
             try:
@@ -371,8 +489,10 @@ class DiskKVStore:
                         f"follows no link in its store: remove it, or {_REFUSE_HINT}"
                     ) from None
                 raise
-            self.files = StoreFiles(fd, self.root)
+            self.files = StoreFiles(fd, self.root, shared)
             self.dropped_at_start = self._scan()
+            if shared and self.alone:
+                _share_lock(self._lock_fd, self.directory)
         except BaseException:
             self.close()
             raise
@@ -380,9 +500,17 @@ class DiskKVStore:
             os.close(top)
 
     def _scan(self) -> int:
-        """Index the files a previous server left, oldest first; drop temporaries."""
+        """Index the files a previous server left, oldest first; drop temporaries.
+        Joining live instances on a shared directory: their files are theirs
+        (found by ``has``), only stale temporaries go, and what stopped
+        instances handed over becomes this one's."""
         assert self.files is not None
-        found = self.files.scan()
+        if self.alone:
+            found = self.files.scan()
+            adopted = found.found
+        else:
+            found = self.files.scan(time.time() - STALE_TEMPORARY_SECONDS)
+            adopted = self.files.take_handovers()
         if found.left_alone:
             log.warning(
                 "disk store %s: left alone %d entries it did not make (never read, "
@@ -392,7 +520,7 @@ class DiskKVStore:
                 ", ".join(found.examples),
             )
         self.left_alone = found.left_alone
-        for _, ref, size in sorted(found.found, key=lambda f: f[0]):
+        for _, ref, size in sorted(adopted, key=lambda f: f[0]):
             self._index[ref.key] = _Meta(ref.ns_dir, size)
             self.size_bytes += size
         # A restart with a smaller --kv-disk-bytes: the oldest go now.
@@ -417,6 +545,13 @@ class DiskKVStore:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
+
+    def has(self, ref: ChunkRef) -> bool:
+        """Whether the chunk can be loaded: in the index, or (shared) a file
+        another instance wrote under its name."""
+        if ref.key in self._index:
+            return True
+        return self.shared and self.files is not None and self.files.has(ref)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -444,16 +579,24 @@ class DiskKVStore:
         self.size_bytes -= meta.size
         return self.path(meta.ns_dir, key)
 
-    def clear(self) -> None:
-        """Forget every chunk (the caller has the I/O thread delete the files:
-        ``StoreFiles.clear``)."""
+    def clear(self) -> list[ChunkRef]:
+        """Forget every chunk; returns them (the caller has the I/O thread
+        delete the files: ``StoreFiles.clear``, or in a shared store only
+        these, its own)."""
+        refs = [ChunkRef(key, meta.ns_dir) for key, meta in self._index.items()]
         self._index.clear()
         self.size_bytes = 0
+        return refs
 
     def close(self, keep_files: bool = False) -> None:
         """Release the directory lock and the store's directory (``keep_files``:
         not the directory, which a stuck I/O thread still uses)."""
         if self.files is not None and not keep_files:
+            if self.shared and self._index:
+                try:
+                    self.files.hand_over(self.clear())
+                except OSError as exc:  # its chunks stay, owned by none until a lone start
+                    log.warning("disk store %s: could not hand its chunks over: %s", self.root, exc)
             self.files.close()
         self.files = None
         if self._lock_fd is not None:
@@ -629,7 +772,10 @@ def _made_by_a_store(top: int, names: list[str]) -> bool:
     return True
 
 
-def _lock_directory(top: int, directory: str) -> int:
+def _lock_directory(top: int, directory: str, shared: bool) -> tuple[int, bool]:
+    """Lock the store: exclusively, or (``shared``) exclusively when no other
+    instance holds it, else shared. Returns the lock's descriptor and whether
+    this server holds the directory alone."""
     path = os.path.join(directory, LOCK_NAME)
     try:
         flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
@@ -646,12 +792,45 @@ def _lock_directory(top: int, directory: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        if shared and _wait_shared(fd):
+            return fd, False
         other = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
+        hint = (
+            "it runs without --kv-disk-shared (give this server its own directory)"
+            if shared
+            else "give each server its own directory, or --kv-disk-shared to every one of them"
+        )
         raise StoreLocked(
-            f"--kv-disk-dir {directory} is in use by another radixmux server (pid {other}); "
-            "give each server its own directory"
+            f"--kv-disk-dir {directory} is in use by another radixmux server (pid {other}); " + hint
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
-    return fd
+    return fd, True
+
+
+def _wait_shared(fd: int) -> bool:
+    """Take the lock shared, waiting while a sharing instance scans the directory
+    alone at its start; False when it stays held (a server not sharing it)."""
+    deadline = time.monotonic() + SHARED_LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _share_lock(fd: int, directory: str) -> None:
+    """Turn the exclusive lock held over the start-up scan into a shared one.
+    flock(2) converts by release and retake: a server not sharing that took
+    the directory in between wins it, and this one stops."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise StoreLocked(
+            f"--kv-disk-dir {directory} was taken by a radixmux server without "
+            "--kv-disk-shared while this one started"
+        ) from None

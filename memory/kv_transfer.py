@@ -86,6 +86,7 @@ class JobResult:
     nbytes: int = 0
     tokens: int = 0
     written: list[tuple[bytes, int]] = field(default_factory=list)  # (key, file size)
+    present: list[bytes] = field(default_factory=list)  # a shared store's other instance has it
     bad: list[tuple[bytes, str]] = field(default_factory=list)  # (key, why)
     fatal: str | None = None  # the disk cannot take writes: turn the tier off
 
@@ -240,6 +241,9 @@ class KVTransfer:
         # cache between the gather, the checksum and the write.
         rows = self._rows(job.view, c)
         for i, chunk in enumerate(job.chunks):
+            if self.files.shared and self.files.has(chunk):
+                result.present.append(chunk.key)  # another instance wrote it
+                continue
             gather(job.view, job.slots[i * c : (i + 1) * c], out=rows)
             payload = memoryview(rows.numpy()).cast("B")
             try:
@@ -249,6 +253,9 @@ class KVTransfer:
                     result.fatal = f"{self.files.path(chunk)}: {exc.strerror}"
                     return
                 result.bad.append((chunk.key, str(exc)))
+                continue
+            if size is None:  # another instance published it first
+                result.present.append(chunk.key)
                 continue
             result.written.append((chunk.key, size))
             result.nbytes += size

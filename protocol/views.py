@@ -59,6 +59,9 @@ class DiskTierStats(msgspec.Struct, frozen=True):
     load_p50_s: float  # over the last 1,024 loads
     load_p99_s: float
     tokens_loaded: dict[str, int] = msgspec.field(default_factory=dict)  # per model
+    chunks_loaded: int = 0  # chunks loads asked for (a load stopped by a bad one included)
+    chunks_shared: int = 0  # of them, another instance's (--kv-disk-shared)
+    shared: bool = False  # --kv-disk-shared
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

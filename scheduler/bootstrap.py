@@ -134,7 +134,7 @@ def open_disk_tier(args: ServerArgs, arena: ArenaSpec, cache: RadixCache) -> Dis
         return None
     assert args.kv_disk_dir
     try:
-        store = DiskKVStore(args.kv_disk_dir, args.kv_disk_bytes)
+        store = DiskKVStore(args.kv_disk_dir, args.kv_disk_bytes, args.kv_disk_shared)
     except StoreRefused as exc:
         raise StartupError(str(exc)) from None
     except OSError as exc:

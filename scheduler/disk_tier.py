@@ -22,6 +22,10 @@ when a request loads instead of recomputing:
 
 A disk that is full or read-only turns the tier off with one log line; the
 server keeps serving from memory.
+
+In a shared store (``--kv-disk-shared``) a lookup past this instance's own
+index looks for the chunk's file by name (one ``stat``, a few microseconds):
+chunks other instances wrote after this one started load like its own.
 """
 
 from __future__ import annotations
@@ -122,15 +126,20 @@ class DiskTier:
         self.bytes_written = self.bytes_read = self.chunks_written = self.chunks_dropped = 0
         self.write_errors = 0
         self.loads = 0
+        self.chunks_loaded = self.chunks_shared = 0
         self.load_seconds = 0.0
         self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.tokens_loaded: collections.Counter[str] = collections.Counter()
         self.events: DiskEvents | None = None  # set while KV events are published
         if write_policy == "write_back":
             cache.on_evict = self._spill
+        sharing = ""
+        if store.shared:
+            sharing = " (shared, alone at start)" if store.alone else " (shared, joined)"
         log.info(
-            "disk tier: %s, %d chunks (%.1f MB of %.1f MB) found, %s, %d-token chunks",
+            "disk tier: %s%s, %d chunks (%.1f MB of %.1f MB) found, %s, %d-token chunks",
             store.directory,
+            sharing,
             len(store),
             store.size_bytes / 1e6,
             store.capacity_bytes / 1e6,
@@ -234,19 +243,20 @@ class DiskTier:
         pool = self.cache.pool_of(req.model)
         space = self._space(pool)
         keys = chunk_keys(space.ns, req.tokens[: limit * c].tobytes(), c)
-        run: list[bytes] = []
+        run: list[ChunkRef] = []
         for key in keys[first:]:
             if self._loading_keys[key]:
                 if not run:
                     return "wait"
                 break
-            if key not in self.store:
+            ref = ChunkRef(key, space.ns_dir)
+            if not self.store.has(ref):
                 break
-            run.append(key)
+            run.append(ref)
         end = (first + len(run)) * c
         if end - req.kv_len < self.min_load_tokens:
             return None
-        return LoadPlan(self._refs(space, run), req.kv_len, end, req.kv_len - first * c)
+        return LoadPlan(run, req.kv_len, end, req.kv_len - first * c)
 
     def start_load(self, req: Req, plan: LoadPlan) -> None:
         """Fill ``req.slots[plan.start:plan.end]`` (already reserved) from disk."""
@@ -262,6 +272,8 @@ class DiskTier:
         self._loading_keys.update(ch.key for ch in plan.chunks)
         for ch in plan.chunks:
             self.store.touch(ch.key)
+        self.chunks_loaded += len(plan.chunks)
+        self.chunks_shared += sum(ch.key not in self.store for ch in plan.chunks)
         self.loading[self.transfer.submit(job)] = _Load(req, plan.chunks, time.monotonic())
         log.info(
             "rid=%s loading %d tokens (%d-%d) from disk",
@@ -300,6 +312,7 @@ class DiskTier:
                 log.warning("disk tier: could not save chunk %s: %s", key.hex()[:16], why)
             if self.events is not None:
                 self.events.failed(key for key, _ in result.bad)
+                self.events.failed(result.present)  # another instance's file, not ours
                 self.events.written(key for key, _ in result.written)
             self._reading.pop(job.job_id, None)
             handle = self._through_locks.pop(job.job_id, None)
@@ -320,7 +333,9 @@ class DiskTier:
         if isinstance(job, LoadJob):
             for key, why in result.bad:
                 self.chunks_dropped += 1
-                log.warning("disk tier: dropped chunk %s (%s)", self.store.discard(key), why)
+                self.store.discard(key)
+                path = self.store.path(namespace_dir(job.ns), key)
+                log.warning("disk tier: dropped chunk %s (%s)", path, why)
                 if self.events is not None:
                     self.events.dropped([key])
             load = self.loading.pop(job.job_id)
@@ -363,8 +378,9 @@ class DiskTier:
     def clear(self) -> None:
         """Forget and delete every chunk (``flush_cache``); the I/O thread
         deletes only chunk files, never anything else in the directory."""
-        self.store.clear()
-        self.transfer.submit(ClearJob())
+        own = self.store.clear()
+        # A shared directory's other chunks are other instances' to delete.
+        self.transfer.submit(DeleteJob(own) if self.store.shared else ClearJob())
         if self.events is not None:
             self.events.cleared()
 
@@ -409,4 +425,7 @@ class DiskTier:
             load_p50_s=lat[len(lat) // 2] if lat else 0.0,
             load_p99_s=lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else 0.0,
             tokens_loaded=dict(self.tokens_loaded),
+            chunks_loaded=self.chunks_loaded,
+            chunks_shared=self.chunks_shared,
+            shared=self.store.shared,
         )

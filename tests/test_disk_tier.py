@@ -229,7 +229,7 @@ def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path
 
 
 # ---- the tier's rules, in-process over a real arena and real files ----------------------
-def tier_setup(tmp_path: Path, chunk: int = 4):
+def tier_setup(tmp_path: Path, chunk: int = 4, kv: Path | None = None, shared: bool = False):
     import numpy as np
 
     from radixmux.memory.allocator import KVAllocator
@@ -243,7 +243,8 @@ def tier_setup(tmp_path: Path, chunk: int = 4):
     arena = KVArena.create(4, 4096, directory=str(tmp_path))
     cache = RadixCache(KVAllocator(4, 4096))
     cache.register_model(ModelSpec("m", "g", "w", layout))
-    tier = DiskTier(cache, arena, DiskKVStore(str(tmp_path / "kv"), 1 << 20), chunk)
+    store = DiskKVStore(str(kv or tmp_path / "kv"), 1 << 20, shared=shared)
+    tier = DiskTier(cache, arena, store, chunk)
     geometry = cache.allocator.geometry("w")
     view = arena.view(geometry)
     view.copy_(__import__("torch").randn(view.shape))

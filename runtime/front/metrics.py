@@ -309,6 +309,13 @@ _DISK: list[tuple[str, type[Metric], str, str]] = [
         "write_errors",
     ),
     ("radixmux_disk_loads", CounterMetricFamily, "Requests that loaded KV from disk", "loads"),
+    ("radixmux_disk_chunks_loaded", CounterMetricFamily, "Chunks loads asked for", "chunks_loaded"),
+    (
+        "radixmux_disk_chunks_shared",
+        CounterMetricFamily,
+        "Chunks loaded that another instance wrote (--kv-disk-shared)",
+        "chunks_shared",
+    ),
     (
         "radixmux_disk_load_seconds",
         CounterMetricFamily,
