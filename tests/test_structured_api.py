@@ -208,6 +208,23 @@ def test_streamed_tool_call(url: str) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_streamed_tool_calls_carry_the_logprobs_of_their_tokens(url: str) -> None:
+    """The held text's logprobs come with the delta that sends the calls, as
+    many as the non-streamed answer has, for each of n choices."""
+    ask = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    ask |= {"seed": 6, "n": 2, "logprobs": True, "top_logprobs": 2, **HOT}
+    full = chat(url, **ask).json()["choices"]
+    streamed: dict[int, list[dict]] = {}
+    for c in stream_chat(url, **ask):
+        for choice in c["choices"]:
+            if choice["logprobs"]:
+                streamed.setdefault(choice["index"], []).extend(choice["logprobs"]["content"])
+    assert sorted(streamed) == [0, 1]
+    for choice in full:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert len(streamed[choice["index"]]) == len(choice["logprobs"]["content"]) > 0
+
+
 def test_openai_client_parse_with_pydantic(url: str) -> None:
     from typing import Literal
 
@@ -240,6 +257,16 @@ def test_openai_client_parse_with_pydantic(url: str) -> None:
             {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
             "response_format.json_schema.schema",
         ),
+        (
+            {"response_format": {"type": "json_object", "json_schema": {"schema": {}}}},
+            "response_format.json_schema",
+        ),
+        (
+            {"response_format": {"type": "text", "json_schema": {"schema": {}}}},
+            "response_format.json_schema",
+        ),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
         ({"regex": "[a-"}, "regex"),
         ({"ebnf": "root ::= nothing"}, "ebnf"),
@@ -261,3 +288,30 @@ def test_bad_structured_fields_are_400s_naming_the_field(url: str, body: dict, p
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param, err
+
+
+def test_streamed_generate_with_n_2_keeps_each_choice_in_the_regex(url: str) -> None:
+    sampling = {"regex": r"(yes|no)-[0-9]{2}", "temperature": 1.0, "max_new_tokens": 16, "n": 2}
+    body = {"text": "Go:", "sampling_params": {**sampling, "seed": 7}, "stream": True}
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                texts[chunk["index"]] = chunk["text"]  # cumulative
+                if chunk["meta_info"]["finish_reason"]:
+                    reasons[chunk["index"]] = chunk["meta_info"]["finish_reason"]["type"]
+    assert sorted(texts) == [0, 1] and set(reasons.values()) == {"stop"}
+    for text in texts.values():
+        assert re.fullmatch(r"(yes|no)-[0-9]{2}", text), text
+
+
+def test_choices_with_quotes_backslashes_and_spaces_come_back_verbatim(url: str) -> None:
+    choices = ['say "hi"', "a\\b", "two words", "é"]
+    for seed in range(3):
+        r = completion(url, guided_choice=choices, seed=seed, n=2, **HOT)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop" and choice["text"] in choices, choice

@@ -97,6 +97,12 @@ def test_auto_reads_hermes_blocks_and_keeps_the_rest_as_content() -> None:
     assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
     assert content.startswith("Let me add.") and "<tool_call>" not in content.split("\n")[0]
     assert tools.read_calls(auto, "No call here.") == ("No call here.", [])
+    # A block that is not a call stays in the content, where the reader sees it.
+    assert content.endswith("<tool_call>not json</tool_call>")
+    content, calls = tools.read_calls(
+        auto, '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    )
+    assert content is None and len(calls) == 1
 
 
 @pytest.fixture(scope="module")

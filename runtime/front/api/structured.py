@@ -93,7 +93,13 @@ def choice_grammar(choices: Any, field: str) -> str:
 
 def response_format(rf: ResponseFormat | None, field: str = "response_format") -> Constraint | None:
     """OpenAI's ``response_format``."""
-    if rf is None or rf.type == "text":
+    if rf is None:
+        return None
+    if rf.json_schema is not None and rf.type != "json_schema":
+        # Nothing is silently ignored: a schema sent with another type is a mistake.
+        where = f"{field}.json_schema"
+        raise APIError(400, f"'{where}' goes only with type json_schema, not {rf.type!r}", where)
+    if rf.type == "text":
         return None
     if rf.type == "json_object":
         return Constraint("json", "", field=field)
@@ -135,6 +141,12 @@ def structured_outputs(so: StructuredOutputs | None, field: str) -> list[Constra
     if so.grammar is not None:
         where = f"{field}.grammar"
         found.append(Constraint("ebnf", _text(so.grammar, where), field=where))
+    if not found:  # as vLLM: the object is there to ask for one
+        raise APIError(
+            400,
+            f"'{field}' sets no constraint (one of json, json_object, regex, choice, grammar)",
+            field,
+        )
     return found
 
 

@@ -281,7 +281,8 @@ class ChatFormat:
         self.include_usage = include_usage
         self.plan = plan
         self.started: set[int] = set()  # choices whose role chunk is sent
-        self.held: dict[int, list[str]] = {}  # with tools: each choice's text so far
+        # With tools: each choice's outputs so far (text and logprobs).
+        self.held: dict[int, list[protocol.TextOutput]] = {}
 
     def _chunk(self, index: int, delta: ChatDelta, lps=None, reason=None) -> ChatChunk:
         choices = [ChatChunkChoice(index, delta, lps, reason)]
@@ -294,13 +295,14 @@ class ChatFormat:
             self.started.add(index)
             found.append(self._chunk(index, ChatDelta(role="assistant", content="")))
         if self.plan.parses_calls:
-            self.held.setdefault(index, []).append(out.text)
+            self.held.setdefault(index, []).append(out)
             if gen.done:
-                content, calls = tools.read_calls(self.plan, "".join(self.held.pop(index)))
+                held = self.held.pop(index)
+                content, calls = tools.read_calls(self.plan, "".join(o.text for o in held))
                 deltas = [tools.ToolCallDelta(k, c.id, c.function) for k, c in enumerate(calls)]
-                found.append(
-                    self._chunk(index, ChatDelta(content=content, tool_calls=deltas or None))
-                )
+                # The held tokens' logprobs come with the delta.
+                delta = ChatDelta(content=content, tool_calls=deltas or None)
+                found.append(self._chunk(index, delta, self._logprobs(held)))
                 found.append(self._chunk(index, ChatDelta(), reason=_reason(gen, calls)))
             return found
         if out.text or out.logprobs:
@@ -309,6 +311,12 @@ class ChatFormat:
         if gen.done:
             found.append(self._chunk(index, ChatDelta(), reason=finish_reason(gen)))
         return found
+
+    def _logprobs(self, outs: list[protocol.TextOutput]) -> ChatLogprobs | None:
+        """The logprobs of ``outs`` joined, when the request asks for them."""
+        if not self.logprobs:
+            return None
+        return chat_logprobs([lp for o in outs for lp in o.logprobs or []])
 
     def tail(self, gens: list[InFlight]) -> list[msgspec.Struct]:
         if not self.include_usage:
@@ -321,9 +329,7 @@ class ChatFormat:
         choices = []
         for i, (outs, gen) in enumerate(zip(outputs, gens, strict=True)):
             text = "".join(o.text for o in outs)
-            lps = None
-            if self.logprobs:
-                lps = chat_logprobs([lp for o in outs for lp in o.logprobs or []])
+            lps = self._logprobs(outs)
             content: str | None = text
             calls: list[ToolCall] = []
             if self.plan.parses_calls:

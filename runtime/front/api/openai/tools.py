@@ -179,14 +179,17 @@ def read_calls(p: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
         return None, [_call(c["name"], c["parameters"]) for c in doc]
     if p.mode == "auto":
         calls = []
-        for block in _HERMES.findall(text):
+        rest = []  # the text around the blocks read as calls (other blocks stay in it)
+        at = 0
+        for m in _HERMES.finditer(text):
             try:
-                doc = json.loads(block)
+                doc = json.loads(m.group(1))
             except ValueError:
                 continue
             if isinstance(doc, dict) and isinstance(doc.get("name"), str):
                 calls.append(_call(doc["name"], doc.get("arguments", doc.get("parameters", {}))))
+                rest.append(text[at : m.start()])
+                at = m.end()
         if calls:
-            rest = _HERMES.sub("", text).strip()
-            return rest or None, calls
+            return "".join([*rest, text[at:]]).strip() or None, calls
     return text, []
