@@ -77,6 +77,8 @@ def test_required_is_an_array_of_calls_and_named_is_the_arguments() -> None:
         (({"type": "retrieval", "function": {"name": "x"}},), "required", "tools[0].type"),
         (({"type": "function", "function": {"name": "bad name"}},), "required",
          "tools[0].function.name"),
+        (({"type": "function", "function": {"name": "a.b"}},), "required",
+         "tools[0].function.name"),
     ],
 )  # fmt: skip
 def test_bad_tools_are_refused_naming_the_field(defs, choice, param) -> None:
@@ -97,6 +99,9 @@ def test_auto_reads_hermes_blocks_and_keeps_the_rest_as_content() -> None:
     assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3}
     assert content.startswith("Let me add.") and "<tool_call>" not in content.split("\n")[0]
     assert tools.read_calls(auto, "No call here.") == ("No call here.", [])
+    # A call to a function the request did not offer is not a call: it stays text.
+    other = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
+    assert tools.read_calls(auto, other) == (other, [])
     # A block that is not a call stays in the content, where the reader sees it.
     assert content.endswith("<tool_call>not json</tool_call>")
     content, calls = tools.read_calls(

@@ -104,10 +104,10 @@ def plan(
     for i, t in enumerate(tools):
         if t.type != "function":
             raise APIError(400, f"'tools[{i}].type' must be \"function\"", f"tools[{i}].type")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", t.function.name):
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", t.function.name):
             raise APIError(
                 400,
-                f"'tools[{i}].function.name' must be 1-64 letters, digits, '_', '.' or '-'",
+                f"'tools[{i}].function.name' must be 1-64 letters, digits, '_' or '-'",
                 f"tools[{i}].function.name",
             )
     funcs = tuple(t.function for t in tools)
@@ -181,12 +181,13 @@ def read_calls(p: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
         calls = []
         rest = []  # the text around the blocks read as calls (other blocks stay in it)
         at = 0
+        offered = {f.name for f in p.tools}
         for m in _HERMES.finditer(text):
             try:
                 doc = json.loads(m.group(1))
             except ValueError:
                 continue
-            if isinstance(doc, dict) and isinstance(doc.get("name"), str):
+            if isinstance(doc, dict) and doc.get("name") in offered:  # else it stays text
                 calls.append(_call(doc["name"], doc.get("arguments", doc.get("parameters", {}))))
                 rest.append(text[at : m.start()])
                 at = m.end()
