@@ -92,6 +92,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_fused_ops: bool = False
+    linear_onednn_copy: bool = False
     enable_jump_forward: bool = False
     kv_partition: str = "unified"
     max_queued_requests: int = 1024
@@ -352,6 +353,12 @@ _SWITCHES: list[tuple[str, str]] = [
     (
         "disable-fused-ops",
         "run transformers' own RMSNorm, gated MLP and rotary code instead of the fused kernels",
+    ),
+    (
+        "linear-onednn-copy",
+        "keep a second, oneDNN-packed copy of each bfloat16 linear weight for calls above "
+        "the small-batch kernel's row limit (a few percent faster prefill on 2+ threads per "
+        "runner, for the weights' size again plus 40-100 MB of oneDNN code per layer shape)",
     ),
     (
         "enable-jump-forward",

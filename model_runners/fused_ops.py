@@ -74,7 +74,8 @@ def same_code(fn: Callable[..., Any], reference: Callable[..., Any]) -> bool:
 
 @functools.cache
 def references() -> dict[str, Any]:
-    """transformers' own code that swapped-in code must equal (here and in lean_stack.py)."""
+    """transformers' own code that swapped-in code must equal (here, in lean_stack.py
+    and tied_embedding.py)."""
     from transformers.models.gemma3 import modeling_gemma3 as gemma
     from transformers.models.llama import modeling_llama as llama
 
@@ -82,6 +83,7 @@ def references() -> dict[str, Any]:
         "llama_norm": llama.LlamaRMSNorm.forward,
         "gemma_norm": gemma.Gemma3RMSNorm.forward,
         "gemma_norm_inner": gemma.Gemma3RMSNorm._norm,
+        "gemma_embedding": gemma.Gemma3TextScaledWordEmbedding.forward,
         "mlp": llama.LlamaMLP.forward,
         "rotary": llama.apply_rotary_pos_emb,
         "rotate_half": llama.rotate_half,

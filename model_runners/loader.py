@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from radixmux.common.tokenizer_load import load_tokenizer
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
 from radixmux.model_runners.fingerprint import kv_share_key, tokenizer_fingerprint
@@ -74,7 +75,15 @@ def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> 
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         dtype=dtype,
         device=device,
+        weight_bytes=weight_bytes(model),
     )
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of ``model``'s parameters and buffers (a tensor shared by two
+    modules, as tied embeddings are, counted once)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for t in tensors.values())
 
 
 def load_model(
@@ -86,6 +95,7 @@ def load_model(
     pack_weights: bool = True,
     fuse_ops: bool = True,
     amx_linear: bool = True,
+    onednn_copy: bool = False,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
@@ -95,10 +105,11 @@ def load_model(
     ``packed_linear.py``) and ``fuse_ops`` swaps in the fused RMSNorm, gated
     MLP and rotary kernels (``fused_ops.py``) and, with ``amx_linear`` too,
     runs small bfloat16 products on the small-batch kernel (AMX tiles, or
-    AVX512-BF16 dot products) where the CPU has one; the
+    AVX512-BF16 dot products) where the CPU has one (``onednn_copy``: only up
+    to its row limits, oneDNN above); the
     fingerprints are taken before all of it, from the weights as stored.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: one of {sorted(DTYPES)}")
@@ -106,7 +117,7 @@ def load_model(
     folder, gguf = resolve(source)
     extra = {"gguf_file": gguf} if gguf else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+        tokenizer = load_tokenizer(folder / gguf if gguf else folder)
     except (OSError, ValueError, TypeError):
         # A weights-only folder (e.g. a test model): the runner needs only ids;
         # its tokenizer fingerprint is then empty and matches nothing.
@@ -119,5 +130,5 @@ def load_model(
     if fuse_ops and device == "cpu":
         fuse_model(model)
     if pack_weights and device == "cpu":
-        pack_linear_weights(model, amx=fuse_ops and amx_linear)
+        pack_linear_weights(model, amx=fuse_ops and amx_linear, onednn_copy=onednn_copy)
     return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

@@ -9,18 +9,25 @@ results. The packed copy replaces the module's weight; a weight the model
 also uses elsewhere (an lm_head tied to the embeddings) stays in place and
 costs its size again.
 
-Where the CPU has AMX (bfloat16 tiles), bfloat16 layers also keep their
-weight in the tile layout of ``kernels/amx_linear.cpp`` and calls of up to
+Where the CPU has AMX (bfloat16 tiles), bfloat16 layers keep their weight in
+the tile layout of ``kernels/amx_linear.cpp`` instead, and calls of up to
 ``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 2,048
 tokens; 160 for a gated MLP's wide up projection) run there: oneDNN spends
 ~20 us per call at decode sizes whatever the matrix, the tile kernel 3.5-10 us
 for SmolLM2's layers at 1-16 rows, with the same float accumulation and one
 rounding (results equal oneDNN's but for rare last-bit differences). Larger
-calls stay on oneDNN, whose deeper blocking wins there. The cost is a second
-copy of those weights, except for the output projection: it only ever
-multiplies the rows of sampled sequences, so it keeps the tile copy alone
-(oneDNN is 10-35% ahead there from 33 to 64 rows, a fraction of a percent of
-such a step) rather than a third copy of a vocabulary-sized matrix (335 MB for Gemma 3's).
+calls stay on oneDNN, whose deeper blocking wins there, and keep its results:
+oneDNN multiplies the tiles unpacked into a row-major scratch weight for the
+call (``unpack_tiles``; oneDNN gives a row-major weight's product the packed
+copy's bits), so the tiles are the layer's only copy. A second, oneDNN-packed
+copy (``onednn_copy``, ``--linear-onednn-copy``) saves that unpacking and
+re-blocking (~10% of a 192-row call, ~1% of a 2,048-row one) for the
+weights' size again. The output projection only ever multiplies the rows of
+sampled sequences: it keeps the tile copy alone and takes the kernel for every
+call (oneDNN is 10-35% ahead there from 33 to 64 rows, a fraction of a percent
+of such a step); a tied input embedding reads its rows from those tiles too
+(``tied_embedding.py``), so a vocabulary-sized matrix (335 MB for Gemma 3's)
+is held once.
 
 Without AMX but with AVX512-BF16, the same kernel runs the same layout with
 dot-product instructions, to lower row limits (``DOT_LIMITS``).
@@ -35,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from radixmux.model_runners.tied_embedding import BLOCK_N, embed_from_tiles
 
 log = logging.getLogger("radixmux.runner")
 
@@ -99,23 +108,29 @@ DOT_LIMITS = SmallKernelLimits(
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` whose weight lives in oneDNN's blocked layout."""
+    """``nn.Linear`` whose weight lives in oneDNN's blocked layout, or (bfloat16,
+    where the small-batch kernel runs) in the kernel's tiles."""
 
-    def __init__(self, linear: nn.Linear, amx_max_rows: int = 0) -> None:
+    def __init__(self, linear: nn.Linear, amx_max_rows: int = 0, onednn_copy: bool = True) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.dtype = weight.dtype
         # Calls of at most this many rows use the AMX tile copy (0: none kept).
         self.amx_max_rows = amx_max_rows if weight.dtype == torch.bfloat16 else 0
         self.amx = torch.ops.radixmux.amx_pack(weight) if self.amx_max_rows else None
+        # Calls above the limit run on oneDNN: from its own packed copy, or
+        # without one from the tiles unpacked for the call (same results).
         # The batch-size hint only picks the blocking; any row count works after.
-        self.packed = (
-            None
-            if self.amx_max_rows == AMX_ALL_ROWS
-            else torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-        )
+        keep = self.amx is None or (onednn_copy and self.amx_max_rows != AMX_ALL_ROWS)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64) if keep else None
+
+    @property
+    def onednn_rows(self) -> bool:
+        """Whether some calls (above ``amx_max_rows``) run on oneDNN."""
+        return self.amx is None or self.amx_max_rows != AMX_ALL_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
@@ -131,11 +146,40 @@ class PackedLinear(nn.Module):
         return self._linear(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # oneDNN on the row-major weight gives the packed copy's bits (tested),
+        # re-blocking it per call: 0-3% at these sizes, plus the unpacking
+        # (0.3 ms for a 576x3072 weight, 9% of a 192-row call, 1% at 2,048).
+        weight = unpack_tiles(self.amx, self.out_features, self.in_features)
+        return torch.nn.functional.linear(x, weight, self.bias)
 
     def extra_repr(self) -> str:
         amx = f", amx up to {self.amx_max_rows} rows" if self.amx_max_rows else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed{amx}"
+        copy = ", oneDNN copy" if self.packed is not None and self.amx is not None else ""
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, packed{amx}{copy}"
+
+
+class _Scratch:
+    """One row-major weight at a time, for the call in progress (the runner
+    makes one call at a time): sized to the largest weight unpacked so far."""
+
+    buffer = torch.empty(0, dtype=torch.int32)
+
+
+def unpack_tiles(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The ``[rows, cols]`` bfloat16 weight that ``amx_pack`` tiled into ``tiles``
+    (``[N/16][K/2][16][2]``), in a scratch buffer valid until the next call.
+    Each k pair is one 32-bit word: the unpacking is a transpose of words."""
+    blocks, pairs = tiles.shape[0], tiles.shape[1]
+    need = blocks * BLOCK_N * pairs
+    if _Scratch.buffer.numel() < need:
+        _Scratch.buffer = torch.empty(need, dtype=torch.int32)
+    words = _Scratch.buffer[:need].view(blocks, BLOCK_N, pairs)
+    words.copy_(tiles.view(torch.int32).view(blocks, pairs, BLOCK_N).transpose(1, 2))
+    weight = words.view(blocks * BLOCK_N, pairs).view(torch.bfloat16)[:rows, :cols]
+    return weight if weight.is_contiguous() else weight.contiguous()
 
 
 @functools.cache
@@ -193,28 +237,38 @@ def warm_up(model: nn.Module, max_rows: int, max_sequences: int | None = None) -
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     shapes: dict[tuple[int, int, torch.dtype, bool], PackedLinear] = {}
     for module in model.modules():
-        if isinstance(module, PackedLinear) and module.packed is not None:
-            key = (module.in_features, module.out_features, module.packed.dtype, module is head)
+        if isinstance(module, PackedLinear) and module.onednn_rows:
+            key = (module.in_features, module.out_features, module.dtype, module is head)
             shapes.setdefault(key, module)
     calls = 0
     for (*_, is_head), module in shapes.items():
         limit = min(max_rows, max_sequences) if is_head and max_sequences else max_rows
+        # Calls the small-batch kernel takes never reach oneDNN: no primitive for them.
+        kernel_rows = module.amx_max_rows if module.amx is not None else 0
         for rows in row_counts(limit):
-            module._linear(torch.zeros(rows, module.in_features, dtype=module.packed.dtype))
+            if rows <= kernel_rows:
+                continue
+            module._linear(torch.zeros(rows, module.in_features, dtype=module.dtype))
             calls += 1
     return calls
 
 
 @torch.no_grad()
-def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
+def pack_linear_weights(model: nn.Module, amx: bool = True, onednn_copy: bool = False) -> int:
     """Swap every CPU float32/bfloat16 ``nn.Linear`` of ``model`` for a
     :class:`PackedLinear`; returns how many were swapped (0 where unsupported).
-    ``amx``: also keep bfloat16 weights for the small-batch kernel (AMX tiles,
-    else AVX512-BF16 dot products), where it runs."""
+    ``amx``: bfloat16 weights go to the small-batch kernel (AMX tiles, else
+    AVX512-BF16 dot products), where it runs: for every call, one copy of each
+    weight, or with ``onednn_copy`` up to the kernel's row limits
+    (``AMX_LIMITS``, ``DOT_LIMITS``) and to a second, oneDNN copy above them.
+    An input embedding tied to the output projection then reads the
+    projection's kernel copy (``tied_embedding.py``) and its own is freed."""
     if not torch.backends.mkldnn.is_available():
         return 0
     limits = small_kernel_limits() if amx else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
     ok: dict[torch.dtype, bool] = {}
     swapped = 0
     for parent in list(model.modules()):
@@ -230,7 +284,7 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
                 rows = limits.for_layer(child, child is head) if limits else 0
-                setattr(parent, name, PackedLinear(child, rows))
+                setattr(parent, name, PackedLinear(child, rows, onednn_copy))
                 swapped += 1
     if limits and ok.get(torch.bfloat16):
         log.info(
@@ -238,4 +292,7 @@ def pack_linear_weights(model: nn.Module, amx: bool = True) -> int:
             limits.kind,
             limits.rows,
         )
+    packed_head = model.get_output_embeddings() if tied else None
+    if isinstance(packed_head, PackedLinear) and packed_head.amx is not None:
+        embed_from_tiles(embed, packed_head.amx)
     return swapped

@@ -28,6 +28,7 @@ import traceback
 import msgspec
 
 from radixmux.common.cpu import cpu_cores
+from radixmux.common.heap import trim_heap
 from radixmux.common.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
 from radixmux.memory.arena import ArenaSpec
 
@@ -52,6 +53,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout
     jump_forward: bool = False  # --enable-jump-forward
     fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
+    onednn_copy: bool = False  # --linear-onednn-copy (packed_linear.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it
     # before Ready (0: no warm-up).
@@ -100,7 +102,12 @@ def serve(config: RunnerConfig) -> int:
         from radixmux.model_runners.model_runner import ModelRunner
 
         loaded = load_model(
-            config.model, config.dtype, config.device, name=config.name, fuse_ops=config.fuse_ops
+            config.model,
+            config.dtype,
+            config.device,
+            name=config.name,
+            fuse_ops=config.fuse_ops,
+            onednn_copy=config.onednn_copy,
         )
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
@@ -117,6 +124,9 @@ def serve(config: RunnerConfig) -> int:
             from radixmux.model_runners.packed_linear import warm_up
 
             warm_up(loaded.model, config.max_batch_tokens, config.max_batch_sequences or None)
+        # Loading, converting and packing freed far more than they kept, in
+        # the middle of the heap: give those pages back before serving.
+        trim_heap()
         load_seconds = loaded.load_seconds + time.perf_counter() - t0
     except Exception as exc:
         sock.send(encoder.encode(protocol.Failed(f"{type(exc).__name__}: {exc}", os.getpid())))

@@ -39,6 +39,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     has_chat_template: bool
     dtype: str
     device: str
+    # Bytes of its parameters and buffers as loaded (a tied matrix once),
+    # before the runner repacks them: what its memory is measured against.
+    weight_bytes: int = 0
 
 
 class Constraint(msgspec.Struct, frozen=True):

@@ -236,6 +236,7 @@ class Launcher:
             grammar_compile_timeout=args.grammar_compile_timeout,
             jump_forward=args.enable_jump_forward,
             fuse_ops=not args.disable_fused_ops,
+            onednn_copy=args.linear_onednn_copy,
             # A step's budget counts its decodes (batch_builder): it holds at
             # most the chunk size, or only decodes when more requests run.
             max_batch_tokens=max(args.chunked_prefill_size, args.max_running_requests),

@@ -31,6 +31,7 @@ from radixmux import protocol
 from radixmux.common.grammar import GrammarCompiler
 from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
+from radixmux.common.tokenizer_load import load_tokenizer
 from radixmux.runtime.grammar_gate import GrammarGate
 
 log = logging.getLogger("radixmux.tokenizer")
@@ -44,16 +45,6 @@ class RejectedRequest(Exception):
         self.status = status
         self.message = message
         self.param = param
-
-
-def load_tokenizer(folder: str) -> Any:
-    """The HF tokenizer of a served model's folder (or of a ``.gguf`` file)."""
-    from transformers import AutoTokenizer
-
-    path = Path(folder)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def load_missing_tokenizers(models: list[protocol.ServedModel], by_folder: dict[str, Any]) -> None:

@@ -14,7 +14,10 @@ from radixmux.model_runners.packed_linear import (
     PackedLinear,
     amx_available,
     pack_linear_weights,
+    row_counts,
     small_kernel_limits,
+    unpack_tiles,
+    warm_up,
 )
 
 LIMITS = small_kernel_limits()
@@ -99,7 +102,7 @@ def test_packed_linear_takes_the_kernel_up_to_its_row_limit():
     ``amx=False`` keep none."""
     amx = tiny_model("llama", dtype="bfloat16").model
     plain = tiny_model("llama", dtype="bfloat16").model
-    pack_linear_weights(amx)
+    pack_linear_weights(amx, onednn_copy=True)
     pack_linear_weights(plain, amx=False)
     layers = [m for m in amx.modules() if isinstance(m, PackedLinear)]
     head = amx.get_output_embeddings()
@@ -131,3 +134,53 @@ def test_a_batch_without_rows_to_project_needs_no_tile_copy():
         for rows in (0, AMX_ALL_ROWS):
             packed = PackedLinear(lin, rows)
             assert packed(torch.randn(1, 0, 64).to(dtype)).shape == (1, 0, 48)
+
+
+@pytest.mark.parametrize(("k", "n"), [(50, 37), (64, 48), (576, 192), (33, 17)])
+def test_unpack_tiles_gives_the_weight_back(k, n):
+    """The tiles' padding (odd K and N) included."""
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    got = unpack_tiles(torch.ops.radixmux.amx_pack(weight), n, k)
+    assert got.is_contiguous() and torch.equal(got, weight)
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(576, 192, False), (100, 70, True), (64, 300, True)])
+def test_one_copy_gives_the_bits_of_two(k, n, bias):
+    """Without a oneDNN copy, calls above the kernel's limit multiply the tiles
+    unpacked: the same bits as oneDNN's packed copy, on both sides of the limit
+    and of the 64-row padding grain."""
+    torch.manual_seed(k * n)
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    limit = 40
+    one = PackedLinear(lin, limit, onednn_copy=False)
+    two = PackedLinear(lin, limit, onednn_copy=True)
+    assert one.packed is None and two.packed is not None
+    for rows in (1, limit, limit + 1, 64, 65, 130, 300):
+        x = torch.randn(1, rows, k).to(torch.bfloat16)
+        assert torch.equal(one(x), two(x)), rows
+
+
+def test_warm_up_skips_the_rows_the_kernel_takes():
+    """No oneDNN primitive is built for a row count that never reaches oneDNN; a
+    layer the kernel takes at every row count is not warmed at all."""
+    lin = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    layer = PackedLinear(lin, 70, onednn_copy=False)
+    seen: list[int] = []
+    real = layer._linear
+    layer._linear = lambda x: (seen.append(x.shape[0]), real(x))[1]
+    head = PackedLinear(torch.nn.Linear(64, 211).to(torch.bfloat16), AMX_ALL_ROWS)
+    assert head.packed is None and not head.onednn_rows
+    warm_up(torch.nn.Sequential(layer, torch.nn.ReLU(), head), 576)
+    assert seen == [r for r in row_counts(576) if r > 70]
+
+
+def test_pack_keeps_one_copy_unless_asked():
+    model = tiny_model("llama", dtype="bfloat16").model
+    pack_linear_weights(model)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.amx is not None and m.packed is None for m in layers)
+    model = tiny_model("llama", dtype="bfloat16").model
+    pack_linear_weights(model, onednn_copy=True)
+    head = model.get_output_embeddings()
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not head]
+    assert all(m.amx is not None and m.packed is not None for m in layers)

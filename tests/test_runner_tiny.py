@@ -238,3 +238,13 @@ def test_warm_up_sizes_the_output_projection_by_sequences():
     seen.clear()
     warm_up(model, 576)  # no bound given: every token count, as before
     assert sorted(seen) == row_counts(576)
+
+
+def test_model_info_counts_the_weights_as_loaded():
+    """``weight_bytes``: parameters and buffers before packing, a tied matrix once."""
+    tied = tiny_model("llama", dtype="bfloat16", tie_word_embeddings=True)
+    untied = tiny_model("llama", dtype="bfloat16")
+    params = sum(p.nbytes for p in untied.model.parameters())
+    buffers = sum(b.nbytes for b in untied.model.buffers())
+    assert untied.info.weight_bytes == params + buffers
+    assert tied.info.weight_bytes == untied.info.weight_bytes - 211 * 64 * 2
