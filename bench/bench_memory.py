@@ -36,6 +36,7 @@ import httpx
 
 from bench.bench_serving import RESULTS_DIR, write_json
 from bench.server_process import ServerProcess, free_port
+from radixmux.common.server_args import parse_model_arg
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900.0
@@ -166,7 +167,7 @@ def measure(args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
         t0 = time.monotonic()
         server.wait_healthy(START_TIMEOUT_S)
         start_s = time.monotonic() - t0
-        texts = greedy_texts(server.base_url, args.model)
+        texts = greedy_texts(server.base_url, [parse_model_arg(m).name for m in args.model])
         weights = served_weight_bytes(server.base_url)
         time.sleep(args.settle_s)  # let the processes go idle after the requests
         pids = {"launcher": server.pid, **started_processes(log_path.read_text())}

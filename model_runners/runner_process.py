@@ -152,10 +152,16 @@ def _loop(sock, runner, parent: int) -> int:
     decoder = msgspec.msgpack.Decoder(protocol.RunnerRequest)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    ran = False  # a batch ran since the heap was last trimmed
     while True:
         if not poller.poll(PARENT_CHECK_MS):
             if os.getppid() != parent:
                 return PARENT_GONE
+            if ran:
+                # Idle for a second: a prefill's freed activations stay in the
+                # heap (tens of MB after a 1,500-token prompt) until given back.
+                trim_heap()
+                ran = False
             continue
         raw = sock.recv()
         try:
@@ -167,6 +173,7 @@ def _loop(sock, runner, parent: int) -> int:
             return 0
         if msg.threads > 0 and msg.threads != torch.get_num_threads():
             torch.set_num_threads(msg.threads)
+        ran = True
         try:
             result = runner.forward(msg)
         except Exception as exc:  # a bug or an odd batch must not kill the model
