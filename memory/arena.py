@@ -11,6 +11,7 @@ same ``ArenaSpec`` / ``KVArena.attach`` / ``view`` contract once a GPU can test 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import tempfile
@@ -65,10 +66,17 @@ class KVArena:
             )
         self.spec = spec
         self.owner = owner
+
+    @functools.cached_property
+    def bytes(self) -> torch.Tensor:
+        """The arena as ``[num_blocks, block_bytes]`` bytes, mapped on first use:
+        the launcher creates and removes the file without mapping it, so it
+        never imports torch (140 MB of a process's memory)."""
         import torch
 
+        spec = self.spec
         flat = torch.from_file(spec.path, shared=True, size=spec.total_bytes, dtype=torch.uint8)
-        self.bytes = flat.view(spec.num_blocks, spec.block_bytes)
+        return flat.view(spec.num_blocks, spec.block_bytes)
 
     @classmethod
     def create(
