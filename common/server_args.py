@@ -94,6 +94,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     disable_fused_ops: bool = False
     linear_onednn_copy: bool = False
     enable_jump_forward: bool = False
+    deterministic: bool = False
     kv_partition: str = "unified"
     max_queued_requests: int = 1024
     tokenizer_workers: int = 1
@@ -366,6 +367,13 @@ _SWITCHES: list[tuple[str, str]] = [
         "the next step (SGLang's jump-forward) instead of sampling each; fewer steps at low "
         "concurrency, slower at high (docs/structured-output.md)",
     ),
+    (
+        "deterministic",
+        "batch-invariant inference: a request's output (greedy tokens, logprobs) is "
+        "bit-identical whatever its batch-mates, chunking or cache state, in bfloat16 "
+        "(SGLang's --enable-deterministic-inference, also accepted); slower "
+        "(docs/kernels.md#deterministic-mode)",
+    ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
     (
         "kv-disk-shared",
@@ -410,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
     for flag, help_text in _SWITCHES:
         parser.add_argument(f"--{flag}", action="store_true", help=help_text)
+    # SGLang's spelling of --deterministic, for users coming from there.
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        dest="deterministic",
+        action="store_true",
+        help=argparse.SUPPRESS,
+    )
     return parser
 
 

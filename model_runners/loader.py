@@ -96,6 +96,7 @@ def load_model(
     fuse_ops: bool = True,
     amx_linear: bool = True,
     onednn_copy: bool = False,
+    deterministic: bool = False,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
@@ -106,7 +107,8 @@ def load_model(
     MLP and rotary kernels (``fused_ops.py``) and, with ``amx_linear`` too,
     runs small bfloat16 products on the small-batch kernel (AMX tiles, or
     AVX512-BF16 dot products) where the CPU has one (``onednn_copy``: only up
-    to its row limits, oneDNN above); the
+    to its row limits, oneDNN above; ``deterministic``: linear layers whose
+    per-row results do not depend on the row count, ``packed_linear.py``); the
     fingerprints are taken before all of it, from the weights as stored.
     """
     from transformers import AutoModelForCausalLM
@@ -130,5 +132,10 @@ def load_model(
     if fuse_ops and device == "cpu":
         fuse_model(model)
     if pack_weights and device == "cpu":
-        pack_linear_weights(model, amx=fuse_ops and amx_linear, onednn_copy=onednn_copy)
+        pack_linear_weights(
+            model,
+            amx=fuse_ops and amx_linear,
+            onednn_copy=onednn_copy,
+            deterministic=deterministic,
+        )
     return LoadedModel(model, tokenizer, info, source, time.perf_counter() - t0)

@@ -15,6 +15,7 @@ import torch
 from radixmux.common.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.model_runners import paged_decode
+from radixmux.model_runners.batch_invariance import check_deterministic
 from radixmux.model_runners.grammar import GrammarRows, StepMasks
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.lean_stack import LeanStack
@@ -72,6 +73,7 @@ class ModelRunner:
         lean: bool = True,
         grammar_compile_timeout: float = COMPILE_TIMEOUT_S,
         jump_forward: bool = False,
+        deterministic: bool = False,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -87,6 +89,11 @@ class ModelRunner:
         self.num_slots = self.store.num_slots
         self.device = next(self.model.parameters()).device
         self.use_kernel = self._pick_kernel(attention_backend)
+        # Batch-invariant arithmetic (batch_invariance.py): refused here, at
+        # load, where this CPU or model cannot give it.
+        self.deterministic = deterministic
+        if deterministic:
+            check_deterministic(self.model, self.use_kernel, layout.head_dim)
         self.model.config._attn_implementation = ATTN_NAME
         for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
             cfg = getattr(sub, "config", None)
@@ -202,6 +209,7 @@ class ModelRunner:
             dec_q_pos=t(positions[row0[dec]]),
             extends=extends,
             use_kernel=self.use_kernel,
+            deterministic=self.deterministic,
             dec_groups=self._decode_groups(dec, groups),
         )
         if batch.dec_groups is not None:
@@ -210,8 +218,9 @@ class ModelRunner:
 
     def _decode_groups(self, dec: list[int], groups: Sequence[PrefixGroup]) -> DecodeGroups | None:
         """The batch's prefix groups as decode positions (None: nothing shared,
-        or a kernel that could not use them)."""
-        if not groups or not self.use_kernel:
+        or a kernel that could not use them, or deterministic mode: a merged
+        prefix state rounds differently from a whole one)."""
+        if not groups or not self.use_kernel or self.deterministic:
             return None
         position = {seq: j for j, seq in enumerate(dec)}
         try:

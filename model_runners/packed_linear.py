@@ -82,6 +82,11 @@ AMX_ALL_ROWS = sys.maxsize
 DOT_MAX_ROWS = 128
 DOT_MAX_ROWS_WIDE = 256
 DOT_HEAD_ROWS = AMX_ALL_ROWS
+# Deterministic mode (``--deterministic``) hands oneDNN at least this many
+# rows: for one row it takes a matrix-vector kernel whose sums run in another
+# order than its matrix kernel's (float32, K=1536, seen here), so a decode
+# alone would round differently from the same row in a batch.
+DETERMINISTIC_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,15 @@ class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout, or (bfloat16,
     where the small-batch kernel runs) in the kernel's tiles."""
 
-    def __init__(self, linear: nn.Linear, amx_max_rows: int = 0, onednn_copy: bool = True) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        amx_max_rows: int = 0,
+        onednn_copy: bool = True,
+        min_rows: int = 1,
+    ) -> None:
         super().__init__()
+        self.min_rows = min_rows  # oneDNN calls are padded to at least this many rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -136,7 +148,7 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
-        grain = padded_rows(rows)
+        grain = max(padded_rows(rows), self.min_rows)
         if grain == rows:
             return self._linear(x)
         # The pad rows are zeros (not whatever memory held: denormals or NaNs
@@ -254,7 +266,9 @@ def warm_up(model: nn.Module, max_rows: int, max_sequences: int | None = None) -
 
 
 @torch.no_grad()
-def pack_linear_weights(model: nn.Module, amx: bool = True, onednn_copy: bool = False) -> int:
+def pack_linear_weights(
+    model: nn.Module, amx: bool = True, onednn_copy: bool = False, deterministic: bool = False
+) -> int:
     """Swap every CPU float32/bfloat16 ``nn.Linear`` of ``model`` for a
     :class:`PackedLinear`; returns how many were swapped (0 where unsupported).
     ``amx``: bfloat16 weights go to the small-batch kernel (AMX tiles, else
@@ -262,10 +276,17 @@ def pack_linear_weights(model: nn.Module, amx: bool = True, onednn_copy: bool = 
     weight, or with ``onednn_copy`` up to the kernel's row limits
     (``AMX_LIMITS``, ``DOT_LIMITS``) and to a second, oneDNN copy above them.
     An input embedding tied to the output projection then reads the
-    projection's kernel copy (``tied_embedding.py``) and its own is freed."""
+    projection's kernel copy (``tied_embedding.py``) and its own is freed.
+    ``deterministic``: one arithmetic per layer whatever the row count (the
+    kernel for every bfloat16 call, whose per-row sums run in a fixed order;
+    oneDNN padded to ``DETERMINISTIC_MIN_ROWS`` for the others); the runner
+    checks it (``batch_invariance.py``)."""
     if not torch.backends.mkldnn.is_available():
         return 0
-    limits = small_kernel_limits() if amx else None
+    limits = small_kernel_limits() if amx or deterministic else None
+    if limits and deterministic:
+        limits = SmallKernelLimits(limits.kind, AMX_ALL_ROWS, AMX_ALL_ROWS, AMX_ALL_ROWS)
+    min_rows = DETERMINISTIC_MIN_ROWS if deterministic else 1
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
@@ -284,7 +305,7 @@ def pack_linear_weights(model: nn.Module, amx: bool = True, onednn_copy: bool = 
                     log.info("oneDNN weight packing unavailable for %s; plain linear layers", dtype)
             if ok[dtype]:
                 rows = limits.for_layer(child, child is head) if limits else 0
-                setattr(parent, name, PackedLinear(child, rows, onednn_copy))
+                setattr(parent, name, PackedLinear(child, rows, onednn_copy, min_rows))
                 swapped += 1
     if limits and ok.get(torch.bfloat16):
         log.info(

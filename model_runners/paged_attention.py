@@ -172,6 +172,9 @@ class PagedBatch:
     dec_q_pos: torch.Tensor  # [Bd]
     extends: list[ExtendSeq]
     use_kernel: bool = False  # attend through the C++ kernel (else gather + SDPA)
+    # The kernel's batch-invariant arithmetic (paged_decode.DETERMINISTIC);
+    # the runner sets it only with use_kernel and the kernel's tiles.
+    deterministic: bool = False
     # Decodes sharing a cached prefix (see DecodeGroups); None: no sharing.
     # Read by the C++ kernel only; the gather + SDPA fallback ignores it.
     dec_groups: DecodeGroups | None = None
@@ -325,8 +328,10 @@ def _decode_by_kernel(
     """Decode attention of ``qd [Bd, H, D]`` (contiguous) in the C++ kernel, groups and all."""
     k_rows, v_rows = batch.store.rows(layer)
     addr, offsets, groups = batch.dec_addr(), batch.dec_offsets, batch.dec_groups
-    if groups is None:
-        return paged_decode(qd, k_rows, v_rows, addr, offsets, scale, softcap, window)
+    if groups is None or batch.deterministic:
+        return paged_decode(
+            qd, k_rows, v_rows, addr, offsets, scale, softcap, window, batch.deterministic
+        )
     return paged_decode_cascade(
         qd,
         k_rows,
@@ -426,7 +431,16 @@ def paged_attention_forward(
         qe = (q if rows is None else q[rows]).contiguous()
         k_rows, v_rows = store.rows(layer)
         oe = paged_extend(
-            qe, k_rows, v_rows, addr, offsets, q_offsets, scale, softcap, sliding_window
+            qe,
+            k_rows,
+            v_rows,
+            addr,
+            offsets,
+            q_offsets,
+            scale,
+            softcap,
+            sliding_window,
+            batch.deterministic,
         )
         if out is None:
             return oe.unsqueeze(0), None

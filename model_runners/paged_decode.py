@@ -73,6 +73,14 @@ def build_dir() -> Path:
 
 NAME = "radixmux_paged_decode"
 
+DETERMINISTIC = """With ``deterministic=True`` the kernel gives a query row the same bits
+whatever shares its call: every row, decode or prefill, takes the one tiled
+path over key tiles aligned to absolute context positions, and decodes are
+neither cut into pieces nor grouped by shared prefix (both merge partial
+softmaxes, another rounding). A token's attention is then identical computed
+alone, in any batch, in any chunk, over a cached or a fresh prefix. It needs
+:func:`has_tiled_path` for the head size."""
+
 
 def _build(target: Path, library: Path) -> None:
     """Compile into a private directory, then move the library into place.
@@ -137,14 +145,24 @@ def paged_decode(
     scale: float,
     softcap: float | None,
     window: int | None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q [B, H, D]`` over each sequence's rows ``addr[offsets[b]:offsets[b+1]]``.
 
     ``k_rows``/``v_rows`` are one layer's ``[N, kv_heads * head_dim]`` row
     tables of the arena; the result is ``[B, H, D]`` in ``q``'s dtype.
+    ``deterministic``: the batch-invariant arithmetic (:data:`DETERMINISTIC`).
     """
     return torch.ops.radixmux.paged_decode(
-        q, k_rows, v_rows, addr, offsets, float(scale), float(softcap or 0.0), int(window or 0)
+        q,
+        k_rows,
+        v_rows,
+        addr,
+        offsets,
+        float(scale),
+        float(softcap or 0.0),
+        int(window or 0),
+        bool(deterministic),
     )
 
 
@@ -206,6 +224,7 @@ def paged_extend(
     scale: float,
     softcap: float | None,
     window: int | None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Causal attention of several prefill chunks ("extends"), K/V read in place.
 
@@ -216,6 +235,7 @@ def paged_extend(
     positions are consecutive, so new token ``i`` sees the keys up to its own
     and, with a ``window``, only the last ``window`` of them. Only key tiles
     some query sees are computed. Returns ``[T, H, D]`` in ``q``'s dtype.
+    ``deterministic``: the batch-invariant arithmetic (:data:`DETERMINISTIC`).
     """
     return torch.ops.radixmux.paged_extend(
         q,
@@ -227,4 +247,5 @@ def paged_extend(
         float(scale),
         float(softcap or 0.0),
         int(window or 0),
+        bool(deterministic),
     )

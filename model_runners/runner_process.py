@@ -54,6 +54,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     jump_forward: bool = False  # --enable-jump-forward
     fuse_ops: bool = True  # fused RMSNorm / gated MLP / rotary kernels (fused_ops.py)
     onednn_copy: bool = False  # --linear-onednn-copy (packed_linear.py)
+    deterministic: bool = False  # --deterministic (batch_invariance.py)
     # Most tokens one batch can hold (chunked prefill + running requests):
     # the packed linear layers are warmed up for every row count up to it
     # before Ready (0: no warm-up).
@@ -108,6 +109,7 @@ def serve(config: RunnerConfig) -> int:
             name=config.name,
             fuse_ops=config.fuse_ops,
             onednn_copy=config.onednn_copy,
+            deterministic=config.deterministic,
         )
         arena = KVArena.attach(config.arena)
         geometry = BlockGeometry(loaded.info.layout, config.arena.block_bytes, config.page_size)
@@ -117,6 +119,7 @@ def serve(config: RunnerConfig) -> int:
             config.attention_backend,
             grammar_compile_timeout=config.grammar_compile_timeout,
             jump_forward=config.jump_forward,
+            deterministic=config.deterministic,
         )
         t0 = time.perf_counter()
         arena.populate()  # no page faults on K/V writes while serving

@@ -237,6 +237,7 @@ class Launcher:
             jump_forward=args.enable_jump_forward,
             fuse_ops=not args.disable_fused_ops,
             onednn_copy=args.linear_onednn_copy,
+            deterministic=args.deterministic,
             # A step's budget counts its decodes (batch_builder): it holds at
             # most the chunk size, or only decodes when more requests run.
             max_batch_tokens=max(args.chunked_prefill_size, args.max_running_requests),

@@ -357,6 +357,17 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
 constexpr int64_t kTile = 32;
 // Fewest query rows for the tiled path: fewer leave too many lanes idle.
 constexpr int64_t kTiledRows = 12;
+// Deterministic (batch-invariant) mode, asked per call: every query row,
+// decode or extend, takes the one tiled path, over key tiles aligned to
+// absolute context positions (kAlignKeys), decodes uncut and without
+// shared-prefix groups, so a row's result depends only on its own query and
+// keys: not on its batch, its chunk, or whether its prefix was cached.
+// Key runs start at a multiple of kAlignKeys there: the tiled path's kTile
+// and the AMX path's step (kAmxKeys) both divide it.
+constexpr int64_t kAlignKeys = 128;
+inline int64_t aligned_begin(int64_t begin, bool det) {
+  return det ? begin / kAlignKeys * kAlignKeys : begin;
+}
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
 #else
@@ -901,11 +912,13 @@ struct QueryRow {
 // row(r) giving row r, over the keys addr[0:len] of one KV head (kh, vh):
 // the tiled path for many rows, the per-key path for few. With `amx_any`
 // (extends) every row count takes the AMX path where it applies, so a
-// prompt token's result does not depend on how many tokens its chunk has.
+// prompt token's result does not depend on how many tokens its chunk has;
+// with `det` every row count takes the tiled path (AMX where it applies).
 template <typename T, typename Q, int NV, typename RowFn>
 void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t row_stride,
                  const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
-                 Scratch& s, float* m, float* sum, float* acc, bool amx_any = false) {
+                 Scratch& s, float* m, float* sum, float* acc, bool amx_any = false,
+                 bool det = false) {
 #ifdef __AVX512F__
   // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
   // use); float queries over them take the per-key path rather than add a
@@ -920,7 +933,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
 #else
     const bool amx = false;
 #endif
-    if (rows >= kTiledRows || (amx && amx_any)) {
+    if (rows >= kTiledRows || (amx && amx_any) || det) {
       // Queries transposed, rows in lanes: bfloat16 pairs when both sides are
       // bfloat16 (vdpbf16ps), else floats; padding rows zero and seeing nothing.
       const int64_t rp = (rows + 15) / 16 * 16;
@@ -1081,7 +1094,7 @@ void run_tasks(int64_t n, F&& task) {
 template <typename T, typename Q>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
          const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
-         const Groups& groups, double scale, double softcap, int64_t window) {
+         const Groups& groups, double scale, double softcap, int64_t window, bool det) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
   const int64_t row_stride = k_rows.stride(0);
@@ -1092,8 +1105,9 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   const int64_t* ap = addr.data_ptr<int64_t>();
   const int64_t* offs = offsets.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const int64_t *group_of = groups.of, *group_prefix = groups.prefix;
-  const int64_t num_groups = groups.count;
+  // Deterministic mode ignores groups: a merged prefix state rounds differently.
+  const int64_t *group_of = det ? nullptr : groups.of, *group_prefix = groups.prefix;
+  const int64_t num_groups = det ? 0 : groups.count;
 
   // Oldest key each sequence sees: positions are consecutive and the newest
   // key is the query's own, so a sliding window keeps the last `window` keys.
@@ -1128,7 +1142,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     const int64_t g = group_of ? group_of[b] : -1;
     const int64_t begin = g >= 0 ? std::max(group_prefix[g], lo[b]) : lo[b];
     own_job[b] = static_cast<int64_t>(jobs.size());
-    jobs.push_back({static_cast<int64_t>(member_list.size()), 1, begin, offs[b + 1] - offs[b]});
+    jobs.push_back({static_cast<int64_t>(member_list.size()), 1, aligned_begin(begin, det),
+                    offs[b + 1] - offs[b]});
     member_list.push_back(b);
   }
 
@@ -1148,6 +1163,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     int64_t n = (len * (rows + kKeyCost) + target - 1) / target;
     n = std::min(n, (len + kMinPiece - 1) / kMinPiece);
     n = std::max({n, (rows * len + kMaxScores - 1) / kMaxScores, int64_t{1}});
+    if (det) n = 1;  // pieces merge by log-sum-exp: another rounding
     const bool direct =
         n == 1 && j.members == 1 && (!group_of || group_of[member_list[j.member0]] < 0);
     for (int64_t p = 0; p < n; ++p) {
@@ -1244,7 +1260,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     dispatch_dim(dim, [&](auto nv) {
       attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + h * dim, vp + h * dim, row_stride,
                                              ap + offs[mem[0]] + p.begin, len, dim, sc, cap, s,
-                                             m, sum, acc);
+                                             m, sum, acc, /*amx_any=*/false, det);
     });
     if (p.state < 0) {
       Q* dst = op + (mem[0] * heads + h * qpk) * dim;
@@ -1285,7 +1301,8 @@ constexpr int64_t kLongContext = 512;
 template <typename T, typename Q>
 void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                 const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
-                const at::Tensor& q_offsets, double scale, double softcap, int64_t window) {
+                const at::Tensor& q_offsets, double scale, double softcap, int64_t window,
+                bool det) {
   const int64_t seqs = offsets.numel() - 1, heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
   const int64_t row_stride = k_rows.stride(0);
@@ -1322,7 +1339,8 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     const Task& t = tasks[i];
     const int64_t n = qoffs[t.seq + 1] - qoffs[t.seq];
     const int64_t cached = offs[t.seq + 1] - offs[t.seq] - n;
-    const int64_t begin = oldest(cached + t.t0), end = cached + t.t1;  // keys [begin, end)
+    // Keys [begin, end).
+    const int64_t begin = aligned_begin(oldest(cached + t.t0), det), end = cached + t.t1;
     const int64_t rows = (t.t1 - t.t0) * qpk;
     s.state.resize(static_cast<size_t>(rows * (dim + 2)));
     float *m = s.state.data(), *sum = m + rows, *acc = sum + rows;
@@ -1336,7 +1354,7 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
                                              row_stride, ap + offs[t.seq] + begin,
                                              end - begin, dim, sc, cap, s, m, sum, acc,
-                                             /*amx_any=*/true);
+                                             /*amx_any=*/true, det);
     });
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = t.t0 + r / qpk;
@@ -1391,11 +1409,11 @@ void check_rows(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor&
 
 at::Tensor decode(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
                   const at::Tensor& addr, const at::Tensor& offsets, const Groups& groups,
-                  double scale, double softcap, int64_t window) {
+                  double scale, double softcap, int64_t window, bool det) {
   check_rows(q, k_rows, v_rows, addr);
   return dispatch_types(q, k_rows, [&](auto kv, auto query, const at::Tensor& qd, at::Tensor& out) {
     run<decltype(kv), decltype(query)>(qd, out, k_rows, v_rows, addr, offsets, groups, scale,
-                                       softcap, window);
+                                       softcap, window, det);
   });
 }
 
@@ -1408,12 +1426,14 @@ void check_offsets(const at::Tensor& q, const at::Tensor& offsets) {
 // q [B, H, D]; k_rows / v_rows [N, KVH * D] (row stride may exceed the width);
 // addr: the context rows of every sequence, concatenated oldest first;
 // offsets [B + 1]: sequence b owns addr[offsets[b]:offsets[b + 1]].
-// softcap <= 0 and window <= 0 mean none. Returns [B, H, D] in q's dtype.
+// softcap <= 0 and window <= 0 mean none; deterministic: the batch-invariant
+// arithmetic (above). Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
                         const at::Tensor& addr, const at::Tensor& offsets, double scale,
-                        double softcap, int64_t window) {
+                        double softcap, int64_t window, bool deterministic) {
   check_offsets(q, offsets);
-  return decode(q, k_rows, v_rows, addr, offsets, Groups{}, scale, softcap, window);
+  return decode(q, k_rows, v_rows, addr, offsets, Groups{}, scale, softcap, window,
+                deterministic);
 }
 
 // paged_decode plus groups: group_of [B] int64, the group of each sequence
@@ -1444,18 +1464,19 @@ at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_rows,
                 "paged_decode_cascade: group ", g, "'s prefix ", groups.prefix[g],
                 " is longer than member ", b, "'s context (", offs[b + 1] - offs[b], ")");
   }
-  return decode(q, k_rows, v_rows, addr, offsets, groups, scale, softcap, window);
+  return decode(q, k_rows, v_rows, addr, offsets, groups, scale, softcap, window, false);
 }
 
 // Causal attention of extends (prefill chunks): q [T, H, D] the new tokens of
 // every extend, sequence e's at rows q_offsets[e]:q_offsets[e + 1] (int64
 // [E + 1], from 0 to T); its context rows addr[offsets[e]:offsets[e + 1]]
 // (int64 [E + 1]) end with its new tokens' own rows (their K/V already
-// written). softcap <= 0 and window <= 0 mean none. Returns [T, H, D].
+// written). softcap <= 0 and window <= 0 mean none; deterministic: the
+// batch-invariant arithmetic (above). Returns [T, H, D].
 at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
                         const at::Tensor& addr, const at::Tensor& offsets,
                         const at::Tensor& q_offsets, double scale, double softcap,
-                        int64_t window) {
+                        int64_t window, bool deterministic) {
   check_rows(q, k_rows, v_rows, addr);
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.is_contiguous() &&
                   q_offsets.scalar_type() == at::kLong && q_offsets.is_contiguous() &&
@@ -1475,7 +1496,7 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_rows, const at:
   }
   return dispatch_types(q, k_rows, [&](auto kv, auto query, const at::Tensor& qd, at::Tensor& out) {
     run_extend<decltype(kv), decltype(query)>(qd, out, k_rows, v_rows, addr, offsets, q_offsets,
-                                              scale, softcap, window);
+                                              scale, softcap, window, deterministic);
   });
 }
 
@@ -1495,14 +1516,15 @@ bool has_tiled_path(int64_t head_dim) {
 TORCH_LIBRARY(radixmux, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, Tensor offsets, "
-      "float scale, float softcap, int window) -> Tensor");
+      "float scale, float softcap, int window, bool deterministic=False) -> Tensor");
   m.def(
       "paged_decode_cascade(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, "
       "Tensor offsets, Tensor group_of, Tensor group_prefix, float scale, float softcap, "
       "int window) -> Tensor");
   m.def(
       "paged_extend(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, Tensor offsets, "
-      "Tensor q_offsets, float scale, float softcap, int window) -> Tensor");
+      "Tensor q_offsets, float scale, float softcap, int window, bool deterministic=False) "
+      "-> Tensor");
   m.def("has_tiled_path(int head_dim) -> bool", &has_tiled_path);
 }
 

@@ -1,0 +1,108 @@
+"""Deterministic inference (``--deterministic``): what it needs, checked when a model loads.
+
+In the default mode the same greedy request can give different text with its
+prompt cached or not: a chunk boundary, a one-token remainder taking the
+decode path, or a batch large enough for another linear kernel changes how a
+row's sums are rounded, and a last-bit difference can flip a close argmax.
+Deterministic mode makes every operation give a row the same bits whatever
+else shares its call, so output depends on the request alone:
+
+* attention: the C++ kernel's batch-invariant arithmetic
+  (``paged_decode.DETERMINISTIC``): one tiled path for decodes and prefill
+  chunks, key tiles aligned to absolute positions, decodes never split or
+  grouped by shared prefix;
+* linear layers: the small-batch kernel for every bfloat16 call, oneDNN
+  padded to at least two rows for the rest (``packed_linear.py``); since
+  which kernel oneDNN picks is its own business, each layer shape is probed
+  here at many row counts and a shape that varies is refused;
+* norms, rotary, activations, sampling: per row or per element already
+  (sampling draws from each request's own seed).
+
+What this CPU or model cannot give is refused at load, naming the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixmux.model_runners import paged_decode
+
+# Row counts each linear layer shape is probed at, against one call of
+# PROBE_BATCH rows: both sides of every kernel switch and padding grain.
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129)
+PROBE_BATCH = 150
+PROBE_OFFSET = 7  # the probed rows also start mid-batch, not only at row 0
+
+
+class DeterminismUnsupported(ValueError):
+    """``--deterministic`` asked of a model or CPU that cannot give it."""
+
+
+def check_deterministic(model: nn.Module, use_kernel: bool, head_dim: int) -> None:
+    """Raise :class:`DeterminismUnsupported` unless ``model``'s forward can be
+    batch-invariant here: the attention kernel with vector tiles for
+    ``head_dim``, and linear layers whose rows do not depend on the row count."""
+    if not use_kernel:
+        raise DeterminismUnsupported(
+            "--deterministic needs the C++ attention kernel (--attention-backend auto or cpp, "
+            "a CPU arena, a C++ compiler): its batch-invariant arithmetic is the only one built"
+        )
+    if not paged_decode.has_tiled_path(head_dim):
+        raise DeterminismUnsupported(
+            f"--deterministic needs the attention kernel's vector tiles for head size {head_dim} "
+            "(AVX-512 and a head size of 16, 32, 64, 80, 96, 128 or 256); this CPU or model "
+            "has none"
+        )
+    for name, layer in distinct_linears(model):
+        rows = varying_rows(layer)
+        if rows is not None:
+            raise DeterminismUnsupported(
+                f"--deterministic: linear layer {name} ({_shape(layer)}) rounds a row "
+                f"differently in a call of {rows} rows than in one of {PROBE_BATCH} on this "
+                "CPU; serve the model in bfloat16 on a CPU with AVX512-BF16 or AMX (the "
+                "small-batch kernel), or without --deterministic"
+            )
+
+
+def distinct_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """One linear layer per distinct (type, shape, dtype, kernel settings): the
+    layers a probe must cover, named as in ``model``."""
+    seen: dict[tuple[object, ...], tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "in_features") or not hasattr(module, "out_features"):
+            continue
+        key = (
+            type(module),
+            module.in_features,
+            module.out_features,
+            _dtype(module),
+            getattr(module, "amx_max_rows", None),
+            getattr(module, "min_rows", None),
+        )
+        seen.setdefault(key, (name, module))
+    return list(seen.values())
+
+
+@torch.inference_mode()
+def varying_rows(layer: nn.Module) -> int | None:
+    """The first probed row count at which ``layer`` gives a row other bits
+    than a call of ``PROBE_BATCH`` rows does (None: none does)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_BATCH + PROBE_OFFSET, layer.in_features, generator=generator)
+    x = x.to(_dtype(layer))
+    full = layer(x)
+    for n in PROBE_ROWS:
+        for start in (0, PROBE_OFFSET):
+            if not torch.equal(layer(x[start : start + n]), full[start : start + n]):
+                return n
+    return None
+
+
+def _dtype(layer: nn.Module) -> torch.dtype:
+    dtype = getattr(layer, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else layer.weight.dtype
+
+
+def _shape(layer: nn.Module) -> str:
+    return f"{layer.in_features} x {layer.out_features}, {_dtype(layer)}"

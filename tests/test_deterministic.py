@@ -1,0 +1,243 @@
+"""Deterministic mode (``--deterministic``): bit-identical results whatever the
+batch, the chunking or the cache state, in bfloat16.
+
+Three levels, each on real parts: the attention kernel (a token's attention
+computed as a decode, inside prefill chunks of several sizes, alone or beside
+other sequences), a runner over tiny random-weight models (logits of every
+step, through the fused kernels and the small-batch linear kernel), and a
+whole server (greedy tokens and their logprobs with the cache on, warm and
+batched, against a server with the cache off and another chunk size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from bench.tiny_models import make_tiny_model_dir
+from radixmux.memory.arena import KVArena
+from radixmux.memory.layout import BlockGeometry
+from radixmux.model_runners import paged_decode
+from radixmux.model_runners.batch_invariance import (
+    DeterminismUnsupported,
+    check_deterministic,
+    varying_rows,
+)
+from radixmux.model_runners.model_runner import ModelRunner
+from radixmux.model_runners.packed_linear import pack_linear_weights
+from radixmux.runtime.client.engine import Engine
+from tests.conftest import Sequences, fused_copy, tiny_model
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tiled(head_dim: int) -> bool:
+    return paged_decode.load() and paged_decode.has_tiled_path(head_dim)
+
+
+needs_tiles = pytest.mark.skipif(
+    not _tiled(16), reason="deterministic mode needs the kernel's AVX-512 tiles"
+)
+
+
+# ---- the attention kernel ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "length", "window"),
+    [(9, 3, 64, 300, None), (9, 3, 64, 300, 100), (4, 1, 256, 200, 150)],
+)
+def test_kernel_rows_do_not_depend_on_chunk_or_batch(heads, kv_heads, head_dim, length, window):
+    if not _tiled(head_dim):
+        pytest.skip("no vector tiles for this head size here")
+    gen = torch.Generator().manual_seed(head_dim + length)
+    slots = length + 40
+    k = torch.randn(slots, kv_heads * head_dim, generator=gen).bfloat16()
+    v = torch.randn(slots, kv_heads * head_dim, generator=gen).bfloat16()
+    addr = torch.randperm(slots, generator=gen)[:length]  # context scattered over the arena
+    q = torch.randn(length, heads, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+
+    def extend(start: int, end: int) -> torch.Tensor:  # tokens start..end-1 over cached 0..start
+        return paged_decode.paged_extend(
+            q[start:end].contiguous(),
+            k,
+            v,
+            addr[:end].clone(),
+            torch.tensor([0, end]),
+            torch.tensor([0, end - start]),
+            scale,
+            None,
+            window,
+            deterministic=True,
+        )
+
+    def decode(positions: list[int]) -> torch.Tensor:
+        ctx = torch.cat([addr[: p + 1] for p in positions])
+        offsets = torch.tensor([0] + [p + 1 for p in positions]).cumsum(0)
+        return paged_decode.paged_decode(
+            q[positions].contiguous(), k, v, ctx, offsets, scale, None, window, deterministic=True
+        )
+
+    whole = extend(0, length)
+    for chunk in (7, 64, 129):
+        pieces = torch.cat([extend(s, min(length, s + chunk)) for s in range(0, length, chunk)])
+        assert torch.equal(pieces, whole), f"chunks of {chunk} differ from one prefill"
+    for p in (0, 1, 31, 127, 128, 129, length - 1):
+        assert torch.equal(decode([p])[0], whole[p]), f"decode at {p} alone"
+        assert torch.equal(decode([5, p, length - 2])[1], whole[p]), f"decode at {p} in a batch"
+
+
+# ---- a runner over tiny models ---------------------------------------------------------------
+def _runner(kind: str, arena: KVArena, deterministic: bool = True, **overrides) -> ModelRunner:
+    loaded = tiny_model(kind, seed=3, dtype="bfloat16", **overrides)
+    served = fused_copy(loaded)
+    pack_linear_weights(served.model, deterministic=deterministic)
+    geometry = BlockGeometry(served.info.layout, arena.spec.block_bytes, 1)
+    return ModelRunner(served, arena.view(geometry), deterministic=deterministic)
+
+
+@needs_tiles
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [("llama", {}), ("gemma3", {"sliding_window": 40})],
+)
+def test_runner_logits_identical_in_any_batch_chunking_or_cache_state(kind, overrides):
+    arena = KVArena.create(num_blocks=96, block_bytes=64 * 1024)
+    try:
+        runner = _runner(kind, arena, **overrides)
+        vocab = runner.info.vocab_size
+        prompt = [int(t) for t in torch.randint(0, vocab, (150,), generator=torch.Generator())]
+        other = [(7 * i + 3) % vocab for i in range(90)]
+        follow = [11, 23, 5, 42, 17, 8]  # fed as decodes, one per step
+
+        # A: the prompt in one prefill, then decodes alone.
+        a = Sequences(runner, seed=1)
+        want = [a.step({"a": prompt})["a"]]
+        want += [a.step({"a": [t]})["a"] for t in follow]
+
+        # B: chunks of 13 beside another sequence's chunks, then decodes beside its decodes.
+        b = Sequences(runner)
+        b.pool = a.pool  # one pool: no sequence overwrites another's K/V
+        got_b = []
+        for s in range(0, len(prompt), 13):
+            work = {"b": prompt[s : s + 13]}
+            if s < len(other):
+                work["x"] = other[s : s + 13]
+            got_b.append(b.step(work)["b"])
+        got = [got_b[-1]] + [b.step({"x": [1], "b": [t]})["b"] for t in follow]
+        for step, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(w, g), f"{kind}: step {step} differs chunked and batched"
+
+        # C: the first 128 tokens from A's slots (a cache hit), the rest as one extend.
+        c = Sequences(runner)
+        c.pool = a.pool
+        c.ids["c"], c.slots["c"] = list(prompt[:128]), list(a.slots["a"][:128])
+        got = [c.step({"c": prompt[128:]})["c"]]
+        got += [c.step({"c": [t]})["c"] for t in follow]
+        for step, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(w, g), f"{kind}: step {step} differs over a cached prefix"
+    finally:
+        arena.destroy()
+
+
+@needs_tiles
+def test_deterministic_refuses_the_torch_attention_backend():
+    arena = KVArena.create(num_blocks=8, block_bytes=64 * 1024)
+    try:
+        loaded = tiny_model("llama", dtype="bfloat16")
+        geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, 1)
+        with pytest.raises(DeterminismUnsupported, match="C\\+\\+ attention kernel"):
+            ModelRunner(loaded, arena.view(geometry), "torch", deterministic=True)
+    finally:
+        arena.destroy()
+
+
+class _BatchMeanLinear(nn.Linear):
+    """A linear layer whose rows depend on their batch-mates (it subtracts the
+    batch mean): what the load-time probe exists to catch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y - y.mean(0, keepdim=True)
+
+
+def test_probe_finds_a_layer_whose_rows_depend_on_the_batch():
+    torch.manual_seed(0)
+    plain = nn.Linear(32, 48).bfloat16()
+    assert varying_rows(plain) is None or not _tiled(16)
+    odd = _BatchMeanLinear(32, 48).bfloat16()
+    assert varying_rows(odd) == 1
+    model = nn.Sequential(plain, odd)
+    if _tiled(16):
+        with pytest.raises(DeterminismUnsupported, match="1 rows"):
+            check_deterministic(model, use_kernel=True, head_dim=16)
+
+
+# ---- a whole server --------------------------------------------------------------------------
+SYSTEM = "You are a terse assistant who answers in one line. " * 6
+PROMPTS = [SYSTEM + f"Question {i}: name {i + 2} colours of the sea." for i in range(5)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    tokens: tuple[str, ...]
+    logprobs: tuple[float, ...]
+
+
+async def _answers(url: str, prompts: list[str]) -> list[Answer]:
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def one(prompt: str) -> Answer:
+            body = {
+                "model": "m",
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+            }
+            r = await client.post(f"{url}/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            return Answer(tuple(lp["tokens"]), tuple(lp["token_logprobs"]))
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _serve(folder: Path, **flags: object) -> Engine:
+    return Engine(
+        model=[f"{folder},name=m"],
+        dtype="bfloat16",
+        deterministic=True,
+        kv_cache_bytes=16 << 20,
+        kv_block_bytes=64 << 10,
+        runner_threads=1,
+        **flags,
+    )
+
+
+@needs_tiles
+def test_server_answers_identical_cached_batched_and_uncached(tmp_path: Path):
+    folder = make_tiny_model_dir(tmp_path / "m", seed=5, layers=3, hidden=128)
+    engine = _serve(folder, chunked_prefill_size=32)
+    try:
+        url = f"http://127.0.0.1:{engine.args.port}"
+        alone = [asyncio.run(_answers(url, [p]))[0] for p in PROMPTS]  # one at a time, cold-ish
+        batched = asyncio.run(_answers(url, PROMPTS))  # all at once, the system prompt cached
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        engine.shutdown()
+    assert "radixmux_cache_hit" in metrics
+    assert alone == batched
+    engine = _serve(folder, chunked_prefill_size=48, disable_radix_cache=True)
+    try:
+        url = f"http://127.0.0.1:{engine.args.port}"
+        uncached = asyncio.run(_answers(url, list(reversed(PROMPTS))))[::-1]
+    finally:
+        engine.shutdown()
+    assert uncached == alone
