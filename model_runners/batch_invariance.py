@@ -23,6 +23,9 @@ What this CPU or model cannot give is refused at load, naming the reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -39,10 +42,17 @@ class DeterminismUnsupported(ValueError):
     """``--deterministic`` asked of a model or CPU that cannot give it."""
 
 
-def check_deterministic(model: nn.Module, use_kernel: bool, head_dim: int) -> None:
+def check_deterministic(
+    model: nn.Module,
+    use_kernel: bool,
+    head_dim: int,
+    attention: Sequence[AttentionShape] = (),
+) -> None:
     """Raise :class:`DeterminismUnsupported` unless ``model``'s forward can be
     batch-invariant here: the attention kernel with vector tiles for
-    ``head_dim``, and linear layers whose rows do not depend on the row count."""
+    ``head_dim`` (and, for each of ``attention``, a token's result the same as
+    a decode, in chunks and in a batch), and linear layers whose rows do not
+    depend on the row count."""
     if not use_kernel:
         raise DeterminismUnsupported(
             "--deterministic needs the C++ attention kernel (--attention-backend auto or cpp, "
@@ -54,6 +64,13 @@ def check_deterministic(model: nn.Module, use_kernel: bool, head_dim: int) -> No
             "(AVX-512 and a head size of 16, 32, 64, 80, 96, 128 or 256); this CPU or model "
             "has none"
         )
+    for shape in attention:
+        where = attention_varies(shape)
+        if where is not None:
+            raise DeterminismUnsupported(
+                f"--deterministic: the attention kernel gives {shape} a different result {where} "
+                "on this CPU; serve without --deterministic"
+            )
     for name, layer in distinct_linears(model):
         rows = varying_rows(layer)
         if rows is not None:
@@ -63,6 +80,71 @@ def check_deterministic(model: nn.Module, use_kernel: bool, head_dim: int) -> No
                 "CPU; serve the model in bfloat16 on a CPU with AVX512-BF16 or AMX (the "
                 "small-batch kernel), or without --deterministic"
             )
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention configuration of a model: heads, head size, window, K/V dtype."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None
+    dtype: torch.dtype
+
+
+# A probe context crossing the kernel's 128-key tile alignment more than once.
+PROBE_CONTEXT = 300
+
+
+@torch.inference_mode()
+def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str | None:
+    """Where the kernel's attention (deterministic, or the default arithmetic)
+    gives a token other bits than in one whole prefill: in chunks, as a decode
+    alone or in a batch (None: nowhere). Random queries and K/V over scattered
+    slots; milliseconds."""
+    n, d = PROBE_CONTEXT, shape.head_dim
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(shape.dtype)
+    v = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(shape.dtype)
+    addr = torch.randperm(n + 16, generator=gen)[:n]
+    q = torch.randn(n, shape.heads, d, generator=gen).to(shape.dtype)
+    scale, window = d**-0.5, shape.window
+
+    def extend(start: int, end: int) -> torch.Tensor:
+        return paged_decode.paged_extend(
+            q[start:end].contiguous(),
+            k,
+            v,
+            addr[:end].clone(),
+            torch.tensor([0, end]),
+            torch.tensor([0, end - start]),
+            scale,
+            None,
+            window,
+            deterministic,
+        )
+
+    def decode(positions: list[int]) -> torch.Tensor:
+        ctx = torch.cat([addr[: p + 1] for p in positions])
+        offsets = torch.tensor([0] + [p + 1 for p in positions]).cumsum(0)
+        return paged_decode.paged_decode(
+            q[positions].contiguous(), k, v, ctx, offsets, scale, None, window, deterministic
+        )
+
+    whole = extend(0, n)
+    for chunk in (7, 100):
+        pieces = torch.cat([extend(s, min(n, s + chunk)) for s in range(0, n, chunk)])
+        if not torch.equal(pieces, whole):
+            return f"in prefill chunks of {chunk}"
+    batch = [3, 127, 128, n - 1]
+    together = decode(batch)
+    for i, p in enumerate(batch):
+        if not torch.equal(decode([p])[0], whole[p]):
+            return f"as a decode at position {p}"
+        if not torch.equal(together[i], whole[p]):
+            return f"as a decode at position {p} in a batch"
+    return None
 
 
 def distinct_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -15,7 +15,7 @@ import torch
 from radixmux.common.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.model_runners import paged_decode
-from radixmux.model_runners.batch_invariance import check_deterministic
+from radixmux.model_runners.batch_invariance import AttentionShape, check_deterministic
 from radixmux.model_runners.grammar import GrammarRows, StepMasks
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.lean_stack import LeanStack
@@ -93,7 +93,9 @@ class ModelRunner:
         # load, where this CPU or model cannot give it.
         self.deterministic = deterministic
         if deterministic:
-            check_deterministic(self.model, self.use_kernel, layout.head_dim)
+            check_deterministic(
+                self.model, self.use_kernel, layout.head_dim, self._attention_shapes()
+            )
         self.model.config._attn_implementation = ATTN_NAME
         for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
             cfg = getattr(sub, "config", None)
@@ -119,6 +121,17 @@ class ModelRunner:
                 self.grammar_compile_timeout,
             )
         return self._grammar
+
+    def _attention_shapes(self) -> list[AttentionShape]:
+        """This model's attention configurations (one per distinct window)."""
+        layout = self.info.layout
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        heads = int(getattr(config, "num_attention_heads", layout.num_kv_heads))
+        dtype = getattr(torch, layout.dtype)
+        windows = dict.fromkeys(self.info.sliding_windows or [None])
+        return [
+            AttentionShape(heads, layout.num_kv_heads, layout.head_dim, w, dtype) for w in windows
+        ]
 
     def _pick_kernel(self, backend: str) -> bool:
         """Whether decode attention runs in the C++ kernel (else gather + SDPA)."""
