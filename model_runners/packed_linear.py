@@ -79,6 +79,15 @@ AMX_ALL_ROWS = sys.maxsize
 # 256). The output projection keeps the kernel's copy alone: 0.5-0.97x up to
 # 128 rows, 0.95-1.13x above, where it rarely goes (one row per sampled
 # sequence), for no vocabulary-sized second copy.
+# Those limits hold against oneDNN's own packed copy (--linear-onednn-copy).
+# Without it (the default: one copy of each weight), oneDNN multiplies the
+# tiles unpacked for the call, and the kernel is ahead at every row count
+# (same host, 2 threads, us per call, kernel / unpacked oneDNN:
+# 576x576 at 256 rows 415 / 475, at 2,048 3,311 / 3,504; 576x3072 1,979 / 2,394
+# and 16,013 / 19,391; 1536x576 1,091 / 1,605 and 8,822 / 8,850; a random
+# 512-token workload at concurrency 4 on vLLM's client went 54 -> 67 output
+# tok/s with every call on the kernel), so there calls of any size stay on it
+# (pack_linear_weights).
 DOT_MAX_ROWS = 128
 DOT_MAX_ROWS_WIDE = 256
 DOT_HEAD_ROWS = AMX_ALL_ROWS
@@ -284,7 +293,10 @@ def pack_linear_weights(
     if not torch.backends.mkldnn.is_available():
         return 0
     limits = small_kernel_limits() if amx or deterministic else None
-    if limits and deterministic:
+    if limits and (deterministic or (limits == DOT_LIMITS and not onednn_copy)):
+        # Deterministic: one arithmetic at every row count. Dot products and no
+        # oneDNN copy: oneDNN would multiply the tiles unpacked for each call,
+        # which the kernel beats at every row count (see DOT_MAX_ROWS).
         limits = SmallKernelLimits(limits.kind, AMX_ALL_ROWS, AMX_ALL_ROWS, AMX_ALL_ROWS)
     min_rows = DETERMINISTIC_MIN_ROWS if deterministic else 1
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
