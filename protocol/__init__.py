@@ -107,6 +107,7 @@ from radixmux.protocol.types import (
     ToolSpec,
     instance_name,
     runner_ids,
+    served_name,
 )
 from radixmux.protocol.views import (
     ArenaMap,
@@ -189,6 +190,7 @@ __all__ = [
     "pack_bias",
     "pack_ids",
     "runner_ids",
+    "served_name",
     "unpack_bias",
     "unpack_ids",
 ]

@@ -125,6 +125,15 @@ def instance_name(name: str, version: int) -> str:
     return name if version == 1 else f"{name}@v{version}"
 
 
+def served_name(instance: str) -> tuple[str, int]:
+    """(served name, version) of an instance name: :func:`instance_name`'s
+    inverse (a served name never contains ``@``)."""
+    name, sep, version = instance.rpartition("@v")
+    if sep and version.isdigit():
+        return name, int(version)
+    return instance, 1
+
+
 class RunnerId(NamedTuple):
     """A runner's identity: the instance it serves and its replica index,
     spelled ``<instance>#<replica>`` on the wire (the scheduler's ROUTER

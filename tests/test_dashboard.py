@@ -68,7 +68,9 @@ def scrape(url: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of ``name``'s samples carrying ``labels`` (others, e.g. version, any)."""
+    want = set(labels.items())
+    return sum(v for (n, have), v in samples.items() if n == name and want <= set(have))
 
 
 def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:

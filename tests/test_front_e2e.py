@@ -79,11 +79,10 @@ def test_openai_chat_cache_hits_and_metrics(server: str) -> None:
     assert chunks[-1].usage.completion_tokens == 4
 
     text = httpx.get(f"{server}/metrics").text
-    rate = next(
-        ln for ln in text.splitlines() if ln.startswith('radixmux_cache_hit_rate{model="m"}')
-    )
+    hit_rate = 'radixmux_cache_hit_rate{model="m",version="1"}'
+    rate = next(ln for ln in text.splitlines() if ln.startswith(hit_rate))
     assert float(rate.split()[-1]) > 0
-    assert 'radixmux_requests_total{finish_reason="length",model="m"}' in text
+    assert 'radixmux_requests_total{finish_reason="length",model="m",version="1"}' in text
 
 
 def test_stop_string_and_errors(server: str) -> None:

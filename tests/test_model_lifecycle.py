@@ -7,6 +7,7 @@ real models for the reload's "never mixed" property.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -236,5 +237,11 @@ def test_reload_never_mixes_versions_on_real_models() -> None:
         card = httpx.get(f"{url}/v1/models/m").json()
         assert card["version"] == 2 and card["root"].endswith("gemma3-270m")
         assert [m["name"] for m in scheduler(url)["models"]] == ["m@v2"]
+        # Series keep the served name across the reload; the version is its own label.
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'radixmux_model_up{model="m",version="2"} 1.0' in metrics
+        finished = r'^radixmux_requests_total\{finish_reason="\w+",model="m",version="2"\}'
+        assert re.search(finished, metrics, re.M)
+        assert "m@v2" not in metrics
     finally:
         eng.shutdown()

@@ -389,3 +389,10 @@ def test_a_failed_load_at_run_time_is_reported() -> None:
 
 def test_every_schedule_policy_name_has_a_policy() -> None:
     assert set(POLICIES) == set(SCHEDULE_POLICIES)
+
+
+@pytest.mark.parametrize(("name", "version"), [("m", 1), ("m", 2), ("my-model.v3", 12)])
+def test_instance_names_round_trip_to_served_name_and_version(name: str, version: int) -> None:
+    instance = protocol.instance_name(name, version)
+    assert ("@" in instance) == (version > 1)
+    assert protocol.served_name(instance) == (name, version)

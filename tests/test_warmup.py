@@ -103,7 +103,7 @@ def scheduler(url: str) -> dict:
 
 def pinned_metric(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    match = re.search(r'^radixmux_pinned_tokens\{model="a"\} (\S+)$', text, re.M)
+    match = re.search(r'^radixmux_pinned_tokens\{model="a",version="1"\} (\S+)$', text, re.M)
     assert match, "radixmux_pinned_tokens missing from /metrics"
     return float(match.group(1))
 

@@ -23,7 +23,7 @@ import zmq.asyncio
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, socket
 from radixmux.runtime.api_error import APIError
-from radixmux.runtime.front.metrics import FrontMetrics
+from radixmux.runtime.front.metrics import FrontMetrics, model_labels
 
 log = logging.getLogger("radixmux.front")
 
@@ -43,6 +43,7 @@ class InFlight:
         self.hub = hub
         self.rid = req.rid
         self.model = req.model
+        self.labels = model_labels(req.model)  # served name and version, for the metrics
         self.queue: asyncio.Queue[protocol.TextOutput | protocol.RequestError] = asyncio.Queue()
         self.start = time.perf_counter()
         self.last_at: float | None = None
@@ -91,14 +92,14 @@ class InFlight:
         n = len(out.token_ids)
         m = self.hub.metrics
         if out.queue_time is not None:  # on the first output of an admitted request
-            m.queue_time.labels(self.model).observe(out.queue_time)
+            m.queue_time.labels(*self.labels).observe(out.queue_time)
         if n:
             if self.last_at is None:
-                m.ttft.labels(self.model).observe(now - self.start)
+                m.ttft.labels(*self.labels).observe(now - self.start)
                 n -= 1  # the first token has no inter-token gap
             else:
                 for _ in range(n):
-                    m.itl.labels(self.model).observe((now - self.last_at) / n)
+                    m.itl.labels(*self.labels).observe((now - self.last_at) / n)
             self.last_at = now
         self.last = out
 
@@ -107,12 +108,12 @@ class InFlight:
         self.finish_reason = reason
         last = self.last
         m = self.hub.metrics
-        m.requests.labels(self.model, reason).inc()
-        m.e2e.labels(self.model).observe(self.latency)
+        m.requests.labels(*self.labels, reason).inc()
+        m.e2e.labels(*self.labels).observe(self.latency)
         if last is not None:
-            m.prompt_tokens.labels(self.model).inc(last.prompt_tokens)
-            m.generation_tokens.labels(self.model).inc(last.completion_tokens)
-            m.cached_prompt_tokens.labels(self.model).inc(last.cached_tokens)
+            m.prompt_tokens.labels(*self.labels).inc(last.prompt_tokens)
+            m.generation_tokens.labels(*self.labels).inc(last.completion_tokens)
+            m.cached_prompt_tokens.labels(*self.labels).inc(last.cached_tokens)
         log.info(
             "rid=%s finished model=%s reason=%s prompt=%d completion=%d cached=%d latency_ms=%.1f",
             self.rid,
@@ -127,8 +128,8 @@ class InFlight:
     def _fail(self, status: int, message: str, param: str | None = None) -> None:
         self.done = True
         self.finish_reason = "error"
-        self.hub.metrics.requests.labels(self.model, "error").inc()
-        self.hub.metrics.e2e.labels(self.model).observe(self.latency)
+        self.hub.metrics.requests.labels(*self.labels, "error").inc()
+        self.hub.metrics.e2e.labels(*self.labels).observe(self.latency)
         log.info("rid=%s error model=%s status=%d: %s", self.rid, self.model, status, message)
         raise APIError(status, message, param)
 
@@ -138,7 +139,7 @@ class InFlight:
             return
         self.done = True
         self.finish_reason = "abort"
-        self.hub.metrics.requests.labels(self.model, "abort").inc()
+        self.hub.metrics.requests.labels(*self.labels, "abort").inc()
         # Nothing back yet: the request may still be in a tokenizer worker,
         # behind this abort (which goes straight to the scheduler).
         self.hub.abort(self.rid, reason, early=self.last is None)

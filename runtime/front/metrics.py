@@ -14,11 +14,23 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixmux.protocol import DiskTierStats, ModelStatus, SchedulerStats
+from radixmux.protocol import DiskTierStats, ModelStatus, SchedulerStats, served_name
 
 # Latency buckets from 5 ms to 2 min: CPU runners are slow, GPUs fast.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+# Per-model series carry the served name and its version apart: a reload
+# (version 2, the instance ``name@v2`` inside the runtime) keeps the series a
+# dashboard or an alert keyed on ``model`` follows.
+LABELS = ["model", "version"]
+
+
+def model_labels(instance: str) -> list[str]:
+    """The ``LABELS`` values of a model instance (``name`` or ``name@vN``)."""
+    name, version = served_name(instance)
+    return [name, str(version)]
 
 
 class FrontMetrics:
@@ -30,47 +42,47 @@ class FrontMetrics:
         self.ttft = Histogram(
             "radixmux_time_to_first_token_seconds",
             "Arrival to first generated token, per model",
-            ["model"],
+            LABELS,
             buckets=_LATENCY,
             registry=r,
         )
         self.itl = Histogram(
             "radixmux_inter_token_latency_seconds",
             "Time between generated tokens, per model",
-            ["model"],
+            LABELS,
             buckets=_ITL,
             registry=r,
         )
         self.queue_time = Histogram(
             "radixmux_request_queue_time_seconds",
             "Arrival at the front to first admission into a runner batch, per model",
-            ["model"],
+            LABELS,
             buckets=_LATENCY,
             registry=r,
         )
         self.e2e = Histogram(
             "radixmux_e2e_request_latency_seconds",
             "Arrival to last token (or error), per model",
-            ["model"],
+            LABELS,
             buckets=_LATENCY,
             registry=r,
         )
         self.requests = Counter(
             "radixmux_requests",
             "Finished requests by model and finish reason (stop, length, abort, error)",
-            ["model", "finish_reason"],
+            [*LABELS, "finish_reason"],
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "radixmux_prompt_tokens", "Prompt tokens of finished requests", ["model"], registry=r
+            "radixmux_prompt_tokens", "Prompt tokens of finished requests", LABELS, registry=r
         )
         self.generation_tokens = Counter(
-            "radixmux_generation_tokens", "Generated tokens", ["model"], registry=r
+            "radixmux_generation_tokens", "Generated tokens", LABELS, registry=r
         )
         self.cached_prompt_tokens = Counter(
             "radixmux_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache, as requests reported them",
-            ["model"],
+            LABELS,
             registry=r,
         )
         self.scheduler = SchedulerCollector()
@@ -101,11 +113,11 @@ class SchedulerCollector(Collector):
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=["model"])
+    return GaugeMetricFamily(name, doc, labels=LABELS)
 
 
 def _counter(name: str, doc: str) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, labels=["model"])
+    return CounterMetricFamily(name, doc, labels=LABELS)
 
 
 def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
@@ -149,21 +161,22 @@ def _model_metrics(stats: SchedulerStats) -> Iterator[Metric]:
     state = GaugeMetricFamily(
         "radixmux_model_state",
         "1 for the model's state: serving, restarting or down",
-        labels=["model", "state"],
+        labels=[*LABELS, "state"],
     )
     evicted = CounterMetricFamily(
         "radixmux_model_evicted_tokens",
         "Tokens evicted from the model's cache, by reason (capacity, invalidation, flush, "
         "unload); a cache shared by several models (replicas, aliases) counts for each",
-        labels=["model", "reason"],
+        labels=[*LABELS, "reason"],
     )
     for m in stats.models:
+        labels = model_labels(m.name)
         for key, fam in fams.items():
-            fam.add_metric([m.name], _model_value(m, key))
+            fam.add_metric(labels, _model_value(m, key))
         for name in ("serving", "restarting", "down"):
-            state.add_metric([m.name, name], float(m.state == name))
+            state.add_metric([*labels, name], float(m.state == name))
         for reason, count in sorted(m.evicted_tokens.items()):
-            evicted.add_metric([m.name, reason], float(count))
+            evicted.add_metric([*labels, reason], float(count))
     yield from fams.values()
     yield state
     yield evicted
