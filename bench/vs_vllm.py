@@ -952,7 +952,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = png or plot(results, out.with_suffix(".png"))
     print(format_table(results, verdicts))
     if args.sweep:
-        print("\n== sweep (ratios radixmux / vLLM)\n" + format_sweep(shapes, verdicts))
+        print("\n== sweep (ratios radixmux / vLLM)\n" + format_sweep(shapes, verdicts, args.quick))
     elif verdicts:
         print("\n== goals\n" + format_goals(verdicts))
     print(f"\nwrote {out}" + (f" and {png}" if png else ""))

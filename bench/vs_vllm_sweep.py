@@ -92,18 +92,16 @@ class SweepShape:
     def throughput_goal(self) -> float:
         return THROUGHPUT_GOALS[self.dataset]
 
-    @property
-    def description(self) -> str:
-        """The shape in one phrase, e.g. ``prefix_repetition c=8 in 4x900+300 out 64 n=16``."""
+    def describe(self, quick: bool = False) -> str:
+        """The shape in one phrase, e.g. ``prefix_repetition c=8 in 4x900+300 out 64 n=16``
+        (``n``: the prompts a run sends, ``quick`` or not)."""
         prompt = (
             f"{self.num_prefixes}x{self.prefix_len}+{self.suffix_len}"
             if self.num_prefixes
             else str(self.prompt_len)
         )
-        return (
-            f"{self.dataset} c={self.concurrency} in {prompt} out {self.output_len} "
-            f"n={self.num_prompts}"
-        )
+        n = self.quick_prompts if quick else self.num_prompts
+        return f"{self.dataset} c={self.concurrency} in {prompt} out {self.output_len} n={n}"
 
 
 def _shared_and_own(prompt: int, output: int, prefix: int, prefixes: int) -> tuple[int, int]:
@@ -235,7 +233,9 @@ def _x(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.2f}x"
 
 
-def format_sweep(shapes: Sequence[SweepShape], verdicts: Sequence[RowVerdict]) -> str:
+def format_sweep(
+    shapes: Sequence[SweepShape], verdicts: Sequence[RowVerdict], quick: bool = False
+) -> str:
     """Each row's shape, ratios and verdict (a row vLLM did not run: its shape alone);
     then the worst rows and the overall verdict per radixmux configuration."""
     by_name = {s.name: s for s in shapes}
@@ -244,10 +244,10 @@ def format_sweep(shapes: Sequence[SweepShape], verdicts: Sequence[RowVerdict]) -
     for shape in shapes:
         mine = [v for v in verdicts if v.dataset == shape.name]
         if not mine:
-            lines.append(f"{shape.name:<10} {shape.description:<50} (not compared)")
+            lines.append(f"{shape.name:<10} {shape.describe(quick):<50} (not compared)")
         for v in mine:
             lines.append(
-                f"{v.dataset:<10} {shape.description[:50]:<50} {v.engine[:24]:<24} "
+                f"{v.dataset:<10} {shape.describe(quick)[:50]:<50} {v.engine[:24]:<24} "
                 f"{_x(v.throughput_ratio):>7} {_x(v.tpot_ratio):>7} {_x(v.ttft_ratio):>7}  "
                 f"{verdict_of(v.passed)} (>= {shape.throughput_goal:.1f}x)"
                 + (f": {'; '.join(v.misses)}" if v.misses else "")
@@ -257,7 +257,7 @@ def format_sweep(shapes: Sequence[SweepShape], verdicts: Sequence[RowVerdict]) -
     for w in worst_rows(verdicts):
         lines.append(
             f"worst {w.metric:<12} {_x(w.ratio):>7}  {w.row.engine}: {w.row.dataset} "
-            f"({by_name[w.row.dataset].description}) {verdict_of(w.row.passed)}"
+            f"({by_name[w.row.dataset].describe(quick)}) {verdict_of(w.row.passed)}"
         )
     for engine in dict.fromkeys(v.engine for v in verdicts):
         mine = [v for v in verdicts if v.engine == engine]

@@ -369,7 +369,7 @@ def test_sweep_reports_every_row_and_the_worst(tmp_path: Path) -> None:
         b.name,
     )
     text = vs_vllm_sweep.format_sweep([a, b], verdicts)
-    assert a.description in text and "worst output tok/s   1.30x" in text
+    assert a.describe() in text and "worst output tok/s   1.30x" in text
     assert "[MISS] sweep, radixmux: 1 of 2 rows pass" in text
     assert "MISS (>= 1.2x): TPOT p50 1.35x vLLM's" in text
     assert vs_vllm_sweep.overall(verdicts[:1]) is True and vs_vllm_sweep.overall([]) is None
@@ -379,4 +379,5 @@ def test_sweep_reports_every_row_and_the_worst(tmp_path: Path) -> None:
     assert png is not None and png.stat().st_size > 0
     assert vs_vllm_sweep.plot_ratios([a, b], [], tmp_path / "none.png") is None
     # radixmux alone: the shapes are listed, nothing judged.
-    assert "(not compared)" in vs_vllm_sweep.format_sweep([a, b], [])
+    alone = vs_vllm_sweep.format_sweep([a, b], [], quick=True)
+    assert "(not compared)" in alone and f"n={a.quick_prompts}" in alone
