@@ -875,7 +875,7 @@ def sweep_json(
         "shapes": [dataclasses.asdict(s) | {"name": s.name} for s in shapes],
         "worst": [
             {"metric": w.metric, "ratio": w.ratio, "engine": w.row.engine, "row": w.row.dataset}
-            for w in worst_rows(verdicts)
+            for w in worst_rows(shapes, verdicts)
         ],
     }
 
@@ -928,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kv_bytes": args.kv_bytes,
         "engines": [dataclasses.asdict(e) | {"label": e.label} for e in engines_of(args)],
         "datasets": {d.name: d.params for d in datasets.values()},
-        "concurrency": sorted({c for _, c in rows}),
+        "concurrency": [s.concurrency for s in shapes] if args.sweep else args.concurrency,
         "interleave_rounds": args.interleave,
         "quick": args.quick,
         "seed": args.seed,

@@ -203,22 +203,32 @@ RATIOS = (
 class WorstRow:
     """The row farthest on the wrong side of one ratio, for one radixmux configuration."""
 
-    metric: str  # a title of RATIOS
+    metric: str  # a title of RATIOS (the throughput's with its dataset)
     ratio: float
     row: RowVerdict
 
 
-def worst_rows(verdicts: Sequence[RowVerdict]) -> list[WorstRow]:
+def worst_rows(shapes: Sequence[SweepShape], verdicts: Sequence[RowVerdict]) -> list[WorstRow]:
     """Per radixmux configuration and ratio, the worst row (rows without that figure
-    left out): the lowest throughput ratio, the highest TPOT and TTFT ratios."""
+    left out): the lowest throughput ratio per dataset (each has its own goal), the
+    highest TPOT and TTFT ratios over all rows."""
+    kind = {s.name: s.dataset for s in shapes}
     out = []
     for engine in dict.fromkeys(v.engine for v in verdicts):
+        mine = [v for v in verdicts if v.engine == engine]
         for title, attr, highest in RATIOS:
-            rows = [v for v in verdicts if v.engine == engine and not math.isnan(getattr(v, attr))]
-            if rows:
-                pick = max if highest else min
-                row = pick(rows, key=lambda v, a=attr: getattr(v, a))
-                out.append(WorstRow(title, getattr(row, attr), row))
+            groups = [(title, mine)]
+            if attr == "throughput_ratio":
+                groups = [
+                    (f"{title} ({k})", [v for v in mine if kind[v.dataset] == k])
+                    for k in DATASET_KINDS
+                ]
+            for label, rows in groups:
+                rows = [v for v in rows if not math.isnan(getattr(v, attr))]
+                if rows:
+                    pick = max if highest else min
+                    row = pick(rows, key=lambda v, a=attr: getattr(v, a))
+                    out.append(WorstRow(label, getattr(row, attr), row))
     return out
 
 
@@ -254,9 +264,9 @@ def format_sweep(
             )
     if verdicts:
         lines.append("")
-    for w in worst_rows(verdicts):
+    for w in worst_rows(shapes, verdicts):
         lines.append(
-            f"worst {w.metric:<12} {_x(w.ratio):>7}  {w.row.engine}: {w.row.dataset} "
+            f"worst {w.metric:<32} {_x(w.ratio):>7}  {w.row.engine}: {w.row.dataset} "
             f"({by_name[w.row.dataset].describe(quick)}) {verdict_of(w.row.passed)}"
         )
     for engine in dict.fromkeys(v.engine for v in verdicts):
@@ -292,7 +302,11 @@ def plot_ratios(
             ys = [0.0 if math.isnan(by_row.get(n, math.nan)) else by_row[n] for n in names]
             ax.bar(xs, ys, width=width, label=engine)
         marks = [goals[n] for n in names] if attr == "throughput_ratio" else [1.0] * len(names)
-        ax.scatter(range(len(names)), marks, marker="_", s=400, color="black", label="goal")
+        ax.scatter(
+            range(len(names)), marks, marker="_", s=400, color="black", label="goal", zorder=3
+        )
+        if attr == "ttft_ratio":
+            ax.set_yscale("log")  # queueing spreads TTFT ratios over orders of magnitude
         ax.set_xticks(range(len(names)), names, rotation=60, fontsize=7)
         ax.set_title(f"radixmux / vLLM {title} per row", fontsize=10)
     axes[0].legend(fontsize=8)

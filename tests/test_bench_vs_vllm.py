@@ -361,20 +361,26 @@ def test_sweep_reports_every_row_and_the_worst(tmp_path: Path) -> None:
     results = [good, slow, ours_b, run(VLLM_JSON, "vllm", dataset=b.name)]
     verdicts = vs_vllm.judge_all(results, datasets)
     assert [v.verdict for v in verdicts] == ["PASS", "MISS"]
-    worst = {w.metric: w for w in vs_vllm_sweep.worst_rows(verdicts)}
-    assert worst["output tok/s"].row.dataset == b.name
-    assert worst["output tok/s"].ratio == pytest.approx(1.3)
-    assert worst["TPOT p50"].row.dataset == b.name and worst["TTFT p50"].row.dataset in (
-        a.name,
-        b.name,
-    )
+    worst = {w.metric: w for w in vs_vllm_sweep.worst_rows([a, b], verdicts)}
+    # Throughput per dataset (a is prefix_repetition, b random: each its own goal).
+    assert (a.dataset, b.dataset) == ("prefix_repetition", "random")
+    assert worst["output tok/s (random)"].row.dataset == b.name
+    assert worst["output tok/s (random)"].ratio == pytest.approx(1.3)
+    assert worst["output tok/s (prefix_repetition)"].row.dataset == a.name
+    assert worst["TPOT p50"].row.dataset == b.name and worst["TPOT p50"].ratio > 1
+    assert set(worst) == {
+        "output tok/s (prefix_repetition)",
+        "output tok/s (random)",
+        "TPOT p50",
+        "TTFT p50",
+    }
     text = vs_vllm_sweep.format_sweep([a, b], verdicts)
-    assert a.describe() in text and "worst output tok/s   1.30x" in text
+    assert a.describe() in text and "worst output tok/s (random)" in text
     assert "[MISS] sweep, radixmux: 1 of 2 rows pass" in text
     assert "MISS (>= 1.2x): TPOT p50 1.35x vLLM's" in text
     assert vs_vllm_sweep.overall(verdicts[:1]) is True and vs_vllm_sweep.overall([]) is None
     report = vs_vllm.sweep_json([a, b], LIMITS, 2, verdicts)
-    assert report["shapes"][1]["name"] == b.name and len(report["worst"]) == 3
+    assert report["shapes"][1]["name"] == b.name and len(report["worst"]) == 4
     png = vs_vllm_sweep.plot_ratios([a, b], verdicts, tmp_path / "s.png")
     assert png is not None and png.stat().st_size > 0
     assert vs_vllm_sweep.plot_ratios([a, b], [], tmp_path / "none.png") is None
