@@ -828,7 +828,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="instead of the grid, N shapes drawn from --sweep-seed over the issue's ranges "
-        f"(bench/vs_vllm_sweep.py; at most {MAX_SWEEP}); reports every row and the worst",
+        f"(bench/vs_vllm_sweep.py; at most {MAX_SWEEP}); reports every row and the worst; "
+        "--datasets and --concurrency do not apply, --num-prompts overrides the sweep's rule",
     )
     p.add_argument(
         "--sweep-seed", type=int, default=0, help="the seed the sweep's shapes are drawn from"
