@@ -36,6 +36,17 @@ figure is the 20th-percentile step (a low percentile measures the machine; the
 median mostly the neighbours). K/V values are whatever the arena holds
 (zeros): attention's cost depends on how many rows it reads, not their values.
 
+Every row is also held to the machine's memory roofline (``roofline.py``):
+the streaming bandwidth is measured first (torch read and copy of a 512 MiB
+array at ``--threads``, best of 5), and each row gets the bytes its step
+must move at least (the weights as the runner holds them, in the copy the
+step's row count reads; K/V read, the ``cascade`` layout's shared prefix once
+per step where the C++ kernel runs it, every other layout's context per
+sequence; K/V written), at the median context of the measured steps. The
+table shows those MB, the GB/s the unhooked step reached (MB / step time),
+that as a share of the measured bandwidth (``%bw``) and the step time at the
+limit (``limit ms``); the JSON keeps the bandwidth figures and each row's bytes.
+
     .venv/bin/python -m bench.bench_step [--batches 1 16 64] [--steps 20] [--threads 2]
 """
 
@@ -57,10 +68,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from bench.roofline import (
+    STREAM_BYTES,
+    Bandwidth,
+    Roofline,
+    WeightBytes,
+    step_bytes,
+    stream_bandwidth,
+    weight_bytes,
+)
 from radixmux import protocol
 from radixmux.common.server_args import ATTENTION_BACKENDS
 from radixmux.memory.arena import KVArena
-from radixmux.memory.layout import BlockGeometry
+from radixmux.memory.layout import BlockGeometry, KVLayout
 from radixmux.model_runners import paged_attention
 from radixmux.model_runners.loader import LoadedModel, load_model
 from radixmux.model_runners.model_runner import ModelRunner
@@ -222,10 +242,17 @@ class StepFigures:
     hooked_ms: float  # hooked step (its excess over total_ms is the hooks' cost)
     steps: int
     kernel: bool  # decode attention in the C++ kernel (else gather + SDPA, which ignores groups)
+    roofline: Roofline | None = None  # the unhooked step against the memory bandwidth
 
     @property
     def hook_overhead_ms(self) -> float:
         return self.hooked_ms - self.total_ms
+
+    @property
+    def median_context(self) -> int:
+        """Context of the median measured step (``context`` is the last step's: each
+        measured step pair adds two tokens)."""
+        return self.context - self.steps
 
 
 def _p20(xs: Sequence[float]) -> float:
@@ -295,10 +322,20 @@ def format_table(rows: Sequence[StepFigures]) -> str:
         base = shared.get(r.batch)
         return "-" if r.layout == "shared" or not base else f"{r.attention_ms / base:.2f}x"
 
+    def roof(r: StepFigures) -> str:
+        f = r.roofline
+        if f is None:
+            return ""
+        return (
+            f" {f.bytes.total / 1e6:7.1f} {f.achieved_gbs:6.1f} {100 * f.fraction:4.0f}% "
+            f"{f.limit_ms:8.1f}"
+        )
+
     head = (
         f"{'batch':>5} {'layout':<9} {'ctx':>5} {'step ms':>8} {'tok/s':>7} "
         f"{'weights':>13} {'logits':>13} {'attention':>13} {'other':>13} "
         f"{'attn/shared':>11} {'hook ovh':>8}"
+        f" {'MB/step':>7} {'GB/s':>6} {'%bw':>5} {'limit ms':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -307,15 +344,32 @@ def format_table(rows: Sequence[StepFigures]) -> str:
             f"{1e3 * r.batch / r.total_ms:7.0f} "
             f"{part(r.weights_ms, r.total_ms):>13} {part(r.logits_ms, r.total_ms):>13} "
             f"{part(r.attention_ms, r.total_ms):>13} {part(r.other_ms, r.total_ms):>13} "
-            f"{vs_shared(r):>11} {r.hook_overhead_ms:8.1f}"
+            f"{vs_shared(r):>11} {r.hook_overhead_ms:8.1f}{roof(r)}"
         )
     return "\n".join(lines)
 
 
+def roofline_of(
+    r: StepFigures,
+    weights: WeightBytes,
+    layout: KVLayout,
+    prefix_once: int,
+    bandwidth: Bandwidth,
+) -> Roofline:
+    """Row ``r``'s step against ``bandwidth``; ``prefix_once``: context tokens the
+    kernel reads once per step for the whole batch (the cascade prefix), else 0."""
+    moved = step_bytes(weights.read, layout, r.batch, r.median_context, prefix_once)
+    return Roofline.of(moved, r.total_ms, bandwidth)
+
+
 def run(
-    loaded: LoadedModel, args: argparse.Namespace, progress: Callable[[str], None]
+    loaded: LoadedModel,
+    args: argparse.Namespace,
+    progress: Callable[[str], None],
+    bandwidth: Bandwidth,
 ) -> list[StepFigures]:
-    """Every (batch, layout) configuration on one arena; returns their figures."""
+    """Every (batch, layout) configuration on one arena, each held to ``bandwidth``;
+    returns their figures."""
     layout = loaded.info.layout
     # Every step, hooked or not, takes a fresh slot per sequence.
     need = slots_needed(args.batches, args.prefix, args.own, 2 * (args.steps + args.warmup))
@@ -338,10 +392,14 @@ def run(
                         continue
                     dec = contexts(b, lay, args.prefix, args.own, rng)
                     r = measure(runner, timer, dec, args.steps, args.warmup, lay)
+                    once = args.prefix if lay == "cascade" and runner.use_kernel else 0
+                    weights = weight_bytes(loaded.model, b)
+                    r.roofline = roofline_of(r, weights, layout, once, bandwidth)
                     rows.append(r)
                     progress(
                         f"batch {b:>3} {lay:<8}: step {r.total_ms:6.1f} ms "
-                        f"(weights {r.weights_ms:.1f}, attention {r.attention_ms:.1f})"
+                        f"(weights {r.weights_ms:.1f}, attention {r.attention_ms:.1f}; "
+                        f"{100 * r.roofline.fraction:.0f}% of the bandwidth)"
                     )
     return rows
 
@@ -378,20 +436,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="oneDNN for every linear call (no small-batch kernel: AMX tiles or AVX512-BF16)",
     )
+    p.add_argument(
+        "--stream-mib",
+        type=int,
+        default=STREAM_BYTES >> 20,
+        help="array size of the bandwidth measurement (well above the L3 cache)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/)")
     return p.parse_args(argv)
+
+
+def weights_note(loaded: LoadedModel, batches: Sequence[int]) -> str:
+    """Which weight copies each batch's step reads, and their bytes."""
+    parts = []
+    for b in batches:
+        w = weight_bytes(loaded.model, b)
+        copies = ", ".join(f"{n} {kind}" for kind, n in sorted(w.copies.items()))
+        parts.append(f"batch {b}: {w.read / 1e6:.1f} MB (linear layers read from: {copies})")
+    held = weight_bytes(loaded.model, 1).held
+    return f"weights read per step: {'; '.join(parts)}; held in all: {held / 1e6:.1f} MB"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Before the model and the arena: the arrays need a GiB for a moment.
+    bandwidth = stream_bandwidth(args.threads, args.stream_mib << 20)
+    print(
+        f"[bench_step] streaming bandwidth, {args.threads} thread(s): "
+        f"read {bandwidth.read_gbs:.1f} GB/s, copy {bandwidth.copy_gbs:.1f} GB/s",
+        file=sys.stderr,
+    )
     loaded = load_model(
         args.model, dtype=args.dtype, fuse_ops=not args.no_fused_ops, amx_linear=not args.no_amx
     )
     if "cascade" in args.layouts and not cascade_available():
         print("note: no ForwardBatch.prefix_groups in this runtime: the cascade layout is skipped")
     t0 = time.monotonic()
-    rows = run(loaded, args, lambda line: print(f"[bench_step] {line}", file=sys.stderr))
+    rows = run(loaded, args, lambda line: print(f"[bench_step] {line}", file=sys.stderr), bandwidth)
     print(
         f"\n{args.model} {args.dtype}, {args.threads} thread(s), "
         f"fused ops {'off' if args.no_fused_ops else 'on'}, "
@@ -400,6 +482,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode step at context "
         f"{args.prefix}+{args.own} (shared: first {args.prefix} slots identical); "
         f"20th-percentile of {args.steps} steps; other = step - weights - logits - attention"
+    )
+    print(
+        f"roofline: streaming read {bandwidth.read_gbs:.1f} GB/s, copy "
+        f"{bandwidth.copy_gbs:.1f} GB/s (best of {bandwidth.reps}, "
+        f"{bandwidth.array_bytes >> 20} MiB); limit {bandwidth.limit_gbs:.1f} GB/s; "
+        f"{weights_note(loaded, args.batches)}; MB/step = weights + K/V read + K/V written "
+        "(bench/roofline.py), GB/s = MB/step / step ms"
     )
     print(format_table(rows))
     out = args.out or RESULTS_DIR / f"bench_step-{time.strftime('%Y%m%dT%H%M%S')}.json"
@@ -410,8 +499,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "wall_s": time.monotonic() - t0,
+        "bandwidth": {**dataclasses.asdict(bandwidth), "limit_gbs": bandwidth.limit_gbs},
+        "weights": {b: dataclasses.asdict(weight_bytes(loaded.model, b)) for b in args.batches},
     }
-    rows_json = [{**dataclasses.asdict(r), "hook_overhead_ms": r.hook_overhead_ms} for r in rows]
+    rows_json = [
+        {
+            **dataclasses.asdict(r),
+            "hook_overhead_ms": r.hook_overhead_ms,
+            "median_context": r.median_context,
+            "bytes_total": r.roofline.bytes.total if r.roofline else None,
+        }
+        for r in rows
+    ]
     out.write_text(json.dumps({"meta": meta, "rows": rows_json}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -30,6 +30,16 @@ own result files and every log beside them, in ``<stem>-logs/``).
     .venv/bin/python -m bench.vs_vllm --engines radixmux --server-args "--chunked-prefill-size 256"
     .venv/bin/python -m bench.vs_vllm --server-args "" --server-args "--max-running-requests 32"
 
+``--sweep N`` runs, instead of the grid, N shapes drawn from ``--sweep-seed``
+over the issue's ranges (concurrency 1-64, prompts 128-4,000 tokens, outputs
+16-512, both datasets; the rules in ``bench/vs_vllm_sweep.py``), each a row
+of its own, judged against the sweep's goals (>= 1.5x vLLM's output tok/s on
+prefix_repetition, >= 1.2x on random, TPOT and TTFT p50 not above vLLM's),
+and reports the worst row per ratio besides the table; the JSON's ``sweep``
+holds the drawn shapes and the worst rows, the PNG each row's ratios:
+
+    .venv/bin/python -m bench.vs_vllm --sweep 16 --sweep-seed 1 --interleave 1
+
 ``--server-args`` may be repeated: each string is one radixmux configuration
 (a lone flag without a value needs the ``=`` form: ``--server-args=--disable-radix-cache``).
 """
@@ -48,7 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +66,7 @@ from typing import Any
 import httpx
 
 from bench import compare, peers
+from bench.bench_disk_tier import kv_bytes_per_token
 from bench.bench_serving import (
     RESULTS_DIR,
     BenchConfig,
@@ -69,6 +80,14 @@ from bench.bench_serving import (
 )
 from bench.server_process import ServerFailed, free_port
 from bench.verdicts import verdict_line, verdict_of
+from bench.vs_vllm_sweep import (
+    ShapeLimits,
+    SweepShape,
+    draw_shapes,
+    format_sweep,
+    plot_ratios,
+    worst_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +112,9 @@ class Dataset:
     prompts: dict[int, int]
     quick_prompts: dict[int, int]
     client_name: str = ""  # vLLM's --dataset-name when it differs from ``name``
+    # The run seed's dataset digit (``run_seed``): a sweep shape's own; None: the
+    # dataset's place in DATASETS.
+    seed_slot: int | None = None
 
     @property
     def args(self) -> list[str]:
@@ -101,6 +123,11 @@ class Dataset:
             self.client_name or self.name,
             *(a for k, v in self.params.items() for a in (f"--{k}", str(v))),
         ]
+
+    @property
+    def slot(self) -> int:
+        """This dataset's part of ``run_seed``: distinct for every dataset of a run."""
+        return list(DATASETS).index(self.name) if self.seed_slot is None else self.seed_slot
 
     def num_prompts(self, concurrency: int, quick: bool) -> int:
         """Prompts of one run: the table's, or 4 per client (1 when quick) off the table."""
@@ -169,10 +196,36 @@ class Engine:
         return " ".join([self.kind, *self.server_args])
 
 
-def run_seed(base: int, dataset: str, concurrency: int, round_: int = 0) -> int:
+def run_seed(base: int, dataset: Dataset, concurrency: int, round_: int = 0) -> int:
     """The client's seed of one run: the same for every engine, different for every run
     (and every round of ``--interleave``, so no round reuses another's prefixes)."""
-    return base + 100_000 * round_ + 1000 * list(DATASETS).index(dataset) + concurrency
+    return base + 100_000 * round_ + 1000 * dataset.slot + concurrency
+
+
+# Sweep shapes take the seed slots after DATASETS', below the next round's seeds.
+MAX_SWEEP = 100 - len(DATASETS)
+
+
+def sweep_dataset(shape: SweepShape) -> Dataset:
+    """One drawn shape as a dataset of its own, run at the shape's concurrency."""
+    if shape.dataset == "prefix_repetition":
+        params = {
+            "prefix-repetition-prefix-len": shape.prefix_len,
+            "prefix-repetition-suffix-len": shape.suffix_len,
+            "prefix-repetition-num-prefixes": shape.num_prefixes,
+            "prefix-repetition-output-len": shape.output_len,
+        }
+    else:
+        params = {"random-input-len": shape.prompt_len, "random-output-len": shape.output_len}
+    return Dataset(
+        shape.name,
+        params,
+        shape.throughput_goal,
+        {shape.concurrency: shape.num_prompts},
+        {shape.concurrency: shape.quick_prompts},
+        client_name=shape.dataset,
+        seed_slot=len(DATASETS) + shape.index,
+    )
 
 
 # ---- results --------------------------------------------------------------------------
@@ -350,14 +403,17 @@ def median_over_rounds(results: Sequence[RunResult]) -> list[RunResult]:
     return out
 
 
-def judge_all(results: Sequence[RunResult]) -> list[Verdict]:
-    """A verdict for every radixmux run that has a vLLM run of the same row."""
+def judge_all(
+    results: Sequence[RunResult], datasets: Mapping[str, Dataset] = DATASETS
+) -> list[Verdict]:
+    """A verdict for every radixmux run that has a vLLM run of the same row
+    (``datasets`` holds each row's dataset and goal)."""
     vllm = {(r.dataset, r.concurrency): r for r in results if r.engine == "vllm"}
     out = []
     for r in results:
         peer = vllm.get((r.dataset, r.concurrency))
         if r.engine.startswith("radixmux") and peer is not None:
-            out.append(judge(r, peer, DATASETS[r.dataset].throughput_goal))
+            out.append(judge(r, peer, datasets[r.dataset].throughput_goal))
     return out
 
 
@@ -629,7 +685,7 @@ def measure(
         dataset,
         concurrency,
         n,
-        run_seed(opts.seed, dataset.name, concurrency, round_),
+        run_seed(opts.seed, dataset, concurrency, round_),
         opts.temperature,
         result,
     )
@@ -661,32 +717,39 @@ def progress_line(r: RunResult) -> str:
     )
 
 
+# A row: one dataset at one concurrency (the grid's product, or one sweep shape).
+Row = tuple[Dataset, int]
+
+
+def grid_rows(datasets: Sequence[Dataset], concurrencies: Sequence[int]) -> list[Row]:
+    """Every dataset at every concurrency, dataset by dataset."""
+    return [(ds, c) for ds in datasets for c in concurrencies]
+
+
+def _warm_up_requests(rows: Sequence[Row]) -> int:
+    return 2 * max(c for _, c in rows)
+
+
 def run_engine(
-    engine: Engine,
-    datasets: Sequence[Dataset],
-    concurrencies: Sequence[int],
-    opts: Options,
-    num_prompts: int | None,
+    engine: Engine, rows: Sequence[Row], opts: Options, num_prompts: int | None
 ) -> list[RunResult]:
-    """Start one server, warm it up, run the grid against it, stop it."""
+    """Start one server, warm it up, run every row against it, stop it."""
     print(f"[vs_vllm] {engine.label}: starting", file=sys.stderr, flush=True)
     results: list[RunResult] = []
     try:
         with serving(engine, opts) as endpoint:
-            warm_up(endpoint, opts.model, 2 * max(concurrencies), opts.seed)
-            for ds in datasets:
-                for c in concurrencies:
-                    r = measure(engine, endpoint, ds, c, opts, num_prompts)
-                    print(progress_line(r), file=sys.stderr, flush=True)
-                    results.append(r)
+            warm_up(endpoint, opts.model, _warm_up_requests(rows), opts.seed)
+            for ds, c in rows:
+                r = measure(engine, endpoint, ds, c, opts, num_prompts)
+                print(progress_line(r), file=sys.stderr, flush=True)
+                results.append(r)
     except (ServerFailed, peers.PeerUnavailable) as exc:
         why = f"server did not start: {exc}"
         print(f"[vs_vllm] {engine.label}: {why[:600]}", file=sys.stderr, flush=True)
         done = {(r.dataset, r.concurrency) for r in results}
         results += [
             RunResult(ds.name, c, engine.label, 0, unavailable=why)
-            for ds in datasets
-            for c in concurrencies
+            for ds, c in rows
             if (ds.name, c) not in done
         ]
     return results
@@ -694,14 +757,13 @@ def run_engine(
 
 def run_interleaved(
     engines: Sequence[Engine],
-    datasets: Sequence[Dataset],
-    concurrencies: Sequence[int],
+    rows: Sequence[Row],
     opts: Options,
     num_prompts: int | None,
     rounds: int,
 ) -> list[RunResult]:
-    """Every server up at once (an idle one only waits on its socket); each row of the
-    grid runs on every engine back to back, the engine order turning each round, so
+    """Every server up at once (an idle one only waits on its socket); each row
+    runs on every engine back to back, the engine order turning each round, so
     that minutes-long swings of a shared machine's speed fall on every engine alike."""
     results: list[RunResult] = []
     with contextlib.ExitStack() as stack:
@@ -710,25 +772,23 @@ def run_interleaved(
             print(f"[vs_vllm] {engine.label}: starting", file=sys.stderr, flush=True)
             try:
                 endpoints[engine] = stack.enter_context(serving(engine, opts))
-                warm_up(endpoints[engine], opts.model, 2 * max(concurrencies), opts.seed)
+                warm_up(endpoints[engine], opts.model, _warm_up_requests(rows), opts.seed)
             except (ServerFailed, peers.PeerUnavailable) as exc:
                 why = f"server did not start: {exc}"
                 print(f"[vs_vllm] {engine.label}: {why[:600]}", file=sys.stderr, flush=True)
                 results += [
                     RunResult(ds.name, c, engine.label, 0, unavailable=why, round=r)
                     for r in range(rounds)
-                    for ds in datasets
-                    for c in concurrencies
+                    for ds, c in rows
                 ]
         live = [e for e in engines if e in endpoints]
         for r in range(rounds):
             order = live[r % len(live) :] + live[: r % len(live)] if live else []
-            for ds in datasets:
-                for c in concurrencies:
-                    for engine in order:
-                        res = measure(engine, endpoints[engine], ds, c, opts, num_prompts, r)
-                        print(progress_line(res), file=sys.stderr, flush=True)
-                        results.append(res)
+            for ds, c in rows:
+                for engine in order:
+                    res = measure(engine, endpoints[engine], ds, c, opts, num_prompts, r)
+                    print(progress_line(res), file=sys.stderr, flush=True)
+                    results.append(res)
     return results
 
 
@@ -762,10 +822,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="start every server at once and run each row on every engine back to back, "
         "ROUNDS times (engine order turning); figures are medians over rounds",
     )
+    p.add_argument(
+        "--sweep",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the grid, N shapes drawn from --sweep-seed over the issue's ranges "
+        f"(bench/vs_vllm_sweep.py; at most {MAX_SWEEP}); reports every row and the worst; "
+        "--datasets and --concurrency do not apply, --num-prompts overrides the sweep's rule",
+    )
+    p.add_argument(
+        "--sweep-seed", type=int, default=0, help="the seed the sweep's shapes are drawn from"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.sweep <= MAX_SWEEP:
+        p.error(f"--sweep takes 1 to {MAX_SWEEP} shapes")
+    return args
+
+
+def shape_limits(model: str, dtype: str, kv_bytes: int) -> ShapeLimits:
+    """The model's context and the tokens ``kv_bytes`` hold, from its config.json."""
+    folder = peers.hf_folder(model)
+    config = json.loads((folder / "config.json").read_text())
+    context = config.get("text_config", config)["max_position_embeddings"]
+    return ShapeLimits(context, kv_bytes // kv_bytes_per_token(str(folder), dtype))
 
 
 def engines_of(args: argparse.Namespace) -> list[Engine]:
@@ -777,6 +860,25 @@ def engines_of(args: argparse.Namespace) -> list[Engine]:
     if "vllm" in args.engines:
         out.append(Engine("vllm"))
     return out
+
+
+def sweep_json(
+    shapes: Sequence[SweepShape],
+    limits: ShapeLimits | None,
+    seed: int,
+    verdicts: Sequence[Verdict],
+) -> dict[str, Any]:
+    """The sweep's part of the JSON: what the shapes were drawn from, every shape, the
+    worst rows (each row's figures are in ``runs`` and ``verdicts`` under its name)."""
+    return {
+        "seed": seed,
+        "limits": dataclasses.asdict(limits) if limits else None,
+        "shapes": [dataclasses.asdict(s) | {"name": s.name} for s in shapes],
+        "worst": [
+            {"metric": w.metric, "ratio": w.ratio, "engine": w.row.engine, "row": w.row.dataset}
+            for w in worst_rows(shapes, verdicts)
+        ],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -801,26 +903,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except peers.PeerUnavailable as exc:
         print(f"vLLM's benchmark client is unavailable: {exc}", file=sys.stderr)
         return 2
-    datasets = [DATASETS[d] for d in args.datasets]
+    shapes: list[SweepShape] = []
+    limits = None
+    if args.sweep:
+        limits = shape_limits(args.model, args.dtype, args.kv_bytes)
+        shapes = draw_shapes(args.sweep, args.sweep_seed, limits)
+        datasets = {s.name: sweep_dataset(s) for s in shapes}
+        rows = [(datasets[s.name], s.concurrency) for s in shapes]
+    else:
+        datasets = {d: DATASETS[d] for d in args.datasets}
+        rows = grid_rows(list(datasets.values()), args.concurrency)
     t0 = time.monotonic()
     runs: list[RunResult] = []
     if args.interleave:
-        runs = run_interleaved(
-            engines_of(args), datasets, args.concurrency, opts, args.num_prompts, args.interleave
-        )
+        runs = run_interleaved(engines_of(args), rows, opts, args.num_prompts, args.interleave)
         results = median_over_rounds(runs)
     else:
         for engine in engines_of(args):
-            runs += run_engine(engine, datasets, args.concurrency, opts, args.num_prompts)
+            runs += run_engine(engine, rows, opts, args.num_prompts)
         results = runs
-    verdicts = judge_all(results)
+    verdicts = judge_all(results, datasets)
     meta = {
         "model": args.model,
         "dtype": args.dtype,
         "kv_bytes": args.kv_bytes,
         "engines": [dataclasses.asdict(e) | {"label": e.label} for e in engines_of(args)],
-        "datasets": {d.name: d.params for d in datasets},
-        "concurrency": args.concurrency,
+        "datasets": {d.name: d.params for d in datasets.values()},
+        "concurrency": [s.concurrency for s in shapes] if args.sweep else args.concurrency,
         "interleave_rounds": args.interleave,
         "quick": args.quick,
         "seed": args.seed,
@@ -836,10 +945,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "medians": [dataclasses.asdict(r) for r in results] if args.interleave else [],
         "verdicts": [v.to_json() for v in verdicts],
     }
+    if args.sweep:
+        report["sweep"] = sweep_json(shapes, limits, args.sweep_seed, verdicts)
     write_json(report, out, "vs_vllm")
-    png = plot(results, out.with_suffix(".png"))
+    # Per-row ratios need vLLM's runs; without them, each engine's own figures.
+    png = plot_ratios(shapes, verdicts, out.with_suffix(".png")) if args.sweep else None
+    png = png or plot(results, out.with_suffix(".png"))
     print(format_table(results, verdicts))
-    if verdicts:
+    if args.sweep:
+        print("\n== sweep (ratios radixmux / vLLM)\n" + format_sweep(shapes, verdicts, args.quick))
+    elif verdicts:
         print("\n== goals\n" + format_goals(verdicts))
     print(f"\nwrote {out}" + (f" and {png}" if png else ""))
     return 0 if all(r.ok for r in results if r.engine.startswith("radixmux")) else 1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers, vs_vllm
+from bench import peers, vs_vllm, vs_vllm_sweep
 
 # ``vllm bench serve --quick`` smoke run, prefix_repetition at concurrency 4
 # (trimmed to the fields vs_vllm reads; figures from a busy shared machine).
@@ -179,12 +179,14 @@ def test_grid_sizes_and_seeds() -> None:
             assert set(table) == set(vs_vllm.CONCURRENCIES)
             if ds.name == "prefix_repetition":  # vLLM sends num_prompts // prefixes each
                 assert all(n % prefixes == 0 for n in table.values())
-    seeds = {vs_vllm.run_seed(0, d, c) for d in vs_vllm.DATASETS for c in vs_vllm.CONCURRENCIES}
+    seeds = {
+        vs_vllm.run_seed(0, d, c) for d in vs_vllm.DATASETS.values() for c in vs_vllm.CONCURRENCIES
+    }
     assert len(seeds) == len(vs_vllm.DATASETS) * len(vs_vllm.CONCURRENCIES)
 
 
 def test_interleaved_rounds_get_fresh_seeds_and_median_figures() -> None:
-    seeds = {vs_vllm.run_seed(0, "random", 4, r) for r in range(3)}
+    seeds = {vs_vllm.run_seed(0, vs_vllm.DATASETS["random"], 4, r) for r in range(3)}
     assert len(seeds) == 3  # no round reuses another's prompts
     rounds = []
     for r, tput in enumerate((10.0, 30.0, 20.0)):
@@ -274,3 +276,114 @@ def test_vllm_bench_client_gets_the_greedy_text_curl_gets(tmp_path: Path) -> Non
         assert result["generated_texts"] == direct
     finally:
         engine.shutdown()
+
+
+# ---- the sweep's shapes (no vLLM, no model: the limits are given) --------------------
+LIMITS = vs_vllm_sweep.ShapeLimits(context=8192, kv_tokens=46_603)  # SmolLM2 bf16, 1 GiB
+
+
+def test_sweep_shapes_are_seeded_and_within_the_ranges() -> None:
+    shapes = vs_vllm_sweep.draw_shapes(60, 7, LIMITS)
+    assert shapes == vs_vllm_sweep.draw_shapes(60, 7, LIMITS)  # reproducible
+    assert shapes != vs_vllm_sweep.draw_shapes(60, 8, LIMITS)
+    assert vs_vllm_sweep.draw_shapes(5, 7, LIMITS) == shapes[:5]  # a longer sweep extends it
+    assert {s.dataset for s in shapes} == {"prefix_repetition", "random"}
+    assert len({s.name for s in shapes}) == len(shapes)
+    for s in shapes:
+        assert 1 <= s.concurrency <= 64 and 128 <= s.prompt_len <= 4000
+        assert 16 <= s.output_len <= 512 and s.prompt_len + s.output_len <= LIMITS.context
+        assert vs_vllm_sweep.fits(s, LIMITS)
+        if s.dataset == "prefix_repetition":
+            assert 0.5 * s.prompt_len - 1 <= s.prefix_len <= 0.95 * s.prompt_len + 1
+            assert s.num_prefixes in (1, 2, 4, 8) and s.suffix_len >= 1
+            held = s.num_prefixes * s.prefix_len + s.concurrency * (s.suffix_len + s.output_len)
+            assert s.num_prompts % s.num_prefixes == 0 and s.quick_prompts % s.num_prefixes == 0
+        else:
+            assert s.prefix_len == s.num_prefixes == 0
+            held = s.concurrency * (s.prompt_len + s.output_len)
+        assert held <= vs_vllm_sweep.KV_FILL * LIMITS.kv_tokens
+    # Log-uniform concurrency: small and large both drawn, not only the middle.
+    assert min(s.concurrency for s in shapes) <= 2 and max(s.concurrency for s in shapes) >= 32
+
+
+def test_sweep_prompts_are_bounded() -> None:
+    for s in vs_vllm_sweep.draw_shapes(60, 3, LIMITS):
+        step = max(s.num_prefixes, 1)
+        assert s.concurrency <= s.num_prompts <= max(2 * s.concurrency, 8) + step - 1
+        assert s.concurrency <= s.quick_prompts <= s.num_prompts
+        own = s.prompt_len - s.prefix_len + s.output_len
+        tokens = s.num_prefixes * s.prefix_len + s.num_prompts * own
+        # Over the budget only where one prompt per client already is.
+        if s.num_prompts >= s.concurrency + step:
+            assert tokens <= vs_vllm_sweep.TOKEN_BUDGET + step * own
+    # The rule itself: 2 per client, at least 8, cut by the budget, never below 1 per client.
+    assert vs_vllm_sweep.num_prompts(1, 0, 100, 0, quick=False) == 8
+    assert vs_vllm_sweep.num_prompts(20, 0, 100, 0, quick=False) == 40
+    assert vs_vllm_sweep.num_prompts(20, 0, 4000, 0, quick=False) == 20
+    assert vs_vllm_sweep.num_prompts(3, 0, 100, 4, quick=False) == 8
+    assert vs_vllm_sweep.num_prompts(1, 0, 100, 0, quick=True) == 2
+
+
+def test_sweep_refuses_limits_nothing_fits() -> None:
+    with pytest.raises(ValueError, match="no shape fits"):
+        vs_vllm_sweep.draw_shapes(1, 0, vs_vllm_sweep.ShapeLimits(8192, 100))
+
+
+def test_sweep_rows_get_their_own_dataset_seed_and_goal() -> None:
+    shapes = vs_vllm_sweep.draw_shapes(12, 1, LIMITS)
+    datasets = {s.name: vs_vllm.sweep_dataset(s) for s in shapes}
+    seeds = {
+        vs_vllm.run_seed(0, datasets[s.name], s.concurrency, r) for s in shapes for r in (0, 1)
+    }
+    grid = {vs_vllm.run_seed(0, d, c) for d in vs_vllm.DATASETS.values() for c in (1, 4, 16)}
+    assert len(seeds) == 2 * len(shapes) and not seeds & grid
+    for s in shapes:
+        ds = datasets[s.name]
+        args = ds.args
+        assert args[args.index("--dataset-name") + 1] == s.dataset
+        assert ds.num_prompts(s.concurrency, quick=False) == s.num_prompts
+        if s.dataset == "prefix_repetition":
+            assert ds.throughput_goal == 1.5
+            assert ds.params["prefix-repetition-suffix-len"] == s.prompt_len - s.prefix_len
+        else:
+            assert ds.throughput_goal == 1.2 and ds.params["random-input-len"] == s.prompt_len
+    with pytest.raises(SystemExit):
+        vs_vllm.parse_args(["--sweep", str(vs_vllm.MAX_SWEEP + 1)])
+
+
+def test_sweep_reports_every_row_and_the_worst(tmp_path: Path) -> None:
+    a, b = vs_vllm_sweep.draw_shapes(2, 2, LIMITS)
+    datasets = {s.name: vs_vllm.sweep_dataset(s) for s in (a, b)}
+    good, slow = run(RADIXMUX_JSON, dataset=a.name), run(VLLM_JSON, "vllm", dataset=a.name)
+    # Row b: radixmux only 1.3x vLLM's throughput and a higher TPOT.
+    ours_b = run({**RADIXMUX_JSON, "output_throughput": 1.3 * VLLM_JSON["output_throughput"],
+                  "median_tpot_ms": 200.0}, dataset=b.name)  # fmt: skip
+    results = [good, slow, ours_b, run(VLLM_JSON, "vllm", dataset=b.name)]
+    verdicts = vs_vllm.judge_all(results, datasets)
+    assert [v.verdict for v in verdicts] == ["PASS", "MISS"]
+    worst = {w.metric: w for w in vs_vllm_sweep.worst_rows([a, b], verdicts)}
+    # Throughput per dataset (a is prefix_repetition, b random: each its own goal).
+    assert (a.dataset, b.dataset) == ("prefix_repetition", "random")
+    assert worst["output tok/s (random)"].row.dataset == b.name
+    assert worst["output tok/s (random)"].ratio == pytest.approx(1.3)
+    assert worst["output tok/s (prefix_repetition)"].row.dataset == a.name
+    assert worst["TPOT p50"].row.dataset == b.name and worst["TPOT p50"].ratio > 1
+    assert set(worst) == {
+        "output tok/s (prefix_repetition)",
+        "output tok/s (random)",
+        "TPOT p50",
+        "TTFT p50",
+    }
+    text = vs_vllm_sweep.format_sweep([a, b], verdicts)
+    assert a.describe() in text and "worst output tok/s (random)" in text
+    assert "[MISS] sweep, radixmux: 1 of 2 rows pass" in text
+    assert "MISS (>= 1.2x): TPOT p50 1.35x vLLM's" in text
+    assert vs_vllm_sweep.overall(verdicts[:1]) is True and vs_vllm_sweep.overall([]) is None
+    report = vs_vllm.sweep_json([a, b], LIMITS, 2, verdicts)
+    assert report["shapes"][1]["name"] == b.name and len(report["worst"]) == 4
+    png = vs_vllm_sweep.plot_ratios([a, b], verdicts, tmp_path / "s.png")
+    assert png is not None and png.stat().st_size > 0
+    assert vs_vllm_sweep.plot_ratios([a, b], [], tmp_path / "none.png") is None
+    # radixmux alone: the shapes are listed, nothing judged.
+    alone = vs_vllm_sweep.format_sweep([a, b], [], quick=True)
+    assert "(not compared)" in alone and f"n={a.quick_prompts}" in alone
