@@ -54,6 +54,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -883,6 +884,9 @@ def sweep_json(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM (a job runner's stop) unwinds like Ctrl-C, through the code
+    # that stops the servers; by default it would leave them running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Every process started from here (servers, client) stays off the hub.
     os.environ.update(OFFLINE_ENV)
     stamp = time.strftime("%Y%m%dT%H%M%S")
