@@ -725,32 +725,62 @@ class RadixCache:
 
     def _emptiable_blocks(self, pool: str) -> list[_BlockOption]:
         """Other pools' blocks whose every used slot is an unlocked cache entry,
-        fewest used slots first (then least valuable), with the entries to drop."""
+        fewest used slots first (then least valuable, then walk order), with
+        the entries to drop.
+
+        One pass collects the entries; the per-block tallies are array ops
+        over all their slots at once (a per-entry ``np.unique`` made this the
+        bulk of eviction time)."""
         alloc = self.allocator
-        tally: Counter[int] = Counter()
-        locked: set[int] = set()
-        entries: dict[int, list[tuple[Node, int]]] = {}
-        keys: dict[int, tuple[float, ...]] = {}
+        found: list[tuple[Node, int, _Entry]] = []
         for root in self._roots.values():
             for node in _walk(root):
                 for gid, entry in node.entries.items():
-                    other = self._generations[gid].pool
-                    if other == pool:
-                        continue
-                    ids, counts = np.unique(alloc.block_of(other, entry.slots), return_counts=True)
-                    for block, count in zip(ids.tolist(), counts.tolist(), strict=True):
-                        tally[block] += count
-                        if entry.lock_ref:
-                            locked.add(block)
-                        entries.setdefault(block, []).append((node, gid))
-                        key = self._key(gid, entry)
-                        keys[block] = max(keys.get(block, key), key)
+                    if self._generations[gid].pool != pool and len(entry.slots):
+                        found.append((node, gid, entry))
+        if not found:
+            return []
+        lengths = np.fromiter((len(e.slots) for _, _, e in found), np.int64, len(found))
+        per_block = np.fromiter(
+            (alloc.geometry(self._generations[g].pool).slots_per_block for _, g, _ in found),
+            np.int64,
+            len(found),
+        )
+        owner = np.repeat(np.arange(len(found), dtype=np.int64), lengths)
+        blocks = np.concatenate([e.slots for _, _, e in found]).astype(np.int64, copy=False)
+        blocks //= np.repeat(per_block, lengths)
+        tally = np.bincount(blocks, minlength=alloc.num_blocks)
+        locked_mask = np.fromiter((bool(e.lock_ref) for _, _, e in found), bool, len(found))
+        locked = np.bincount(blocks, weights=locked_mask[owner], minlength=alloc.num_blocks) > 0
+        used = alloc.block_table()[1]
+        ok = (tally > 0) & ~locked & (tally == used)
+        # An entry's slots mostly run within one block: collapse runs first so
+        # the sort that follows sees about one item per (block, entry) pair.
+        run = np.ones(len(blocks), dtype=bool)
+        run[1:] = (blocks[1:] != blocks[:-1]) | (owner[1:] != owner[:-1])
+        blocks, owner = blocks[run], owner[run]
+        # Each (block, entry) pair once, in block then walk order.
+        pairs = np.unique(blocks * len(found) + owner)
+        pair_blocks, pair_owner = np.divmod(pairs, len(found))
+        keep = ok[pair_blocks]
+        # Ties go as the per-entry walk met them: first entry, then block id.
+        seen, first_at = np.unique(blocks, return_index=True)
+        first = dict(zip(seen.tolist(), owner[first_at].tolist(), strict=True))
+        entries: dict[int, list[tuple[Node, int]]] = {}
+        keys: dict[int, tuple[float, ...]] = {}
+        entry_keys: dict[int, tuple[float, ...]] = {}
+        for block, i in zip(pair_blocks[keep].tolist(), pair_owner[keep].tolist(), strict=True):
+            node, gid, entry = found[i]
+            key = entry_keys.get(i)
+            if key is None:
+                key = entry_keys[i] = self._key(gid, entry)
+            entries.setdefault(block, []).append((node, gid))
+            keys[block] = max(keys.get(block, key), key)
         options = [
-            _BlockOption(block, alloc.block_pool(block), used, keys[block], entries[block])
-            for block, used in tally.items()
-            if block not in locked and used == alloc.used_slots_in_block(block)
+            _BlockOption(block, alloc.block_pool(block), int(tally[block]), keys[block], group)
+            for block, group in entries.items()
         ]
-        options.sort(key=lambda o: (o.used, o.key))
+        options.sort(key=lambda o: (o.used, o.key, first[o.block], o.block))
         return options
 
     def _empty_block(self, option: _BlockOption) -> int:
