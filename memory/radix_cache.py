@@ -26,7 +26,7 @@ import heapq
 import itertools
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -702,28 +702,30 @@ class RadixCache:
         is empty, so another model's cached KV is never wiped for nothing.
         """
         pool = self.pool_of(model)
-        blocks: list[_BlockOption] | None = None  # built on first need
+        blocks: Iterator[_BlockOption] | None = None  # built on first need
+        option: _BlockOption | None = None  # the next of ``blocks``, if any
         freed = 0
         while not self.allocator.can_alloc(pool, num_tokens):
             own = self._head(pool)
-            option = None
-            if self.allocator.may_grow(pool):
-                if blocks is None:
-                    blocks = self._emptiable_blocks(pool)
-                while blocks and not self.allocator.gains_block(pool, blocks[0].pool):
-                    blocks.pop(0)  # that pool is at its floor: its block stays reserved
-                option = blocks[0] if blocks else None
-            if own is None and option is None:
+            if blocks is None and self.allocator.may_grow(pool):
+                blocks = self._emptiable_blocks(pool)
+                option = next(blocks, None)
+            offer = None
+            if blocks is not None and self.allocator.may_grow(pool):
+                while option is not None and not self.allocator.gains_block(pool, option.pool):
+                    option = next(blocks, None)  # that pool is at its floor: its block stays
+                offer = option
+            if own is None and offer is None:
                 break
-            if option is None or (own is not None and own[0] <= option.key):
+            if offer is None or (own is not None and own[0] <= offer.key):
                 freed += self._evict_head(own)
             else:
-                blocks.pop(0)
-                freed += self._empty_block(option)
+                freed += self._empty_block(offer)
+                option = next(blocks, None)
         self._evicted_for[model] += freed
         return self.allocator.can_alloc(pool, num_tokens)
 
-    def _emptiable_blocks(self, pool: str) -> list[_BlockOption]:
+    def _emptiable_blocks(self, pool: str) -> Iterator[_BlockOption]:
         """Other pools' blocks whose every used slot is an unlocked cache entry,
         fewest used slots first (then least valuable, then walk order), with
         the entries to drop.
@@ -739,7 +741,7 @@ class RadixCache:
                     if self._generations[gid].pool != pool and len(entry.slots):
                         found.append((node, gid, entry))
         if not found:
-            return []
+            return
         lengths = np.fromiter((len(e.slots) for _, _, e in found), np.int64, len(found))
         per_block = np.fromiter(
             (alloc.geometry(self._generations[g].pool).slots_per_block for _, g, _ in found),
@@ -766,22 +768,36 @@ class RadixCache:
         # Ties go as the per-entry walk met them: first entry, then block id.
         seen, first_at = np.unique(blocks, return_index=True)
         first = dict(zip(seen.tolist(), owner[first_at].tolist(), strict=True))
-        entries: dict[int, list[tuple[Node, int]]] = {}
-        keys: dict[int, tuple[float, ...]] = {}
-        entry_keys: dict[int, tuple[float, ...]] = {}
-        for block, i in zip(pair_blocks[keep].tolist(), pair_owner[keep].tolist(), strict=True):
-            node, gid, entry = found[i]
-            key = entry_keys.get(i)
-            if key is None:
-                key = entry_keys[i] = self._key(gid, entry)
-            entries.setdefault(block, []).append((node, gid))
-            keys[block] = max(keys.get(block, key), key)
-        options = [
-            _BlockOption(block, alloc.block_pool(block), int(tally[block]), keys[block], group)
-            for block, group in entries.items()
-        ]
-        options.sort(key=lambda o: (o.used, o.key, first[o.block], o.block))
-        return options
+        pair_blocks, pair_owner = pair_blocks[keep], pair_owner[keep].tolist()
+        qualified, starts = np.unique(pair_blocks, return_index=True)
+        ends = np.r_[starts[1:], len(pair_blocks)]
+        used_of = tally[qualified]
+        by_used = np.argsort(used_of, kind="stable").tolist()
+        # Options are built one equal-``used`` group at a time: a call mostly
+        # takes the first few, and building them all cost more than the rest.
+        # Keys as of now: entries may go before a later group is built.
+        key_of = {i: self._key(found[i][1], found[i][2]) for i in set(pair_owner)}
+        lo = 0
+        while lo < len(by_used):
+            hi = lo
+            while hi < len(by_used) and used_of[by_used[hi]] == used_of[by_used[lo]]:
+                hi += 1
+            group = []
+            for q in by_used[lo:hi]:
+                block = int(qualified[q])
+                mine = pair_owner[starts[q] : ends[q]]
+                group.append(
+                    _BlockOption(
+                        block,
+                        self._generations[found[mine[0]][1]].pool,  # its owner at the scan
+                        int(used_of[q]),
+                        max(map(key_of.__getitem__, mine)),
+                        [found[i][:2] for i in mine],
+                    )
+                )
+            group.sort(key=lambda o: (o.key, first[o.block], o.block))
+            yield from group
+            lo = hi
 
     def _empty_block(self, option: _BlockOption) -> int:
         """Drop every entry with slots in the block (with what hangs below it)."""

@@ -45,7 +45,7 @@ def check_block_options(cache: RadixCache, pool: str) -> None:
     expect = {
         b for b, n in covered.items() if b not in locked and n == alloc.used_slots_in_block(b)
     }
-    options = cache._emptiable_blocks(pool)
+    options = list(cache._emptiable_blocks(pool))
     assert {o.block for o in options} == expect
     for o in options:
         assert o.used == alloc.used_slots_in_block(o.block)
