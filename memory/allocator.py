@@ -240,7 +240,7 @@ class KVAllocator:
             return
         pool = self._pool(key)
         p = self.page_size
-        page_ids = np.unique(slots // p)
+        page_ids = _distinct_sorted(slots // p)
         if page_ids.size * p != slots.size:
             raise ValueError(f"free of {slots.size} slots is not whole distinct pages of {p}")
         if page_ids[0] < 0 or page_ids[-1] >= pool.page_used.size:
@@ -249,7 +249,10 @@ class KVAllocator:
             raise ValueError(f"double free or foreign slots for pool {key!r}")
         pool.page_used[page_ids] = False
         ppb = pool.geometry.pages_per_block
-        blocks, first, counts = np.unique(page_ids // ppb, return_index=True, return_counts=True)
+        of_block = page_ids // ppb
+        first = np.flatnonzero(np.r_[True, of_block[1:] != of_block[:-1]])
+        blocks = of_block[first]
+        counts = np.diff(np.r_[first, of_block.size])
         for block, start, count in zip(
             blocks.tolist(), first.tolist(), counts.tolist(), strict=True
         ):
@@ -321,3 +324,12 @@ class KVAllocator:
             assert not pool.page_used.reshape(self.num_blocks, ppb)[mask].any(), (
                 f"pool {pool.key} marks pages used in blocks it does not own"
             )
+
+
+def _distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` for the small int arrays a free sees: a sort and a
+    neighbour compare (no hashing, no index bookkeeping)."""
+    values = np.sort(values)
+    if values.size > 1:
+        values = values[np.r_[True, values[1:] != values[:-1]]]
+    return values

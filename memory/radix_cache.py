@@ -26,7 +26,7 @@ import heapq
 import itertools
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -702,56 +702,102 @@ class RadixCache:
         is empty, so another model's cached KV is never wiped for nothing.
         """
         pool = self.pool_of(model)
-        blocks: list[_BlockOption] | None = None  # built on first need
+        blocks: Iterator[_BlockOption] | None = None  # built on first need
+        option: _BlockOption | None = None  # the next of ``blocks``, if any
         freed = 0
         while not self.allocator.can_alloc(pool, num_tokens):
             own = self._head(pool)
-            option = None
-            if self.allocator.may_grow(pool):
-                if blocks is None:
-                    blocks = self._emptiable_blocks(pool)
-                while blocks and not self.allocator.gains_block(pool, blocks[0].pool):
-                    blocks.pop(0)  # that pool is at its floor: its block stays reserved
-                option = blocks[0] if blocks else None
-            if own is None and option is None:
+            if blocks is None and self.allocator.may_grow(pool):
+                blocks = self._emptiable_blocks(pool)
+                option = next(blocks, None)
+            offer = None
+            if blocks is not None and self.allocator.may_grow(pool):
+                while option is not None and not self.allocator.gains_block(pool, option.pool):
+                    option = next(blocks, None)  # that pool is at its floor: its block stays
+                offer = option
+            if own is None and offer is None:
                 break
-            if option is None or (own is not None and own[0] <= option.key):
+            if offer is None or (own is not None and own[0] <= offer.key):
                 freed += self._evict_head(own)
             else:
-                blocks.pop(0)
-                freed += self._empty_block(option)
+                freed += self._empty_block(offer)
+                option = next(blocks, None)
         self._evicted_for[model] += freed
         return self.allocator.can_alloc(pool, num_tokens)
 
-    def _emptiable_blocks(self, pool: str) -> list[_BlockOption]:
+    def _emptiable_blocks(self, pool: str) -> Iterator[_BlockOption]:
         """Other pools' blocks whose every used slot is an unlocked cache entry,
-        fewest used slots first (then least valuable), with the entries to drop."""
+        fewest used slots first (then least valuable, then walk order), with
+        the entries to drop.
+
+        One pass collects the entries; the per-block tallies are array ops
+        over all their slots at once (a per-entry ``np.unique`` made this the
+        bulk of eviction time)."""
         alloc = self.allocator
-        tally: Counter[int] = Counter()
-        locked: set[int] = set()
-        entries: dict[int, list[tuple[Node, int]]] = {}
-        keys: dict[int, tuple[float, ...]] = {}
+        found: list[tuple[Node, int, _Entry]] = []
         for root in self._roots.values():
             for node in _walk(root):
                 for gid, entry in node.entries.items():
-                    other = self._generations[gid].pool
-                    if other == pool:
-                        continue
-                    ids, counts = np.unique(alloc.block_of(other, entry.slots), return_counts=True)
-                    for block, count in zip(ids.tolist(), counts.tolist(), strict=True):
-                        tally[block] += count
-                        if entry.lock_ref:
-                            locked.add(block)
-                        entries.setdefault(block, []).append((node, gid))
-                        key = self._key(gid, entry)
-                        keys[block] = max(keys.get(block, key), key)
-        options = [
-            _BlockOption(block, alloc.block_pool(block), used, keys[block], entries[block])
-            for block, used in tally.items()
-            if block not in locked and used == alloc.used_slots_in_block(block)
-        ]
-        options.sort(key=lambda o: (o.used, o.key))
-        return options
+                    if self._generations[gid].pool != pool and len(entry.slots):
+                        found.append((node, gid, entry))
+        if not found:
+            return
+        lengths = np.fromiter((len(e.slots) for _, _, e in found), np.int64, len(found))
+        per_block = np.fromiter(
+            (alloc.geometry(self._generations[g].pool).slots_per_block for _, g, _ in found),
+            np.int64,
+            len(found),
+        )
+        owner = np.repeat(np.arange(len(found), dtype=np.int64), lengths)
+        blocks = np.concatenate([e.slots for _, _, e in found]).astype(np.int64, copy=False)
+        blocks //= np.repeat(per_block, lengths)
+        tally = np.bincount(blocks, minlength=alloc.num_blocks)
+        locked_mask = np.fromiter((bool(e.lock_ref) for _, _, e in found), bool, len(found))
+        locked = np.bincount(blocks, weights=locked_mask[owner], minlength=alloc.num_blocks) > 0
+        used = alloc.block_table()[1]
+        ok = (tally > 0) & ~locked & (tally == used)
+        # An entry's slots mostly run within one block: collapse runs first so
+        # the sort that follows sees about one item per (block, entry) pair.
+        run = np.ones(len(blocks), dtype=bool)
+        run[1:] = (blocks[1:] != blocks[:-1]) | (owner[1:] != owner[:-1])
+        blocks, owner = blocks[run], owner[run]
+        # Each (block, entry) pair once, in block then walk order.
+        pairs = np.unique(blocks * len(found) + owner)
+        pair_blocks, pair_owner = np.divmod(pairs, len(found))
+        keep = ok[pair_blocks]
+        # Ties go as the per-entry walk met them: first entry, then block id.
+        seen, first_at = np.unique(blocks, return_index=True)
+        first = dict(zip(seen.tolist(), owner[first_at].tolist(), strict=True))
+        pair_blocks, pair_owner = pair_blocks[keep], pair_owner[keep].tolist()
+        qualified, starts = np.unique(pair_blocks, return_index=True)
+        ends = np.r_[starts[1:], len(pair_blocks)]
+        used_of = tally[qualified]
+        by_used = np.argsort(used_of, kind="stable").tolist()
+        # Options are built one equal-``used`` group at a time: a call mostly
+        # takes the first few, and building them all cost more than the rest.
+        # Keys as of now: entries may go before a later group is built.
+        key_of = {i: self._key(found[i][1], found[i][2]) for i in set(pair_owner)}
+        lo = 0
+        while lo < len(by_used):
+            hi = lo
+            while hi < len(by_used) and used_of[by_used[hi]] == used_of[by_used[lo]]:
+                hi += 1
+            group = []
+            for q in by_used[lo:hi]:
+                block = int(qualified[q])
+                mine = pair_owner[starts[q] : ends[q]]
+                group.append(
+                    _BlockOption(
+                        block,
+                        self._generations[found[mine[0]][1]].pool,  # its owner at the scan
+                        int(used_of[q]),
+                        max(map(key_of.__getitem__, mine)),
+                        [found[i][:2] for i in mine],
+                    )
+                )
+            group.sort(key=lambda o: (o.key, first[o.block], o.block))
+            yield from group
+            lo = hi
 
     def _empty_block(self, option: _BlockOption) -> int:
         """Drop every entry with slots in the block (with what hangs below it)."""
