@@ -27,7 +27,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-import msgspec
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -88,8 +87,9 @@ class OnDemand:
         check_load_fields(name, body.dtype, body.priority, body.replicas)
         if body.keep_alive is not None and not body.keep_alive >= 0:
             raise APIError(400, "keep_alive must be >= 0 seconds (0: never unload)", "keep_alive")
-        arg = ModelArg(body.source, name, body.dtype, body.priority, body.replicas, True)
-        arg = msgspec.structs.replace(arg, keep_alive=body.keep_alive)
+        arg = ModelArg(
+            body.source, name, body.dtype, body.priority, body.replicas, True, body.keep_alive
+        )
         try:
             arg = await asyncio.to_thread(resolve_model_arg, arg, self.args.dtype)
         except LaunchError as exc:
@@ -225,17 +225,19 @@ class OnDemand:
 
     async def _unload_one(self, loading: str, reason: str) -> bool:
         """Unload the least recently used idle on-demand model; whether one was."""
-        pinned = await self.pinned() if self.pinned is not None else set()
-        idle = [
-            e
-            for e in self._candidates(loading)
-            if self._idle(e) and self.served[e.arg.name].instance not in pinned
-        ]
+        idle = [e for e in self._candidates(loading) if self._idle(e)]
+        if idle and self.pinned is not None:  # asked only when it can matter
+            pinned = await self.pinned()
+            idle = [e for e in idle if self._idle(e) and self._instance(e) not in pinned]
         if not idle:
             return False
         victim = min(idle, key=lambda e: e.last_used)
         await self._unload(victim.arg.name, reason)
         return True
+
+    def _instance(self, entry: Registered) -> str:
+        model = self.served.get(entry.arg.name)
+        return "" if model is None else model.instance
 
     def _idle(self, entry: Registered) -> bool:
         model = self.served.get(entry.arg.name)
@@ -261,21 +263,25 @@ class OnDemand:
             await self.unload_idle()
 
     async def unload_idle(self) -> None:
-        """One pass of :meth:`run_idle_unloads`."""
-        now = time.monotonic()
-        for name, entry in list(self.registry.items()):
-            keep = self.keep_alive(entry)
-            if name not in self.served or keep <= 0:
-                continue
-            if not self._idle(entry):
-                entry.last_used = now  # idle time counts from its last request's end
-                continue
-            if now - entry.last_used < keep or self.room.locked():
-                continue
-            try:
-                await self._unload(name, "idle")
-            except APIError as exc:  # a change in progress: try again next pass
-                log.warning("model %s: idle unload failed: %s", name, exc.message)
+        """One pass of :meth:`run_idle_unloads` (skipped while a load makes room:
+        both would pick among the same models)."""
+        if self.room.locked():
+            return
+        async with self.room:
+            now = time.monotonic()
+            for name, entry in list(self.registry.items()):
+                keep = self.keep_alive(entry)
+                if name not in self.served or keep <= 0:
+                    continue
+                if not self._idle(entry):
+                    continue
+                done = self.manager.hub.last_done.get(self._instance(entry), 0.0)
+                if now - max(entry.last_used, done) < keep:  # from its last request's end
+                    continue
+                try:
+                    await self._unload(name, "idle")
+                except APIError as exc:  # a change in progress: try again next pass
+                    log.warning("model %s: idle unload failed: %s", name, exc.message)
 
 
 class StateCollector(Collector):
