@@ -28,6 +28,11 @@ DEFAULT_MODEL = "smollm2"
 DEFAULT_KV_DISK_DIR = "~/.cache/radixmux/kv"
 
 
+MODEL_OPTIONS = ("name", "dtype", "priority", "replicas", "load", "keep_alive")
+# start: loaded when the server starts; on_demand: registered, loaded by its first request.
+LOAD_MODES = ("start", "on_demand")
+
+
 def parse_model_arg(text: str) -> ModelArg:
     """One ``--model`` flag's value, checked."""
     source, *opts = [p.strip() for p in text.split(",")]
@@ -36,10 +41,9 @@ def parse_model_arg(text: str) -> ModelArg:
     fields: dict[str, str] = {}
     for opt in opts:
         key, sep, value = opt.partition("=")
-        if not sep or key not in ("name", "dtype", "priority", "replicas"):
-            raise ValueError(
-                f"--model {text!r}: bad option {opt!r}; use name=, dtype=, priority=, replicas="
-            )
+        if not sep or key not in MODEL_OPTIONS:
+            use = ", ".join(f"{k}=" for k in MODEL_OPTIONS)
+            raise ValueError(f"--model {text!r}: bad option {opt!r}; use {use}")
         fields[key] = value
     name = fields.get("name") or default_model_name(source)
     check_model_name(name)
@@ -49,11 +53,22 @@ def parse_model_arg(text: str) -> ModelArg:
     try:
         priority = float(fields.get("priority", 1.0))
         replicas = int(fields.get("replicas", 1))
+        keep_alive = float(fields["keep_alive"]) if "keep_alive" in fields else None
     except ValueError:
-        raise ValueError(f"--model {text!r}: priority must be a number, replicas an int") from None
+        raise ValueError(
+            f"--model {text!r}: priority and keep_alive must be numbers, replicas an int"
+        ) from None
     if priority <= 0 or replicas < 1:
         raise ValueError(f"--model {text!r}: priority must be > 0 and replicas >= 1")
-    return ModelArg(source, name, dtype, priority, replicas)
+    load = fields.get("load", "start")
+    if load not in LOAD_MODES:
+        raise ValueError(f"--model {text!r}: load must be one of {LOAD_MODES}")
+    if keep_alive is not None and not keep_alive >= 0:
+        raise ValueError(f"--model {text!r}: keep_alive must be >= 0 seconds (0: never unload)")
+    on_demand = load == "on_demand"
+    if keep_alive is not None and not on_demand:
+        raise ValueError(f"--model {text!r}: keep_alive needs load=on_demand")
+    return ModelArg(source, name, dtype, priority, replicas, on_demand, keep_alive)
 
 
 def default_model_name(source: str) -> str:
@@ -123,6 +138,11 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     memory_reserve_bytes: int = 1 << 30
     drain_timeout: float = 30.0
     model_load_timeout: float = 900.0
+    max_loaded_models: int = 0
+    idle_unload_seconds: float = 0.0
+    # Not a flag: the --model entries marked load=on_demand, split from
+    # ``models`` (which every process loads at start) here.
+    on_demand_models: list[ModelArg] = msgspec.field(default_factory=list)
     kv_events_config: str | None = None
     grammar_compile_timeout: float = 10.0
 
@@ -179,9 +199,19 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             raise ValueError("--max-pinned-fraction must be in [0, 1]")
         if self.memory_reserve_bytes < 0 or not self.drain_timeout >= 0:  # NaN too
             raise ValueError("--memory-reserve-bytes and --drain-timeout must be >= 0")
+        self._split_on_demand()
+
+    def _split_on_demand(self) -> None:
+        """Move the ``load=on_demand`` models out of ``models`` (loaded at start)."""
+        if self.max_loaded_models < 0 or not self.idle_unload_seconds >= 0:
+            raise ValueError("--max-loaded-models and --idle-unload-seconds must be >= 0")
+        self.on_demand_models += [m for m in self.models if m.on_demand]
+        self.models = [m for m in self.models if not m.on_demand]
         if not self.models:
+            if self.on_demand_models:
+                raise ValueError("at least one --model must load at start (not load=on_demand)")
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
-        names = [m.name for m in self.models]
+        names = [m.name for m in self.models + self.on_demand_models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
 
@@ -318,7 +348,19 @@ _FLAGS: list[tuple[str, type, str]] = [
         "model-load-timeout",
         float,
         "seconds a model load at run time (POST /models, reload) may take; then it is "
-        "cancelled and undone (504)",
+        "cancelled and undone (504); a request waiting on an on-demand load gets a 503",
+    ),
+    (
+        "max-loaded-models",
+        int,
+        "most models loaded at once (0: no limit); an on-demand load past it first unloads "
+        "the least recently used idle on-demand model",
+    ),
+    (
+        "idle-unload-seconds",
+        float,
+        "unload an on-demand model nobody asked for this long (0: never; per model: "
+        "--model ...,keep_alive=S)",
     ),
     (
         "kv-events-config",
@@ -400,9 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         default=[],
-        metavar="SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]",
+        metavar="SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R][,load=L][,keep_alive=S]",
         help="a short name (smollm2, gemma3-270m), HF folder or GGUF file; repeat to serve "
-        f"several (default: {DEFAULT_MODEL})",
+        f"several (default: {DEFAULT_MODEL}); load=on_demand registers it, its first request "
+        "loads it",
     )
     for flag, typ, help_text in _FLAGS:
         default = getattr(defaults, flag.replace("-", "_"))

@@ -11,13 +11,16 @@ from radixmux.memory.layout import KVLayout
 
 
 class ModelArg(msgspec.Struct, frozen=True):
-    """One ``--model`` flag: ``SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]``."""
+    """One ``--model`` flag: ``SOURCE[,name=N][,dtype=D][,priority=P][,replicas=R]``
+    ``[,load=on_demand][,keep_alive=S]``."""
 
     source: str
     name: str
     dtype: str | None = None
     priority: float = 1.0
     replicas: int = 1
+    on_demand: bool = False  # registered only: loaded by its first request
+    keep_alive: float | None = None  # idle seconds before an on-demand unload (None: the flag's)
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

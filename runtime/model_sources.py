@@ -13,6 +13,7 @@ import msgspec
 
 from radixmux.common.cpu import resolve_dtype
 from radixmux.common.server_args import ServerArgs
+from radixmux.protocol import ModelArg
 
 log = logging.getLogger("radixmux.launcher")
 
@@ -43,10 +44,18 @@ def resolve_source(source: str) -> str:
 
 def resolve_models(args: ServerArgs) -> ServerArgs:
     """``args`` with every model's source replaced by its local folder (or
-    .gguf file) and its dtype made concrete (``auto`` resolved, logged)."""
-    models = []
-    for m in args.models:
-        dtype, why = resolve_dtype(m.dtype or args.dtype)
-        log.info("model %s: dtype %s (%s)", m.name, dtype, why)
-        models.append(msgspec.structs.replace(m, source=resolve_source(m.source), dtype=dtype))
-    return msgspec.structs.replace(args, models=models)
+    .gguf file) and its dtype made concrete (``auto`` resolved, logged); the
+    on-demand ones too, so a bad source fails at start rather than at its
+    first request."""
+    return msgspec.structs.replace(
+        args,
+        models=[resolve_model(m, args.dtype) for m in args.models],
+        on_demand_models=[resolve_model(m, args.dtype) for m in args.on_demand_models],
+    )
+
+
+def resolve_model(m: ModelArg, default_dtype: str) -> ModelArg:
+    """``m`` with its source a local path and its dtype concrete."""
+    dtype, why = resolve_dtype(m.dtype or default_dtype)
+    log.info("model %s: dtype %s (%s)", m.name, dtype, why)
+    return msgspec.structs.replace(m, source=resolve_source(m.source), dtype=dtype)

@@ -66,6 +66,8 @@ class LoadModelBody(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str | None = None  # default: --dtype
     priority: float = 1.0
     replicas: int = 1
+    load: str = "start"  # or "on_demand": register only; its first request loads it
+    keep_alive: float | None = None  # on demand: idle seconds before unload (--idle-unload-seconds)
 
 
 class ReloadModelBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -92,6 +94,7 @@ class ModelCard(msgspec.Struct):
     kv_share_key: str
     object: str = "model"
     version: int = 1  # radixmux: counts reloads of this name (POST /models/{name}/reload)
+    state: str = "loaded"  # radixmux: loaded, loading, registered (on demand) or failed
 
 
 def model_card(m: protocol.ServedModel, created: int) -> ModelCard:

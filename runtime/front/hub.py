@@ -152,6 +152,8 @@ class RequestHub:
     def __init__(self, zctx: zmq.Context, endpoints: Endpoints, metrics: FrontMetrics) -> None:
         actx = zmq.asyncio.Context.shadow(zctx)
         self.metrics = metrics
+        # Instance -> when its last request left (idle unloads count from it).
+        self.last_done: dict[str, float] = {}
         self.tokenizer = socket(actx, zmq.PUSH, endpoints.tokenizer, bind=True)
         self.inbox = socket(actx, zmq.PULL, endpoints.front, bind=True)
         self.scheduler = socket(actx, zmq.PUSH, endpoints.scheduler, bind=False)
@@ -222,6 +224,7 @@ class RequestHub:
             yield gen
         finally:
             self.live.pop(req.rid, None)
+            self.last_done[req.model] = time.monotonic()
             gen.abandon("client disconnected")
 
     async def _ready_after(self, hook: Callable[[], Awaitable[bool]]) -> None:

@@ -85,6 +85,7 @@ class FrontMetrics:
             LABELS,
             registry=r,
         )
+        self.changes = LoadMetrics(r)
         self.scheduler = SchedulerCollector()
         r.register(self.scheduler)
 
@@ -92,6 +93,43 @@ class FrontMetrics:
         """Prometheus text with ``stats`` (None: the scheduler did not answer)."""
         self.scheduler.stats = stats
         return generate_latest(self.registry)
+
+
+_LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class LoadMetrics:
+    """Loads and unloads of every model by reason, and how long loads take."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.loads = Counter(
+            "radixmux_model_loads",
+            "Model loads by reason (on_demand, manual)",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.unloads = Counter(
+            "radixmux_model_unloads",
+            "Model unloads by reason (lru, idle, memory, manual)",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.load_seconds = Histogram(
+            "radixmux_model_load_seconds",
+            "Time a model load at run time took, per model",
+            ["model"],
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
+        )
+
+    def loaded(self, name: str, reason: str, seconds: float) -> None:
+        """Count one load of ``name``."""
+        self.loads.labels(name, reason).inc()
+        self.load_seconds.labels(name).observe(seconds)
+
+    def unloaded(self, name: str, reason: str) -> None:
+        """Count one unload of ``name``."""
+        self.unloads.labels(name, reason).inc()
 
 
 class SchedulerCollector(Collector):

@@ -39,6 +39,7 @@ from radixmux.runtime.client.messages import (
 )
 from radixmux.runtime.front.api.common import served_model
 from radixmux.runtime.front.hub import InFlight, RequestHub, new_rid
+from radixmux.runtime.front.metrics import LoadMetrics
 
 log = logging.getLogger("radixmux.front")
 
@@ -61,8 +62,10 @@ class ModelManager:
         served: dict[str, protocol.ServedModel],
         args: ServerArgs,
         started: int,
+        metrics: LoadMetrics,
     ) -> None:
         self.hub = hub
+        self.metrics = metrics
         self.served = served  # the front's own dict: a change updates it in place
         self.args = args
         self.started = started  # the front's start, the cards' ``created``
@@ -70,7 +73,7 @@ class ModelManager:
 
     async def load(self, body: LoadModelBody) -> ModelChange:
         name = body.name if body.name is not None else default_model_name(body.source)
-        _check_load_fields(name, body.dtype, body.priority, body.replicas)
+        check_load_fields(name, body.dtype, body.priority, body.replicas)
         t0 = time.monotonic()
         async with self.lock:
             if name in self.served:
@@ -78,10 +81,22 @@ class ModelManager:
             arg = ModelArg(body.source, name, body.dtype, body.priority, body.replicas)
             model = await self._load(arg, name, 1)
             self.served[name] = model
+        self.metrics.loaded(name, "manual", time.monotonic() - t0)
         return self._change(model, "loaded", t0)
 
+    async def load_arg(self, arg: ModelArg, reason: str) -> protocol.ServedModel:
+        """Load ``arg`` (checked already) as version 1 of its name, counted under ``reason``."""
+        t0 = time.monotonic()
+        async with self.lock:
+            if arg.name in self.served:
+                return self.served[arg.name]
+            model = await self._load(arg, arg.name, 1)
+            self.served[arg.name] = model
+        self.metrics.loaded(arg.name, reason, time.monotonic() - t0)
+        return model
+
     async def reload(self, name: str, body: ReloadModelBody, timeout: float | None) -> ModelChange:
-        _check_load_fields(name, body.dtype, 1.0, 1)
+        check_load_fields(name, body.dtype, 1.0, 1)
         t0 = time.monotonic()
         async with self.lock:
             old = self._served(name)
@@ -100,6 +115,10 @@ class ModelManager:
         return self._change(model, "reloaded", t0, freed, aborted)
 
     async def unload(self, name: str, timeout: float | None) -> ModelChange:
+        return await self.unload_model(name, timeout, "manual")
+
+    async def unload_model(self, name: str, timeout: float | None, reason: str) -> ModelChange:
+        """Unload ``name`` after a drain (see the module docstring), counted under ``reason``."""
         t0 = time.monotonic()
         async with self.lock:
             model = self._served(name)
@@ -108,6 +127,7 @@ class ModelManager:
             del self.served[name]  # stop admitting: the name is not served from here on
             aborted = await self._drain(model, timeout)
             freed = await self._unload(model)
+        self.metrics.unloaded(name, reason)
         change = self._change(model, "unloaded", t0, freed, aborted)
         change.model = None
         return change
@@ -174,6 +194,10 @@ class ModelManager:
             await self._drained(model, ABORT_GRACE_S)
         return len(live)
 
+    def busy(self, model: protocol.ServedModel) -> bool:
+        """Whether ``model``'s instance has requests in flight."""
+        return any(g.model == model.instance for g in self.hub.live.values())
+
     def _live(self, model: protocol.ServedModel) -> list[InFlight]:
         return [g for g in self.hub.live.values() if g.model == model.instance]
 
@@ -200,7 +224,8 @@ class ModelManager:
         )
 
 
-def _check_load_fields(name: str, dtype: str | None, priority: float, replicas: int) -> None:
+def check_load_fields(name: str, dtype: str | None, priority: float, replicas: int) -> None:
+    """400 naming the first bad field of a load."""
     try:
         check_model_name(name)
     except ValueError as exc:

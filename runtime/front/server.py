@@ -82,6 +82,7 @@ async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
     readers = [
         asyncio.create_task(front.hub.run(), name="front-reader"),
         asyncio.create_task(clients.run(), name="zmq-client-server"),
+        asyncio.create_task(front.on_demand.run_idle_unloads(), name="idle-unloads"),
     ]
     http = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     try:

@@ -14,13 +14,16 @@ import zmq
 from starlette.requests import Request
 
 from radixmux.common.process import ProcessContext
-from radixmux.runtime.api_error import decode_body
+from radixmux.protocol import ServedModel
+from radixmux.runtime.api_error import APIError, decode_body
 from radixmux.runtime.front.api.common import check_json_content_type, read_body
 from radixmux.runtime.front.hub import RequestHub
 from radixmux.runtime.front.metrics import FrontMetrics
 from radixmux.runtime.front.model_changes import ModelManager
+from radixmux.runtime.front.on_demand import OnDemand, StateCollector
 
 T = TypeVar("T")
+PINNED_STATS_TIMEOUT_S = 5.0
 
 
 class Front:
@@ -34,7 +37,26 @@ class Front:
         self.started = int(time.time())
         self.metrics = FrontMetrics()
         self.hub = RequestHub(zctx, ctx.endpoints, self.metrics)
-        self.model_manager = ModelManager(self.hub, self.served, self.args, self.started)
+        self.model_manager = ModelManager(
+            self.hub, self.served, self.args, self.started, self.metrics.changes
+        )
+        self.on_demand = OnDemand(self.model_manager)
+        self.on_demand.pinned = self._pinned
+        self.metrics.registry.register(StateCollector(self.on_demand))
+
+    async def model(self, name: str | None) -> ServedModel:
+        """The served model a request names; a registered one is loaded first."""
+        return await self.on_demand.model(name)
+
+    async def _pinned(self) -> set[str]:
+        """The instances holding pinned warm-up prefixes (none if the scheduler is silent)."""
+        try:
+            reply = await self.hub.control("stats", timeout=PINNED_STATS_TIMEOUT_S)
+        except APIError:
+            return set()
+        if not reply.ok or reply.stats is None:
+            return set()
+        return {m.name for m in reply.stats.models if m.pinned_tokens}
 
     @property
     def chat_template_flag(self) -> bool:

@@ -31,7 +31,6 @@ from radixmux.runtime.front.api.common import (
     check_chat_messages,
     check_input_ids,
     check_sampling,
-    resolve_model,
     stop_list,
 )
 from radixmux.runtime.front.hub import InFlight, new_rid
@@ -86,7 +85,8 @@ class ClientServer:
 
     async def _serve(self, ident: bytes, msg: ClientGenerate) -> None:
         try:
-            req = self._request(msg)
+            self._check_key(msg.api_key)  # before a load is started for the client
+            req = self._request(msg, await self.front.model(msg.model))
             async with self.hub.generate(req, "zmq") as gen:
                 if msg.stream:
                     async for out in gen:
@@ -127,9 +127,9 @@ class ClientServer:
         if key and not hmac.compare_digest((given or "").encode(), key.encode()):
             raise APIError(401, "missing or wrong api_key")
 
-    def _request(self, msg: ClientGenerate) -> protocol.GenerateRequest:
-        self._check_key(msg.api_key)
-        model = resolve_model(self.front.served, msg.model)
+    def _request(
+        self, msg: ClientGenerate, model: protocol.ServedModel
+    ) -> protocol.GenerateRequest:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
         if sum(given) != 1:
             raise APIError(400, "send exactly one of prompt, input_ids or messages", "prompt")

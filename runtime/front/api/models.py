@@ -41,10 +41,18 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def load(request: Request) -> Response:
         req = await front.body(request, LoadModelBody)
+        if req.load == "on_demand":
+            return json_response(await front.on_demand.register_body(req, front.started))
+        if req.load != "start" or req.keep_alive is not None:
+            raise APIError(
+                400, "load must be 'start' or 'on_demand' (keep_alive: only on demand)", "load"
+            )
         return json_response(await manager.load(req))
 
     async def unload(request: Request) -> Response:
         name = request.path_params["name"]
+        if front.on_demand.unregister(name):  # registered, not loaded: forget it
+            return json_response(ModelChange(name, 0, f"unregistered {name}", 0.0))
         return json_response(await manager.unload(name, _timeout(request)))
 
     async def reload(request: Request) -> Response:

@@ -30,7 +30,6 @@ from radixmux.runtime.front.api.common import (
     fan_out,
     logit_bias,
     refuse_unsupported,
-    resolve_model,
     stop_list,
 )
 from radixmux.runtime.front.api.structured import extension_fields, one_constraint
@@ -359,7 +358,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def generate(request: Request) -> Response:
         req = await front.body(request, NativeGenerate)
-        model = resolve_model(front.served, req.model)
+        model = await front.model(req.model)
         rid = new_rid()
         gens = generate_request(req, rid, model, time.time())
         with_text = bool(req.return_text_in_logprobs)

@@ -54,7 +54,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def completions(request: Request) -> Response:
         req = await front.body(request, CompletionRequest)
-        model = resolve_model(front.served, req.model)
+        model = await front.model(req.model)
         rid = new_rid()
         prompts = completion_request(req, rid, model, time.time())
         _log_user(rid, req)
@@ -68,7 +68,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def chat(request: Request) -> Response:
         req = await front.body(request, ChatRequest)
-        model = resolve_model(front.served, req.model)
+        model = await front.model(req.model)
         rid = new_rid()
         gen, plan = chat_request(req, rid, model, time.time(), front.chat_template_flag)
         _log_user(rid, req)
@@ -78,10 +78,15 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         return await serve_generation(request, front.hub, gens, fmt, "chat")
 
     async def list_models(request: Request) -> Response:
-        return json_response(model_list(list(front.served.values()), front.started))
+        models = model_list(list(front.served.values()), front.started)
+        models.data += front.on_demand.cards(front.started)
+        return json_response(models)
 
     async def get_model_card(request: Request) -> Response:
-        model = resolve_model(front.served, request.path_params["name"])
+        name = request.path_params["name"]
+        if name in front.on_demand.registry:
+            return json_response(front.on_demand.card(name, front.started))
+        model = resolve_model(front.served, name)
         return json_response(model_card(model, front.started))
 
     return [
@@ -107,7 +112,15 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
             ),
             chat,
         ),
-        (Endpoint("/v1/models", "GET", "served models", response=ModelList), list_models),
+        (
+            Endpoint(
+                "/v1/models",
+                "GET",
+                "served models, and registered on-demand ones",
+                response=ModelList,
+            ),
+            list_models,
+        ),
         (
             Endpoint("/v1/models/{name:path}", "GET", "one served model", response=ModelCard),
             get_model_card,

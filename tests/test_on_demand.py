@@ -1,0 +1,182 @@
+"""Models on demand on real servers with tiny models: a registered model loads on
+its first request (one load for all its waiters), ``--max-loaded-models``
+unloads the least recently used idle one, ``--idle-unload-seconds`` unloads
+after the timeout and not before, and a failing load answers every waiter."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.tiny_models import make_tiny_model_dir
+from radixmux.runtime.client import Client
+from radixmux.runtime.client.engine import Engine
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("on_demand")
+    return {n: make_tiny_model_dir(root / n, seed=s) for s, n in enumerate("abcd", 1)}
+
+
+def start(folders: dict[str, Path], on_demand: str, **flags: object) -> Engine:
+    """A server loading ``a`` at start, with ``on_demand``'s models registered."""
+    models = [f"{folders['a']},name=a"]
+    models += [f"{folders[n]},name={n},load=on_demand" for n in on_demand]
+    return Engine(
+        model=models,
+        kv_cache_bytes=64 << 20,
+        kv_block_bytes=256 << 10,
+        dtype="float32",
+        model_load_timeout=120.0,
+        **flags,
+    )
+
+
+ENDPOINTS: dict[str, str] = {}  # base url -> the ZMQ client endpoint
+
+
+@pytest.fixture
+def serve(folders: dict[str, Path]) -> Iterator[Callable[..., str]]:
+    """Starts a server (see :func:`start`) stopped after the test; returns its URL."""
+    started: list[Engine] = []
+
+    def run(on_demand: str, **flags: object) -> str:
+        started.append(start(folders, on_demand, **flags))
+        url = f"http://127.0.0.1:{started[-1].args.port}"
+        ENDPOINTS[url] = started[-1].launcher.endpoints.client
+        return url
+
+    yield run
+    for eng in started:
+        eng.shutdown()
+
+
+def complete(url: str, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+
+
+def states(url: str) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of one series of ``/metrics`` (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0
+
+
+def test_first_requests_share_one_load(serve: Callable[..., str], folders: dict[str, Path]) -> None:
+    url = serve("b")
+    assert states(url) == {"a": "loaded", "b": "registered"}
+    r = httpx.post(
+        f"{url}/models", json={"source": str(folders["c"]), "name": "c", "load": "on_demand"}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["model"]["state"] == "registered"
+    missing = {"source": str(folders["c"]) + "-gone", "name": "x", "load": "on_demand"}
+    r = httpx.post(f"{url}/models", json=missing)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "source", r.text
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "registered"}
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: complete(url, "b"), range(4)))
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    assert len({r.json()["choices"][0]["text"] for r in answers}) == 1
+    assert metric(url, "radixmux_model_loads_total", model="b", reason="on_demand") == 1
+    assert states(url)["b"] == "loaded"
+    assert metric(url, "radixmux_model_registered_state", model="b", state="loaded") == 1
+    assert complete(url, "c").status_code == 200
+    assert states(url) == {"a": "loaded", "b": "loaded", "c": "loaded"}
+
+
+def test_max_loaded_models_under_alternating_traffic(
+    serve: Callable[..., str], folders: dict[str, Path]
+) -> None:
+    # a stays loaded (not on demand): at most 2 of b, c, d at once.
+    url = serve("bcd", max_loaded_models=3)
+    most = [0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            loaded = sum(s == "loaded" for s in states(url).values())
+            most[0] = max(most[0], loaded)
+            time.sleep(0.02)
+
+    def client(order: str) -> list[int]:
+        return [complete(url, m).status_code for m in order * 3]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(2) as pool:
+        codes = [c for got in pool.map(client, ["bcd", "dcb"]) for c in got]
+    done.set()
+    watcher.join()
+    assert codes == [200] * 18, codes
+    assert most[0] == 3
+    lru = sum(metric(url, "radixmux_model_unloads_total", model=m, reason="lru") for m in "bcd")
+    assert lru >= 2
+    assert sum(s == "loaded" for s in states(url).values()) <= 3
+
+
+def test_idle_unload_after_the_timeout_not_before(
+    serve: Callable[..., str], folders: dict[str, Path]
+) -> None:
+    url = serve("b", idle_unload_seconds=3.0)
+    t_sent = time.monotonic()  # the server's idle time starts between these two
+    assert complete(url, "b").status_code == 200
+    t_used = time.monotonic()
+    while time.monotonic() - t_used < 2.0:  # not before
+        assert states(url)["b"] == "loaded"
+        time.sleep(0.2)
+    while states(url)["b"] == "loaded":
+        assert time.monotonic() - t_used < 10.0, "not unloaded within 10 s"
+        time.sleep(0.2)
+    assert time.monotonic() - t_sent >= 3.0
+    assert states(url) == {"a": "loaded", "b": "registered"}
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="idle") == 1
+    assert states(url)["a"] == "loaded"  # loaded at start: never unloaded for idleness
+    with Client(ENDPOINTS[url]) as client:  # and it comes back, for a ZMQ client too
+        assert client.generate("b", prompt="Hello there", max_new_tokens=4).text
+    assert states(url)["b"] == "loaded"
+
+
+def test_failing_load_answers_every_waiter(
+    serve: Callable[..., str], folders: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = shutil.copytree(folders["d"], tmp_path / "d")
+    url = serve("")
+    r = httpx.post(f"{url}/models", json={"source": str(folder), "name": "d", "load": "on_demand"})
+    assert r.status_code == 200, r.text
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(b"not a safetensors file")
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: complete(url, "d"), range(3)))
+    assert all(r.status_code == 503 for r in answers), [r.text for r in answers]
+    errors = [r.json()["error"] for r in answers]
+    assert all("could not be loaded" in e["message"] for e in errors), errors
+    assert len({e["message"] for e in errors}) == 1
+    assert states(url) == {"a": "loaded", "d": "failed"}
+    assert complete(url, "a").status_code == 200  # the server stays up
+
+    weights.write_bytes(good)  # a later request tries again
+    assert complete(url, "d").status_code == 200
+    assert states(url)["d"] == "loaded"
