@@ -607,10 +607,12 @@ def test_metrics(front: RunningFront, http: httpx.Client) -> None:
     )
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    parsed = [s for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+    # Every per-model series carries its version apart from the served name.
+    assert all(s.labels.get("version") == "1" for s in parsed if "model" in s.labels)
     samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(r.text)
-        for s in fam.samples
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "version"))): s.value
+        for s in parsed
     }
     assert samples[("radixmux_scheduler_up", ())] == 1
     assert samples[("radixmux_cache_hit_rate", (("model", "base"),))] == pytest.approx(0.4)

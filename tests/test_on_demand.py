@@ -150,6 +150,11 @@ def test_idle_unload_after_the_timeout_not_before(
         time.sleep(0.2)
     assert time.monotonic() - t_sent >= 3.0
     assert states(url) == {"a": "loaded", "b": "registered"}
+    # The name stops being served first; the unload is counted once its runners stopped.
+    deadline = time.monotonic() + 30.0
+    while metric(url, "radixmux_model_unloads_total", model="b", reason="idle") < 1:
+        assert time.monotonic() < deadline, "the idle unload was never counted"
+        time.sleep(0.2)
     assert metric(url, "radixmux_model_unloads_total", model="b", reason="idle") == 1
     assert states(url)["a"] == "loaded"  # loaded at start: never unloaded for idleness
     with Client(ENDPOINTS[url]) as client:  # and it comes back, for a ZMQ client too
