@@ -95,13 +95,15 @@ def prompts(n: int) -> list[str]:
     return [f"{SYSTEM}Question: explain {TOPICS[i % len(TOPICS)]}.\nAnswer:" for i in range(n)]
 
 
-async def ask(url: str, texts: Sequence[str], max_tokens: int) -> list[Answer]:
-    """Every text at once, greedy, with the chosen tokens' logprobs."""
+async def ask(
+    url: str, texts: Sequence[str], max_tokens: int, model: str = "default"
+) -> list[Answer]:
+    """Every text at once to ``model``, greedy, with the chosen tokens' logprobs."""
     async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
 
         async def one(text: str) -> Answer:
             body = {
-                "model": "default",
+                "model": model,
                 "prompt": text,
                 "max_tokens": max_tokens,
                 "temperature": 0,

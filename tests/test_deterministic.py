@@ -12,7 +12,6 @@ batched, against a server with the cache off and another chunk size).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench.bench_deterministic import Answer, ask
 from bench.tiny_models import make_tiny_model_dir
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
@@ -164,30 +164,8 @@ SYSTEM = "You are a terse assistant who answers in one line. " * 6
 PROMPTS = [SYSTEM + f"Question {i}: name {i + 2} colours of the sea." for i in range(5)]
 
 
-@dataclasses.dataclass(frozen=True)
-class Answer:
-    tokens: tuple[str, ...]
-    logprobs: tuple[float, ...]
-
-
 async def _answers(url: str, prompts: list[str]) -> list[Answer]:
-    async with httpx.AsyncClient(timeout=120) as client:
-
-        async def one(prompt: str) -> Answer:
-            body = {
-                "model": "m",
-                "prompt": prompt,
-                "max_tokens": 12,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 1,
-            }
-            r = await client.post(f"{url}/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            lp = r.json()["choices"][0]["logprobs"]
-            return Answer(tuple(lp["tokens"]), tuple(lp["token_logprobs"]))
-
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return await ask(url, prompts, 12, model="m")
 
 
 def _serve(folder: Path, **flags: object) -> Engine:
