@@ -52,6 +52,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--max-queued-requests",
             "--chunked-prefill-size",
             "--prefill-tokens-during-decode",
+            "--prefill-wait-ratio",
             "--schedule-conservativeness",
         ),
     ),

@@ -104,6 +104,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048
     prefill_tokens_during_decode: int = 1024
+    prefill_wait_ratio: float = 0.5
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_fused_ops: bool = False
@@ -186,6 +187,8 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         check_allowed_names(self.host, self.allowed_hosts, self.allowed_origins)
         if self.prefill_tokens_during_decode < 0:
             raise ValueError("--prefill-tokens-during-decode must be >= 0 (0: no extra bound)")
+        if not self.prefill_wait_ratio >= 0:
+            raise ValueError("--prefill-wait-ratio must be >= 0 (0: new prompts never wait)")
         if self.runner_threads < 0:
             raise ValueError("--runner-threads must be >= 0 (0: divide the cores)")
         if self.log_level.lower() not in LOG_LEVELS:
@@ -261,6 +264,13 @@ _FLAGS: list[tuple[str, type, str]] = [
         int,
         "most tokens (decodes counted) a forward pass that also decodes computes, "
         "bounding the inter-token latency of running requests (0: --chunked-prefill-size)",
+    ),
+    (
+        "prefill-wait-ratio",
+        float,
+        "new prompts wait for the running requests to finish when that wait is at most "
+        "this many times the delay their prefill would add to each running request's "
+        "next token (measured step times; prompts then prefill together; 0: never wait)",
     ),
     ("schedule-conservativeness", float, "reserve KV for future decode tokens (x max_tokens)"),
     ("kv-partition", str, f"{KV_PARTITIONS}: static gives each model a fixed share"),

@@ -75,6 +75,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     tree_nodes: int
     steps: int
     retractions: int = 0
+    waits_for_decodes: int = 0  # rounds new prompts waited for running requests to finish
     prompt_tokens_computed: int = 0  # prompt tokens prefilled (not served from the cache)
     # "ok", or what the last invariant check found (run after every step with
     # --check-invariants, and on op "check" at most once a second); None: never run.

@@ -13,7 +13,9 @@ A batch mixes, in this order:
    counted too) when the batch decodes, so a long prompt arriving does not
    stretch every running request's next token;
 3. new requests from the model's waiting queue, in schedule-policy order, while
-   the token budget, ``max_running_requests`` and free KV allow. A request that
+   the token budget, ``max_running_requests`` and free KV allow, unless the
+   running requests will finish soon: then new prompts wait for them (see
+   ``_wait_for_decodes``) and later prefill together. A request that
    shares a not-yet-cached prefix with one admitted in this round waits a round,
    so the prefix is computed once and the others hit the cache. A request
    whose prompt continues on the disk tier first loads that part (it leaves
@@ -97,6 +99,7 @@ class BatchLimits:
     max_running_requests: int
     conservativeness: float
     prefill_tokens_during_decode: int = 0  # 0: chunked_prefill_size
+    prefill_wait_ratio: float = 0.0  # 0: new prompts never wait for decodes
 
 
 class BatchBuilder:
@@ -110,6 +113,8 @@ class BatchBuilder:
         # Context rows decode attention reads once per group instead of once
         # per member (sum over steps of (members - 1) x shared prefix).
         self.shared_prefix_rows = 0
+        # Rounds in which new prompts waited for the running requests to finish.
+        self.waits_for_decodes = 0
 
     def schedule_next_batch(
         self, runner: RunnerState, waiting: list[Req], admit_cap: int | None = None
@@ -124,6 +129,7 @@ class BatchBuilder:
         reqs: list[Req] = []
         chunks: list[int] = []
         self._decodes(runner, waiting, reqs, chunks)
+        decoding = bool(reqs)
         budget = self.limits.chunked_prefill_size
         if reqs and self.limits.prefill_tokens_during_decode:
             budget = min(budget, self.limits.prefill_tokens_during_decode)
@@ -136,7 +142,9 @@ class BatchBuilder:
             reqs.append(req)
             chunks.append(n)
             budget -= n
-        if admit_cap is None or admit_cap > 0 or not runner.running:
+        if decoding and self._wait_for_decodes(runner, waiting, budget):
+            self.waits_for_decodes += 1
+        elif admit_cap is None or admit_cap > 0 or not runner.running:
             # Prompts still being prefilled count as "computing this prefix now"
             # too: a new request sharing their uncached part waits for them.
             computing = [r.tokens.tobytes() for r in prefilling]
@@ -149,6 +157,38 @@ class BatchBuilder:
         if not reqs:
             return None
         return ScheduledBatch(runner.runner_id, reqs, chunks, self._prefix_groups(reqs, chunks))
+
+    def _wait_for_decodes(self, runner: RunnerState, waiting: list[Req], budget: int) -> bool:
+        """Whether new prompts should wait for the running requests to finish.
+
+        Prefilling a prompt beside decodes delays every running request's next
+        token by the prompt's cost; waiting instead delays the new prompt by
+        the running requests' remaining decode steps, after which the waiting
+        prompts prefill together and decode together undisturbed (the cohorts
+        vLLM's schedule falls into). Wait when that wait, from measured step
+        times, is at most ``prefill_wait_ratio`` x the delay. The wait is
+        bounded: nothing is admitted meanwhile, so the running set only drains.
+        """
+        ratio = self.limits.prefill_wait_ratio
+        costs = runner.costs
+        if not ratio or not waiting or budget <= 0 or not costs.known:
+            return False
+        steps_left = max(r.params.max_new_tokens - len(r.output_ids) for r in runner.running)
+        wait_ms = steps_left * costs.decode_ms
+        return wait_ms <= ratio * costs.prefill_ms(self._uncached_tokens(waiting, budget))
+
+    def _uncached_tokens(self, waiting: list[Req], budget: int) -> int:
+        """Prompt tokens the next admissions would prefill (up to ``budget``),
+        from a look at the cache that locks nothing."""
+        total = 0
+        for req in waiting:
+            cached = 0
+            if self.kv.use_cache:
+                cached = self.kv.cache.match(req.model, req.input_ids, record=False).length
+            total += len(req.input_ids) - cached
+            if total >= budget:
+                return budget
+        return total
 
     def _prefix_groups(self, reqs: list[Req], chunks: list[int]) -> list[PrefixGroup]:
         """The batch's single-token sequences grouped by the cached prefix they share."""

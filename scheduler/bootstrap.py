@@ -119,6 +119,7 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
         policy=args.schedule_policy,
         chunked_prefill_size=args.chunked_prefill_size,
         prefill_tokens_during_decode=args.prefill_tokens_during_decode,
+        prefill_wait_ratio=args.prefill_wait_ratio,
         max_running_requests=args.max_running_requests,
         conservativeness=args.schedule_conservativeness,
     )

@@ -123,6 +123,7 @@ def stats(sched: Scheduler) -> protocol.SchedulerStats:
         tree_nodes=cs.nodes,
         steps=sum(r.steps for r in sched.runners.values()),
         retractions=sched.builder.retractions,
+        waits_for_decodes=sched.builder.waits_for_decodes,
         prompt_tokens_computed=sched.prompt_tokens_computed,
         invariants=walk.result,
         invariants_age_s=time.monotonic() - walk.at if walk.result is not None else None,

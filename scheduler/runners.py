@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from radixmux.protocol import Failed, ModelInfo, Ready
 from radixmux.scheduler.request import Req
+from radixmux.scheduler.step_costs import StepCosts
 
 if TYPE_CHECKING:
     from radixmux.scheduler.batch_builder import ScheduledBatch
@@ -38,6 +39,7 @@ class RunnerState:
     steps: int = 0  # batches it has run
     busy_s: float = 0.0  # seconds it spent in forward passes and sampling
     threads: int = 0  # torch threads its last batch ran with
+    costs: StepCosts = field(default_factory=StepCosts)  # its measured step times
 
     @property
     def up(self) -> bool:

@@ -238,6 +238,8 @@ class Scheduler:
         runner.inflight = None
         runner.steps += 1
         runner.busy_s += (msg.forward_ms + msg.sample_ms) / 1e3
+        decodes = batch.chunks.count(1)
+        runner.costs.observe(decodes, sum(batch.chunks) - decodes, msg.forward_ms + msg.sample_ms)
         runner.threads = msg.threads
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %s", results.describe_step(batch, msg))

@@ -14,26 +14,28 @@ from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixmux.scheduler.kv_manager import KVManager
 from radixmux.scheduler.request import Req
 from radixmux.scheduler.runners import RunnerState
+from radixmux.scheduler.step_costs import StepCosts
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
 
 
-def builder(**limits: int) -> BatchBuilder:
+def builder(**limits: float) -> BatchBuilder:
     cache = RadixCache(KVAllocator(64, 4096))
     cache.register_model(ModelSpec("m", "g", "w", LAYOUT))
     lim = BatchLimits(
         policy="fcfs",
-        chunked_prefill_size=limits.get("chunked", 512),
+        chunked_prefill_size=int(limits.get("chunked", 512)),
         max_running_requests=64,
         conservativeness=0.0,
-        prefill_tokens_during_decode=limits.get("during_decode", 0),
+        prefill_tokens_during_decode=int(limits.get("during_decode", 0)),
+        prefill_wait_ratio=limits.get("wait_ratio", 0.0),
     )
     return BatchBuilder(KVManager(cache), lim)
 
 
-def request(rid: str, tokens: list[int]) -> Req:
+def request(rid: str, tokens: list[int], max_new_tokens: int = 8) -> Req:
     ids = np.asarray(tokens, dtype=np.int32)
-    return Req(rid, "m", ids, SamplingParams(max_new_tokens=8), [], True, 0.0)
+    return Req(rid, "m", ids, SamplingParams(max_new_tokens=max_new_tokens), [], True, 0.0)
 
 
 def run(b: BatchBuilder, runner: RunnerState, waiting: list[Req]) -> list[tuple[str, int]]:
@@ -122,3 +124,73 @@ def test_lpm_admits_group_leaders_before_hits() -> None:
     admitted = [rid for rid, _ in run(b, runner, waiting)]
     assert admitted[:3] == [r.rid for r in ordered[:3]]
     assert not any(rid.startswith("g") for rid in admitted[3:])
+
+
+def test_new_prompts_wait_for_decodes_about_to_finish() -> None:
+    """With measured costs saying the running requests finish sooner than the
+    new prompt's prefill would delay them, the prompt waits; once they are
+    done it runs at the full budget. Far from finishing, it does not wait."""
+    b = builder(chunked=256, wait_ratio=0.5)
+    runner = RunnerState("m#0", "m", state="up")
+    runner.costs = StepCosts(decode_ms=10.0, prefill_ms_per_token=1.0)
+    first = request("first", list(range(1, 41)), max_new_tokens=3)
+    waiting = [first]
+    assert run(b, runner, waiting) == [("first", 40)]
+    new = request("new", list(range(100, 300)))
+    waiting.append(new)
+    # first has 2 tokens left: 2 x 10 ms of waiting <= 0.5 x 200 ms of delay.
+    assert run(b, runner, waiting) == [("first", 1)]
+    assert run(b, runner, waiting) == [("first", 1)]
+    assert b.waits_for_decodes == 2
+    assert len(first.output_ids) == 3
+    runner.running.remove(first)  # finished (max_new_tokens)
+    b.kv.release(first, keep=True)
+    assert run(b, runner, waiting) == [("new", 200)]
+
+    # A request with 100 tokens left: 1,000 ms of waiting > 100 ms: no wait.
+    b2 = builder(chunked=256, wait_ratio=0.5)
+    runner2 = RunnerState("m#0", "m", state="up")
+    runner2.costs = StepCosts(decode_ms=10.0, prefill_ms_per_token=1.0)
+    waiting2 = [request("long", list(range(1, 41)), max_new_tokens=101)]
+    run(b2, runner2, waiting2)
+    waiting2.append(request("new", list(range(100, 300))))
+    assert run(b2, runner2, waiting2) == [("long", 1), ("new", 200)]
+    assert b2.waits_for_decodes == 0
+
+
+def test_waiting_counts_only_the_uncached_part_of_a_prompt() -> None:
+    """A prompt whose prefix is cached costs only its suffix: too cheap to be
+    worth waiting for the running request (1 x 10 ms > 0.5 x 8 ms)."""
+    b = builder(chunked=256, wait_ratio=0.5)
+    runner = RunnerState("m#0", "m", state="up")
+    shared = list(range(1, 201))
+    waiting = [request("first", shared + [7, 7], max_new_tokens=2)]
+    assert run(b, runner, waiting) == [("first", 202)]
+    runner.costs = StepCosts(decode_ms=10.0, prefill_ms_per_token=1.0)
+    waiting.append(request("second", shared + list(range(500, 508))))
+    assert run(b, runner, waiting) == [("first", 1), ("second", 8)]
+    assert b.waits_for_decodes == 0
+
+
+def test_no_wait_before_costs_are_measured() -> None:
+    b = builder(chunked=256, wait_ratio=10.0)
+    runner = RunnerState("m#0", "m", state="up")
+    waiting = [request("first", list(range(1, 41)), max_new_tokens=2)]
+    run(b, runner, waiting)
+    waiting.append(request("new", list(range(100, 300))))
+    assert run(b, runner, waiting) == [("first", 1), ("new", 200)]
+
+
+def test_step_costs_separate_decode_from_prefill() -> None:
+    costs = StepCosts()
+    assert not costs.known
+    costs.observe(decode_rows=4, prefill_tokens=0, step_ms=20.0)
+    costs.observe(decode_rows=4, prefill_tokens=500, step_ms=520.0)
+    assert costs.known
+    assert costs.decode_ms == 20.0 and costs.prefill_ms_per_token == 1.0
+    costs.observe(decode_rows=4, prefill_tokens=10, step_ms=500.0)  # too small a sample
+    assert costs.prefill_ms_per_token == 1.0
+    costs.observe(decode_rows=0, prefill_tokens=1000, step_ms=3000.0)
+    assert 1.0 < costs.prefill_ms_per_token < 3.0  # moves toward the new cost
+    costs.observe(decode_rows=4, prefill_tokens=0, step_ms=40.0)
+    assert 20.0 < costs.decode_ms < 40.0

@@ -291,6 +291,12 @@ def _global_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         ),
         (
             CounterMetricFamily,
+            "radixmux_prefill_waits",
+            "Scheduling rounds in which new prompts waited for running requests to finish",
+            stats.waits_for_decodes,
+        ),
+        (
+            CounterMetricFamily,
             "radixmux_prompt_tokens_computed",
             "Prompt tokens prefilled (not served from the cache)",
             stats.prompt_tokens_computed,
