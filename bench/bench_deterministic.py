@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from bench.bench_serving import RESULTS_DIR
-from bench.server_process import ServerProcess, free_port
+from bench.server_process import ServerProcess, launch_radixmux
 
 MODES = {"default": (), "deterministic": ("--deterministic",)}
 UNCACHED = ("--disable-radix-cache", "--chunked-prefill-size", "64")
@@ -120,15 +120,7 @@ async def ask(
 
 def serve(model: str, flags: Sequence[str], log: Path) -> ServerProcess:
     """radixmux serving ``model`` in bfloat16 as ``default``, healthy."""
-    port = free_port()
-    cmd = [sys.executable, "launch.py", "--model", f"{model},name=default", "--dtype", "bfloat16"]
-    server = ServerProcess([*cmd, "--port", str(port), *flags], port, log)
-    try:
-        server.wait_healthy(600)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+    return launch_radixmux(["--model", f"{model},name=default", "--dtype", "bfloat16", *flags], log)
 
 
 def run_mode(mode: str, args: argparse.Namespace, logs: Path) -> ModeResult:

@@ -35,10 +35,9 @@ from typing import Any
 import httpx
 
 from bench.bench_serving import RESULTS_DIR, write_json
-from bench.server_process import ServerProcess, free_port
+from bench.server_process import launch_radixmux
 from radixmux.common.server_args import parse_model_arg
 
-ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 900.0
 ARENA_PREFIX = "/dev/shm/radixmux-kv-"
 MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
@@ -160,13 +159,10 @@ def served_weight_bytes(base_url: str) -> dict[str, int]:
 
 
 def measure(args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
-    port = free_port()
-    cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), *server_args(args)]
-    server = ServerProcess(cmd, port, log_path)
+    t0 = time.monotonic()
+    server = launch_radixmux(server_args(args), log_path, START_TIMEOUT_S)
+    start_s = time.monotonic() - t0
     try:
-        t0 = time.monotonic()
-        server.wait_healthy(START_TIMEOUT_S)
-        start_s = time.monotonic() - t0
         texts = greedy_texts(server.base_url, [parse_model_arg(m).name for m in args.model])
         weights = served_weight_bytes(server.base_url)
         time.sleep(args.settle_s)  # let the processes go idle after the requests

@@ -44,7 +44,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_serving import RESULTS_DIR
-from bench.server_process import ServerProcess, free_port
+from bench.server_process import ServerProcess, launch_radixmux
 
 PROMPT = "Write one sentence about the sea, the wind and a small boat. Request {i}:"
 MAX_TOKENS = 16
@@ -168,18 +168,10 @@ async def cold_and_warm(url: str, names: Sequence[str], timeout: float) -> list[
     return rows
 
 
-def serve(args: argparse.Namespace, models: Sequence[str], flags: Sequence[str], log: Path):
-    port = free_port()
-    cmd = [sys.executable, "launch.py", "--dtype", "bfloat16", "--port", str(port)]
-    for m in models:
-        cmd += ["--model", m]
-    server = ServerProcess([*cmd, *flags], port, log)
-    try:
-        server.wait_healthy(900)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+def serve(models: Sequence[str], flags: Sequence[str], log: Path) -> ServerProcess:
+    """radixmux serving ``models`` in bfloat16, healthy."""
+    args = ["--dtype", "bfloat16", *(a for m in models for a in ("--model", m)), *flags]
+    return launch_radixmux(args, log, timeout=900)
 
 
 def plot(results: Sequence[ConfigResult], cold: Sequence[dict[str, float]], path: Path) -> None:
@@ -234,9 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[on_demand] {config}: starting", file=sys.stderr, flush=True)
         if config == "on_demand":
             extra = (*flags, "--max-loaded-models", str(args.max_loaded))
-            server = serve(args, on_demand, extra, logs / "on_demand.log")
+            server = serve(on_demand, extra, logs / "on_demand.log")
         else:
-            server = serve(args, static, flags, logs / "static.log")
+            server = serve(static, flags, logs / "static.log")
         try:
             results.append(asyncio.run(workload(server.base_url, names, args, config)))
             if config == "on_demand":

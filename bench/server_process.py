@@ -7,7 +7,9 @@ import contextlib
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -104,3 +106,16 @@ class ServerProcess:
                 code = None
         self._log.close()
         return code
+
+
+def launch_radixmux(args: Sequence[str], log_path: Path, timeout: float = 600.0) -> ServerProcess:
+    """``launch.py ARGS`` on a free port, healthy (stopped again if it never gets there)."""
+    port = free_port()
+    cmd = [sys.executable, str(ROOT / "launch.py"), "--port", str(port), *args]
+    server = ServerProcess(cmd, port, log_path)
+    try:
+        server.wait_healthy(timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
