@@ -172,6 +172,11 @@ class KVAllocator:
     def used_slots_in_block(self, block: int) -> int:
         return int(self._block_used[block]) * self.page_size
 
+    def used_slots_per_block(self) -> np.ndarray:
+        """Used slots of every block (0: free), as a copy: one array op, for
+        eviction's scan of which blocks could be emptied."""
+        return self._block_used * self.page_size
+
     def block_table(self) -> tuple[list[str | None], np.ndarray]:
         """Every block's owner pool (None: free) and used slots, as copies (a
         snapshot for the live view: one pass, no per-block calls)."""
