@@ -223,6 +223,8 @@ class Evictor:
         spb = self._slots_per_block.get(pool)
         if spb is None:
             spb = self._slots_per_block[pool] = self._alloc.geometry(pool).slots_per_block
+        if not len(slots):
+            return {}
         blocks = slots // spb
         cut = (blocks[1:] != blocks[:-1]).nonzero()[0]
         if not cut.size:
@@ -240,8 +242,6 @@ class Evictor:
 
     def added(self, node: Node, gid: int, entry: _Entry) -> None:
         """Count a new entry's slots (and its lock, if it has one) in their blocks."""
-        if not len(entry.slots):
-            return
         pool = self._generations[gid].pool
         span = self._span(pool, entry.slots)
         key = (node, gid)
@@ -290,8 +290,8 @@ class Evictor:
             for block in distinct.tolist():
                 members[block].add((node, gid))
                 assert self._block_pool[block] == self._pool_ids[pool], f"block {block}: pool"
+            keys.add((node, gid))
             if len(entry.slots):
-                keys.add((node, gid))
                 span = self._spans[(node, gid)][1]
                 d, c = np.unique(blocks, return_counts=True)
                 assert sorted(span.items()) == list(zip(d.tolist(), c.tolist(), strict=True)), (
@@ -377,12 +377,13 @@ class Evictor:
             group = []
             for block in qualified[lo:hi]:
                 entries = list(self._members[block])
-                if not entries:
+                owner = self._alloc.block_pool(block)
+                if not entries or owner is None:
                     continue  # emptied since the scan
                 group.append(
                     BlockOption(
                         block,
-                        self._alloc.block_pool(block) or "",
+                        owner,
                         int(tally[block]),
                         max(self.key(g, n.entries[g]) for n, g in entries),
                         entries,
