@@ -149,7 +149,11 @@ class Evictor:
         self._seq = itertools.count()
         n = allocator.num_blocks
         self._tally = np.zeros(n, dtype=np.int64)  # slots live entries hold
-        self._locked = np.zeros(n, dtype=np.int64)  # locked entries with slots here
+        # Locked entries with slots in each block: counted in a list (a lock
+        # or unlock changes a few blocks, and a list item costs a tenth of a
+        # numpy one), mirrored as a mask only when a count leaves or reaches 0.
+        self._locks_in = [0] * n
+        self._lock_mask = np.zeros(n, dtype=bool)
         # The pool (an index into ``_pool_ids``) whose entries hold a block's
         # slots; stale once the block's tally is 0 (the mask ignores it then).
         self._block_pool = np.full(n, -1, dtype=np.int64)
@@ -250,7 +254,7 @@ class Evictor:
         self._tally[blocks] += np.fromiter(span.values(), np.int64, len(span))
         self._block_pool[blocks] = self._pool_ids.setdefault(pool, len(self._pool_ids))
         if entry.lock_ref:
-            self._locked[blocks] += 1
+            self._lock_blocks(span, 1)
         for block in span:
             self._members[block][key] = None
 
@@ -260,7 +264,7 @@ class Evictor:
         blocks, span = self._spans.pop(key)
         self._tally[blocks] -= np.fromiter(span.values(), np.int64, len(span))
         if entry.lock_ref:
-            self._locked[blocks] -= 1
+            self._lock_blocks(span, -1)
         for block in span:
             del self._members[block][key]
 
@@ -271,7 +275,16 @@ class Evictor:
 
     def lock_changed(self, node: Node, gid: int, delta: int) -> None:
         """An entry became locked (``delta`` 1) or unlocked (-1): its blocks' lock counts follow."""
-        self._locked[self._spans[(node, gid)][0]] += delta
+        self._lock_blocks(self._spans[(node, gid)][1], delta)
+
+    def _lock_blocks(self, blocks: Iterable[int], delta: int) -> None:
+        counts = self._locks_in
+        for block in blocks:
+            counts[block] += delta
+            if delta > 0 and counts[block] == 1:
+                self._lock_mask[block] = True
+            elif delta < 0 and counts[block] == 0:
+                self._lock_mask[block] = False
 
     def check(self, entries: Iterable[tuple[Node, int, _Entry]]) -> None:
         """Raise AssertionError unless the per-block index equals a recount of ``entries``
@@ -300,7 +313,8 @@ class Evictor:
         assert (tally <= self._alloc.used_slots_per_block()).all(), "entries hold free slots"
         assert set(self._spans) == keys, "span index holds entries the tree does not"
         assert np.array_equal(tally, self._tally), "per-block slot tally drifted"
-        assert np.array_equal(locked, self._locked), "per-block lock count drifted"
+        assert locked.tolist() == self._locks_in, "per-block lock count drifted"
+        assert np.array_equal(locked > 0, self._lock_mask), "lock mask drifted"
         assert [set(m) for m in self._members] == members, "per-block entry lists drifted"
 
     # ---- planning -------------------------------------------------------------------
@@ -364,7 +378,7 @@ class Evictor:
         the way by an earlier subtree drop is skipped."""
         used = self._alloc.used_slots_per_block()
         tally = self._tally
-        ok = (tally > 0) & (self._locked == 0) & (tally == used)
+        ok = (tally > 0) & ~self._lock_mask & (tally == used)
         ok &= self._block_pool != self._pool_ids.get(pool, -1)
         qualified = np.flatnonzero(ok)
         if not qualified.size:
