@@ -122,7 +122,7 @@ class Evictor:
       unlocked entries: ``tally == used`` and no lock.
 
     The tree reports every change of an entry (``added``, ``removed``,
-    ``resized``, ``lock_changed``, ``offer``) and lends two ways to free:
+    ``split``, ``lock_changed``, ``offer``) and lends two ways to free:
     ``remove`` (one unlocked leaf entry) and ``drop_under`` (every unlocked
     entry of a generation in a subtree, leaves first). Single-threaded, like
     the tree.
@@ -158,8 +158,8 @@ class Evictor:
         # slots; stale once the block's tally is 0 (the mask ignores it then).
         self._block_pool = np.full(n, -1, dtype=np.int64)
         self._members: list[dict[tuple[Node, int], None]] = [{} for _ in range(n)]
-        # Each entry's blocks (as an index array, and each with its slot count).
-        self._spans: dict[tuple[Node, int], tuple[np.ndarray, dict[int, int]]] = {}
+        # Each entry's blocks, each with its slot count there.
+        self._spans: dict[tuple[Node, int], dict[int, int]] = {}
         self._pool_ids: dict[str, int] = {}
         self._slots_per_block: dict[str, int] = {}
 
@@ -249,10 +249,8 @@ class Evictor:
         pool = self._generations[gid].pool
         span = self._span(pool, entry.slots)
         key = (node, gid)
-        blocks = np.fromiter(span, np.int64, len(span))
-        self._spans[key] = (blocks, span)
-        self._tally[blocks] += np.fromiter(span.values(), np.int64, len(span))
-        self._block_pool[blocks] = self._pool_ids.setdefault(pool, len(self._pool_ids))
+        self._spans[key] = span
+        self._count(span, 1, self._pool_ids.setdefault(pool, len(self._pool_ids)))
         if entry.lock_ref:
             self._lock_blocks(span, 1)
         for block in span:
@@ -261,21 +259,53 @@ class Evictor:
     def removed(self, node: Node, gid: int, entry: _Entry) -> None:
         """Take an entry that leaves the tree out of its blocks' counts."""
         key = (node, gid)
-        blocks, span = self._spans.pop(key)
-        self._tally[blocks] -= np.fromiter(span.values(), np.int64, len(span))
+        span = self._spans.pop(key)
+        self._count(span, -1)
         if entry.lock_ref:
             self._lock_blocks(span, -1)
         for block in span:
             del self._members[block][key]
 
-    def resized(self, node: Node, gid: int, entry: _Entry) -> None:
-        """Recount an entry whose slots changed (a split left it the lower part)."""
-        self.removed(node, gid, entry)
-        self.added(node, gid, entry)
+    def split(self, lower: Node, upper: Node, gid: int, top: _Entry) -> None:
+        """``lower``'s entry lost its first slots to ``top``, the new entry of
+        ``upper`` (an edge cut in two). The same slots stay in the tree, so the
+        tallies stand: only which entry holds them moves, and ``lower``'s span
+        is its old one less ``top``'s (one span to compute, not two)."""
+        pool = self._generations[gid].pool
+        lower_key, upper_key = (lower, gid), (upper, gid)
+        rest = self._spans[lower_key]
+        span = self._span(pool, top.slots)
+        gone = []
+        for block, n in span.items():
+            rest[block] -= n
+            if not rest[block]:
+                del rest[block]
+                del self._members[block][lower_key]
+                gone.append(block)
+            self._members[block][upper_key] = None
+        self._spans[upper_key] = span
+        if top.lock_ref:  # the lower entry's lock state as well (a split copies it)
+            self._lock_blocks(span, 1)
+            self._lock_blocks(gone, -1)
 
     def lock_changed(self, node: Node, gid: int, delta: int) -> None:
         """An entry became locked (``delta`` 1) or unlocked (-1): its blocks' lock counts follow."""
-        self._lock_blocks(self._spans[(node, gid)][1], delta)
+        self._lock_blocks(self._spans[(node, gid)], delta)
+
+    def _count(self, span: dict[int, int], sign: int, pool_id: int | None = None) -> None:
+        """Add (``sign`` 1) or take (-1) a span's slots in the blocks' tallies;
+        with ``pool_id``, mark the blocks as that pool's. One block (most
+        entries) takes scalar updates, more take one indexed op each."""
+        if len(span) == 1:
+            ((block, n),) = span.items()
+            self._tally[block] += sign * n
+            if pool_id is not None:
+                self._block_pool[block] = pool_id
+            return
+        blocks = np.fromiter(span, np.int64, len(span))
+        self._tally[blocks] += sign * np.fromiter(span.values(), np.int64, len(span))
+        if pool_id is not None:
+            self._block_pool[blocks] = pool_id
 
     def _lock_blocks(self, blocks: Iterable[int], delta: int) -> None:
         counts = self._locks_in
@@ -305,7 +335,7 @@ class Evictor:
                 assert self._block_pool[block] == self._pool_ids[pool], f"block {block}: pool"
             keys.add((node, gid))
             if len(entry.slots):
-                span = self._spans[(node, gid)][1]
+                span = self._spans[(node, gid)]
                 d, c = np.unique(blocks, return_counts=True)
                 assert sorted(span.items()) == list(zip(d.tolist(), c.tolist(), strict=True)), (
                     "an entry's block span drifted"

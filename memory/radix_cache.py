@@ -390,8 +390,7 @@ class RadixCache:
             top.child_refs = 1
             entry.slots = entry.slots[ntok:].copy()
             upper.entries[gid] = top
-            self._evictor.resized(child, gid, entry)
-            self._evictor.added(upper, gid, top)
+            self._evictor.split(child, upper, gid, top)
         self._nodes += 1
         self._entries += len(upper.entries)
         # Lock handles point at nodes, never at the part that moved up, so
