@@ -417,6 +417,17 @@ class Evictor:
         order = np.argsort(used_of, kind="stable")  # block id order within one count
         qualified, used_of = qualified[order].tolist(), used_of[order]
         edges = [0, *(np.flatnonzero(np.diff(used_of)) + 1).tolist(), len(order)]
+        # An entry spans several blocks: its key, computed once per call,
+        # serves each (a group of full blocks can hold hundreds).
+        keys: dict[tuple[Node, int], tuple[float, ...]] = {}
+
+        def key_of(member: tuple[Node, int]) -> tuple[float, ...]:
+            key = keys.get(member)
+            if key is None:
+                node, gid = member
+                key = keys[member] = self.key(gid, node.entries[gid])
+            return key
+
         for lo, hi in itertools.pairwise(edges):
             group = []
             for block in qualified[lo:hi]:
@@ -429,7 +440,7 @@ class Evictor:
                         block,
                         owner,
                         int(tally[block]),
-                        max(self.key(g, n.entries[g]) for n, g in entries),
+                        max(map(key_of, entries)),
                         entries,
                     )
                 )
