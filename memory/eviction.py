@@ -145,7 +145,7 @@ class Evictor:
         # checked when it reaches the top (entry gone, locked, no longer a
         # leaf or touched since: dropped or re-pushed), so the hot paths only
         # push when an entry becomes an unlocked leaf.
-        self.heaps: dict[str, list[Candidate]] = {}
+        self._heaps: dict[str, list[Candidate]] = {}
         self._seq = itertools.count()
         n = allocator.num_blocks
         self._tally = np.zeros(n, dtype=np.int64)  # slots live entries hold
@@ -171,12 +171,12 @@ class Evictor:
 
     def offer(self, node: Node, gid: int, entry: _Entry) -> None:
         """Make an entry that just became an unlocked leaf a candidate (in its pool's heap)."""
-        heap = self.heaps.setdefault(self._generations[gid].pool, [])
+        heap = self._heaps.setdefault(self._generations[gid].pool, [])
         heapq.heappush(heap, (self.key(gid, entry), next(self._seq), node, gid, entry))
 
     def offered(self) -> set[int]:
         """``id`` of every entry some heap holds (stale items included), for checks."""
-        return {id(item[4]) for heap in self.heaps.values() for item in heap}
+        return {id(item[4]) for heap in self._heaps.values() for item in heap}
 
     def _compact_heap(self, pool: str) -> None:
         """Rebuild a pool's candidate heap when stale items outnumber live ones."""
@@ -188,17 +188,17 @@ class Evictor:
             if not node.entries[gid].lock_ref
         ]
         heapq.heapify(heap)
-        self.heaps[pool] = heap
+        self._heaps[pool] = heap
 
     def _head(self, pool: str) -> Candidate | None:
         """The pool's lowest-key evictable entry, dropping stale heap items on the way."""
-        heap = self.heaps.get(pool)
+        heap = self._heaps.get(pool)
         if not heap:
             return None
         live = sum(len(g.leaves) for g in self._generations.values() if g.pool == pool)
         if len(heap) > 2 * live + 64:
             self._compact_heap(pool)
-            heap = self.heaps[pool]
+            heap = self._heaps[pool]
         while heap:
             key, _, node, gid, entry = heap[0]
             if node.entries.get(gid) is not entry or entry.lock_ref or entry.child_refs:
@@ -213,7 +213,7 @@ class Evictor:
 
     def _evict_head(self, candidate: Candidate) -> int:
         _, _, node, gid, _ = candidate
-        heapq.heappop(self.heaps[self._generations[gid].pool])
+        heapq.heappop(self._heaps[self._generations[gid].pool])
         return self._remove(node, gid, "capacity")
 
     # ---- the per-block index ------------------------------------------------------
@@ -355,7 +355,7 @@ class Evictor:
             return 0
         tokens = nbytes = 0
         while tokens < (num_tokens or 1 << 62) and nbytes < (num_bytes or 1 << 62):
-            heads = [h for h in map(self._head, list(self.heaps)) if h is not None]
+            heads = [h for h in map(self._head, list(self._heaps)) if h is not None]
             if not heads:
                 break
             best = min(heads, key=lambda h: (h[0], h[1]))
