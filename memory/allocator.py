@@ -172,6 +172,11 @@ class KVAllocator:
     def used_slots_in_block(self, block: int) -> int:
         return int(self._block_used[block]) * self.page_size
 
+    def used_slots_per_block(self) -> np.ndarray:
+        """Used slots of every block (0: free), as a copy: one array op, for
+        eviction's scan of which blocks could be emptied."""
+        return self._block_used * self.page_size
+
     def block_table(self) -> tuple[list[str | None], np.ndarray]:
         """Every block's owner pool (None: free) and used slots, as copies (a
         snapshot for the live view: one pass, no per-block calls)."""
@@ -250,22 +255,29 @@ class KVAllocator:
         pool.page_used[page_ids] = False
         ppb = pool.geometry.pages_per_block
         of_block = page_ids // ppb
-        first = np.flatnonzero(np.r_[True, of_block[1:] != of_block[:-1]])
+        first = np.flatnonzero(_run_starts(of_block))
         blocks = of_block[first]
-        counts = np.diff(np.r_[first, of_block.size])
-        for block, start, count in zip(
-            blocks.tolist(), first.tolist(), counts.tolist(), strict=True
+        ends = np.empty_like(first)
+        ends[:-1] = first[1:]
+        ends[-1] = of_block.size
+        # One gather and one scatter for every block's count, not a numpy
+        # scalar op per block (an evicted entry spans many blocks).
+        left = self._block_used[blocks] - (ends - first)
+        self._block_used[blocks] = left
+        in_block: list[int] | None = None  # page index within its block, built on need
+        for block, start, end, used in zip(
+            blocks.tolist(), first.tolist(), ends.tolist(), left.tolist(), strict=True
         ):
-            self._block_used[block] -= count
-            if self._block_used[block] == 0:
+            if used == 0:
                 pool.free_page_count -= len(pool.free_pages.pop(block, ()))
                 pool.blocks.remove(block)
                 self._block_owner[block] = None
                 self._free_blocks.append(block)
             else:
-                pages = page_ids[start : start + count] - block * ppb
-                pool.free_pages.setdefault(block, []).extend(pages.tolist())
-                pool.free_page_count += count
+                if in_block is None:
+                    in_block = (page_ids - of_block * ppb).tolist()
+                pool.free_pages.setdefault(block, []).extend(in_block[start:end])
+                pool.free_page_count += end - start
 
     # ---- accounting ----------------------------------------------------------
     def allocated_slots(self, key: str) -> SlotArray:
@@ -329,7 +341,19 @@ class KVAllocator:
 def _distinct_sorted(values: np.ndarray) -> np.ndarray:
     """``np.unique`` for the small int arrays a free sees: a sort and a
     neighbour compare (no hashing, no index bookkeeping)."""
-    values = np.sort(values)
+    # Slots come back as the runs ``alloc`` handed out (descending within a
+    # block): the stable sort (a merge of runs) is several times faster on
+    # them than the default quicksort.
+    values = np.sort(values, kind="stable")
     if values.size > 1:
-        values = values[np.r_[True, values[1:] != values[:-1]]]
+        values = values[_run_starts(values)]
     return values
+
+
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """Where each run of equal neighbours starts, as a mask (``np.r_`` cost
+    more than the compare itself on these small arrays)."""
+    starts = np.empty(values.size, dtype=bool)
+    starts[:1] = True
+    np.not_equal(values[1:], values[:-1], out=starts[1:])
+    return starts

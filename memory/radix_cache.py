@@ -22,17 +22,16 @@ requests hold ``CacheHandle`` locks on the path they use instead of mutexes.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixmux.memory.allocator import KVAllocator
-from radixmux.memory.eviction import get_policy
+from radixmux.memory.eviction import Evictor, get_policy
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.tree_events import TreeEventKind, TreeEventLog
 
@@ -175,21 +174,6 @@ class _Generation:
         self.owners.add(model)
 
 
-# An eviction heap item: (policy key, push order, node, generation id, entry).
-_Candidate = tuple[tuple[float, ...], int, Node, int, _Entry]
-
-
-@dataclass
-class _BlockOption:
-    """Another pool's block that eviction could empty for a needy pool."""
-
-    block: int
-    pool: str
-    used: int  # slots in use (all of them unlocked cache entries)
-    key: tuple[float, ...]  # the most valuable entry lost with it (policy order)
-    entries: list[tuple[Node, int]]
-
-
 def as_token_bytes(tokens: Tokens) -> bytes:
     """Packed int32 bytes of a token sequence (the tree's edge format)."""
     if isinstance(tokens, bytes):
@@ -227,13 +211,6 @@ class RadixCache:
         self.page_size = allocator.page_size
         self._page_bytes = 4 * self.page_size
         self.eviction_policy = eviction_policy
-        self._policy_key = get_policy(eviction_policy, half_life)
-        # Eviction candidates: (key, seq, node, generation id, entry). Lazy: an item
-        # is checked when it reaches the top (entry gone, locked, no longer a
-        # leaf or touched since: dropped or re-pushed), so the hot paths only
-        # push when an entry becomes an unlocked leaf.
-        self._heaps: dict[str, list[_Candidate]] = {}  # per pool
-        self._seq = itertools.count()
         self._ticks = itertools.count(1)
         self._clock = clock or (lambda: float(next(self._ticks)))
         self._roots: dict[str, Node] = {}
@@ -241,6 +218,14 @@ class RadixCache:
         self._model_generation: dict[str, int] = {}
         self._pool_generation: dict[str, int] = {}  # pool -> its current generation id
         self._generations: dict[int, _Generation] = {}
+        # What to free and in which order; told of every entry change below.
+        self._evictor = Evictor(
+            allocator,
+            self._generations,
+            get_policy(eviction_policy, half_life),
+            self._remove_entry,
+            self._drop_under,
+        )
         self._next_generation = itertools.count()
         self._counters: dict[str, ModelCounters] = {}
         self._evicted: Counter[str] = Counter()
@@ -405,6 +390,7 @@ class RadixCache:
             top.child_refs = 1
             entry.slots = entry.slots[ntok:].copy()
             upper.entries[gid] = top
+            self._evictor.split(child, upper, gid, top)
         self._nodes += 1
         self._entries += len(upper.entries)
         # Lock handles point at nodes, never at the part that moved up, so
@@ -485,9 +471,13 @@ class RadixCache:
     # ---- lock ----------------------------------------------------------------
     def lock(self, handle: CacheHandle) -> None:
         """Protect every entry on the handle's path from eviction."""
+        gid = handle.generation_id
         node = handle.node
         while node.parent is not None:
-            node.entries[handle.generation_id].lock_ref += 1
+            entry = node.entries[gid]
+            entry.lock_ref += 1
+            if entry.lock_ref == 1:
+                self._evictor.lock_changed(node, gid, 1)
             node = node.parent
         self._locks[(handle.node, handle.generation_id)] += 1
 
@@ -504,8 +494,10 @@ class RadixCache:
         while node.parent is not None:
             entry = node.entries[gid]
             entry.lock_ref -= 1
-            if not entry.lock_ref and not entry.child_refs:
-                self._offer(node, gid, entry)
+            if not entry.lock_ref:
+                self._evictor.lock_changed(node, gid, -1)
+                if not entry.child_refs:
+                    self._evictor.offer(node, gid, entry)
             node = node.parent
         if self._generations[gid].orphaned:
             self._drop_all([gid], "invalidation")
@@ -575,7 +567,8 @@ class RadixCache:
     def _add_entry(self, node: Node, gid: int, slots: np.ndarray, now: float) -> None:
         entry = node.entries[gid] = _Entry(slots, now)
         self._entries += 1
-        self._offer(node, gid, entry)
+        self._evictor.added(node, gid, entry)
+        self._evictor.offer(node, gid, entry)
         gen = self._generations[gid]
         gen.cached_tokens += len(slots)
         gen.leaves.add(node)
@@ -602,6 +595,7 @@ class RadixCache:
             models = tuple(sorted(gen.models))
             self.events.add("removed", models, path, len(path) // 4 - len(entry.slots))
         del node.entries[gid]
+        self._evictor.removed(node, gid, entry)
         self.allocator.free(gen.pool, entry.slots)
         gen.cached_tokens -= len(entry.slots)
         gen.leaves.discard(node)
@@ -617,7 +611,7 @@ class RadixCache:
             if up.child_refs == 0:
                 gen.leaves.add(parent)
                 if not up.lock_ref:
-                    self._offer(parent, gid, up)
+                    self._evictor.offer(parent, gid, up)
         if not node.entries:
             assert not node.children
             del parent.children[node.key[: self._page_bytes]]
@@ -626,186 +620,27 @@ class RadixCache:
         return len(entry.slots)
 
     # ---- eviction ------------------------------------------------------------
-    def _key(self, gid: int, entry: _Entry) -> tuple[float, ...]:
-        gen = self._generations[gid]
-        return self._policy_key(gen.orphaned, entry.last_access, entry.hits, gen.weight)
-
-    def _offer(self, node: Node, gid: int, entry: _Entry) -> None:
-        """Make a new unlocked leaf entry an eviction candidate (in its pool's heap)."""
-        heap = self._heaps.setdefault(self._generations[gid].pool, [])
-        heapq.heappush(heap, (self._key(gid, entry), next(self._seq), node, gid, entry))
-
-    def _compact_heap(self, pool: str) -> None:
-        """Rebuild a pool's candidate heap when stale items outnumber live ones."""
-        heap = [
-            (self._key(gid, node.entries[gid]), next(self._seq), node, gid, node.entries[gid])
-            for gid, gen in self._generations.items()
-            if gen.pool == pool
-            for node in gen.leaves
-            if not node.entries[gid].lock_ref
-        ]
-        heapq.heapify(heap)
-        self._heaps[pool] = heap
-
-    def _head(self, pool: str) -> _Candidate | None:
-        """The pool's lowest-key evictable entry, dropping stale heap items on the way."""
-        heap = self._heaps.get(pool)
-        if not heap:
-            return None
-        live = sum(len(g.leaves) for g in self._generations.values() if g.pool == pool)
-        if len(heap) > 2 * live + 64:
-            self._compact_heap(pool)
-            heap = self._heaps[pool]
-        while heap:
-            key, _, node, gid, entry = heap[0]
-            if node.entries.get(gid) is not entry or entry.lock_ref or entry.child_refs:
-                heapq.heappop(heap)
-                continue
-            current = self._key(gid, entry)
-            if current != key:  # touched since it was pushed
-                heapq.heapreplace(heap, (current, next(self._seq), node, gid, entry))
-                continue
-            return heap[0]
-        return None
-
-    def _evict_head(self, candidate: _Candidate) -> int:
-        _, _, node, gid, _ = candidate
-        heapq.heappop(self._heaps[self._generations[gid].pool])
-        return self._remove_entry(node, gid, "capacity")
-
     def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
         """Free unlocked leaf entries across all models, lowest policy key
         first, until at least ``num_tokens`` tokens or ``num_bytes`` bytes are
         free. Returns tokens freed (less only if everything left is locked)."""
-        if num_tokens <= 0 and num_bytes <= 0:
-            return 0
-        tokens = nbytes = 0
-        while tokens < (num_tokens or 1 << 62) and nbytes < (num_bytes or 1 << 62):
-            heads = [h for h in map(self._head, list(self._heaps)) if h is not None]
-            if not heads:
-                break
-            best = min(heads, key=lambda h: (h[0], h[1]))
-            freed = self._evict_head(best)
-            tokens += freed
-            nbytes += freed * self._generations[best[3]].bytes_per_token
-        return tokens
+        return self._evictor.evict(num_tokens, num_bytes)
 
     def evict_for(self, model: str, num_tokens: int) -> bool:
         """Evict until ``num_tokens`` slots can be allocated for ``model``;
         False if locked entries leave too little room.
 
-        Only what can give this model room goes, cheapest (by policy) first:
-        the model's own pool's entries (freed slots are its to reuse), and,
-        while the pool may still take blocks, whole blocks of other pools that
-        hold nothing but unlocked cache entries, fewest used slots first. A
-        slot freed in another pool's block is of no use until the whole block
-        is empty, so another model's cached KV is never wiped for nothing.
+        Only what can give this model room goes (``Evictor.make_room``): the
+        model's own pool's entries and whole blocks of other pools that hold
+        nothing but unlocked cache entries, cheapest by policy first.
         """
         pool = self.pool_of(model)
-        blocks: Iterator[_BlockOption] | None = None  # built on first need
-        option: _BlockOption | None = None  # the next of ``blocks``, if any
-        freed = 0
-        while not self.allocator.can_alloc(pool, num_tokens):
-            own = self._head(pool)
-            if blocks is None and self.allocator.may_grow(pool):
-                blocks = self._emptiable_blocks(pool)
-                option = next(blocks, None)
-            offer = None
-            if blocks is not None and self.allocator.may_grow(pool):
-                while option is not None and not self.allocator.gains_block(pool, option.pool):
-                    option = next(blocks, None)  # that pool is at its floor: its block stays
-                offer = option
-            if own is None and offer is None:
-                break
-            if offer is None or (own is not None and own[0] <= offer.key):
-                freed += self._evict_head(own)
-            else:
-                freed += self._empty_block(offer)
-                option = next(blocks, None)
-        self._evicted_for[model] += freed
+        self._evicted_for[model] += self._evictor.make_room(pool, num_tokens)
         return self.allocator.can_alloc(pool, num_tokens)
 
-    def _emptiable_blocks(self, pool: str) -> Iterator[_BlockOption]:
-        """Other pools' blocks whose every used slot is an unlocked cache entry,
-        fewest used slots first (then least valuable, then walk order), with
-        the entries to drop.
-
-        One pass collects the entries; the per-block tallies are array ops
-        over all their slots at once (a per-entry ``np.unique`` made this the
-        bulk of eviction time)."""
-        alloc = self.allocator
-        found: list[tuple[Node, int, _Entry]] = []
-        for root in self._roots.values():
-            for node in _walk(root):
-                for gid, entry in node.entries.items():
-                    if self._generations[gid].pool != pool and len(entry.slots):
-                        found.append((node, gid, entry))
-        if not found:
-            return
-        lengths = np.fromiter((len(e.slots) for _, _, e in found), np.int64, len(found))
-        per_block = np.fromiter(
-            (alloc.geometry(self._generations[g].pool).slots_per_block for _, g, _ in found),
-            np.int64,
-            len(found),
-        )
-        owner = np.repeat(np.arange(len(found), dtype=np.int64), lengths)
-        blocks = np.concatenate([e.slots for _, _, e in found]).astype(np.int64, copy=False)
-        blocks //= np.repeat(per_block, lengths)
-        tally = np.bincount(blocks, minlength=alloc.num_blocks)
-        locked_mask = np.fromiter((bool(e.lock_ref) for _, _, e in found), bool, len(found))
-        locked = np.bincount(blocks, weights=locked_mask[owner], minlength=alloc.num_blocks) > 0
-        used = alloc.block_table()[1]
-        ok = (tally > 0) & ~locked & (tally == used)
-        # An entry's slots mostly run within one block: collapse runs first so
-        # the sort that follows sees about one item per (block, entry) pair.
-        run = np.ones(len(blocks), dtype=bool)
-        run[1:] = (blocks[1:] != blocks[:-1]) | (owner[1:] != owner[:-1])
-        blocks, owner = blocks[run], owner[run]
-        # Each (block, entry) pair once, in block then walk order.
-        pairs = np.unique(blocks * len(found) + owner)
-        pair_blocks, pair_owner = np.divmod(pairs, len(found))
-        keep = ok[pair_blocks]
-        # Ties go as the per-entry walk met them: first entry, then block id.
-        seen, first_at = np.unique(blocks, return_index=True)
-        first = dict(zip(seen.tolist(), owner[first_at].tolist(), strict=True))
-        pair_blocks, pair_owner = pair_blocks[keep], pair_owner[keep].tolist()
-        qualified, starts = np.unique(pair_blocks, return_index=True)
-        ends = np.r_[starts[1:], len(pair_blocks)]
-        used_of = tally[qualified]
-        by_used = np.argsort(used_of, kind="stable").tolist()
-        # Options are built one equal-``used`` group at a time: a call mostly
-        # takes the first few, and building them all cost more than the rest.
-        # Keys as of now: entries may go before a later group is built.
-        key_of = {i: self._key(found[i][1], found[i][2]) for i in set(pair_owner)}
-        lo = 0
-        while lo < len(by_used):
-            hi = lo
-            while hi < len(by_used) and used_of[by_used[hi]] == used_of[by_used[lo]]:
-                hi += 1
-            group = []
-            for q in by_used[lo:hi]:
-                block = int(qualified[q])
-                mine = pair_owner[starts[q] : ends[q]]
-                group.append(
-                    _BlockOption(
-                        block,
-                        self._generations[found[mine[0]][1]].pool,  # its owner at the scan
-                        int(used_of[q]),
-                        max(map(key_of.__getitem__, mine)),
-                        [found[i][:2] for i in mine],
-                    )
-                )
-            group.sort(key=lambda o: (o.key, first[o.block], o.block))
-            yield from group
-            lo = hi
-
-    def _empty_block(self, option: _BlockOption) -> int:
-        """Drop every entry with slots in the block (with what hangs below it)."""
-        freed = 0
-        for node, gid in option.entries:
-            if node.entries.get(gid) is not None:  # not gone with an earlier subtree
-                freed += self._drop_all([gid], "capacity", under=node)
-        return freed
+    def _drop_under(self, node: Node, gid: int, reason: str) -> int:
+        """Free every unlocked entry of ``gid`` in ``node``'s subtree (``node``'s own too)."""
+        return self._drop_all([gid], reason, under=node)
 
     def _drop_all(self, gids: Iterable[int], reason: str, under: Node | None = None) -> int:
         """Free every unlocked entry of ``gids`` (in ``under``'s subtree if given),

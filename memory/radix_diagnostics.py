@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixmux.memory.radix_cache import CacheHandle, Node, RadixCache, _walk
+from radixmux.memory.radix_cache import CacheHandle, Node, RadixCache, _Entry, _walk
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,7 @@ def check_invariants(
     tokens: Counter[int] = Counter()
     leaves: dict[int, set[Node]] = {gid: set() for gid in cache._generations}
     nodes = edge_bytes = entries = 0
+    every_entry: list[tuple[Node, int, _Entry]] = []
     for root in cache._roots.values():
         assert not root.entries, "a root holds KV"
         for node in _walk(root):
@@ -227,10 +228,13 @@ def check_invariants(
                 )
                 assert entry.lock_ref >= 0
                 tree_slots.setdefault(cache._generations[gid].pool, []).append(entry.slots)
+                every_entry.append((node, gid, entry))
                 tokens[gid] += len(entry.slots)
     assert nodes == cache._nodes, f"node count {cache._nodes} != {nodes}"
     assert (edge_bytes, entries) == (cache._edge_bytes, cache._entries), "index size drifted"
-    offered = {id(item[4]) for heap in cache._heaps.values() for item in heap}
+    # Eviction's per-block counts, kept incrementally, equal a recount.
+    cache._evictor.check(every_entry)
+    offered = cache._evictor.offered()
     for gid, g in cache._generations.items():
         assert g.cached_tokens == tokens[gid], "cached token count drifted"
         assert g.leaves == leaves[gid], "leaf index drifted"

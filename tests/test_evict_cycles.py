@@ -45,13 +45,16 @@ def check_block_options(cache: RadixCache, pool: str) -> None:
     expect = {
         b for b, n in covered.items() if b not in locked and n == alloc.used_slots_in_block(b)
     }
-    options = list(cache._emptiable_blocks(pool))
+    options = list(cache._evictor.emptiable_blocks(pool))
     assert {o.block for o in options} == expect
     for o in options:
         assert o.used == alloc.used_slots_in_block(o.block)
         assert o.pool == alloc.block_pool(o.block) != pool
-        assert o.key == max(cache._key(g, n.entries[g]) for n, g in by_block[o.block])
-        assert [(id(n), g) for n, g in o.entries] == [(id(n), g) for n, g in by_block[o.block]]
+        assert o.key == max(cache._evictor.key(g, n.entries[g]) for n, g in by_block[o.block])
+        # Each entry with slots in the block once (in the order they came to it).
+        assert sorted((id(n), g) for n, g in o.entries) == sorted(
+            (id(n), g) for n, g in by_block[o.block]
+        )
     assert [o.used for o in options] == sorted(o.used for o in options)
 
 
