@@ -185,3 +185,59 @@ def test_failing_load_answers_every_waiter(
     weights.write_bytes(good)  # a later request tries again
     assert complete(url, "d").status_code == 200
     assert states(url)["d"] == "loaded"
+
+
+# Long enough for several of the disk tier's 64-token chunks.
+LONG_PROMPT = "Story: " + " ".join(f"word{j}" for j in range(300))
+
+
+def complete_long(url: str, model: str) -> dict:
+    body = {
+        "model": model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("disk", [True, False], ids=["disk-tier", "no-disk-tier"])
+def test_an_unloaded_models_cache_comes_back_from_the_disk_tier(
+    serve: Callable[..., str], tmp_path: Path, disk: bool
+) -> None:
+    flags = {"kv_disk_bytes": 1 << 30, "kv_disk_dir": str(tmp_path / "kv")} if disk else {}
+    url = serve("b", **flags)
+    before = complete_long(url, "b")
+    assert before["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    prompt_tokens = before["usage"]["prompt_tokens"]
+    assert prompt_tokens > 4 * 64
+
+    r = httpx.delete(f"{url}/models/b", timeout=120)
+    assert r.status_code == 200, r.text
+    assert states(url) == {"a": "loaded", "b": "registered"}
+    saved = 'radixmux_disk_chunks_saved_total{reason="unload"}'
+    if disk:  # the unload answers at once; the I/O thread saves in the background
+        deadline = time.monotonic() + 30.0
+        while metric(url, "radixmux_disk_chunks_saved_total", reason="unload") < 1:
+            assert time.monotonic() < deadline, f"no {saved} within 30 s"
+            time.sleep(0.1)
+        # Every whole chunk of the prompt's cached KV (one token is always computed).
+        chunks = (prompt_tokens - 1) // 64
+        assert metric(url, "radixmux_disk_chunks_saved_total", reason="unload") >= chunks
+    else:
+        assert saved not in httpx.get(f"{url}/metrics", timeout=30).text
+
+    after = complete_long(url, "b")  # loads b on demand again: the same weights
+    assert states(url)["b"] == "loaded"
+    assert metric(url, "radixmux_model_loads_total", model="b", reason="on_demand") == 2
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    cached = after["usage"]["prompt_tokens_details"]["cached_tokens"]
+    loaded = metric(url, "radixmux_disk_tokens_loaded_total", model="b")
+    if disk:  # the prefix came back from disk instead of being computed
+        assert cached >= chunks * 64
+        assert loaded == cached
+    else:  # as before the disk tier: a reload starts with an empty cache
+        assert cached == 0 and loaded == 0
