@@ -350,6 +350,27 @@ def test_an_unloaded_models_kv_is_saved_and_loads_back_after_its_reload(tmp_path
         arena.destroy()
 
 
+def test_an_unloads_chunks_are_reported_stored_on_disk_for_the_unloaded_model(tmp_path) -> None:
+    import numpy as np
+
+    from radixmux.memory.tree_events import TreeEventLog
+    from radixmux.scheduler.disk_events import DiskEvents
+
+    cache, tier, arena, _ = tier_setup(tmp_path)
+    try:
+        cache.events = TreeEventLog()
+        tier.events = DiskEvents(cache, cache.events, tier.chunk)
+        cache.insert("m", np.arange(8, dtype=np.int32), cache.allocator.alloc("w", 8))
+        tier.save_unloaded("m")
+        cache.unregister_model("m")
+        tier.poll(wait=10)  # written once m is gone: still m's KV (a router may route there)
+        disk = [(e.kind, e.models, e.start) for e in cache.events.drain() if e.tier == "disk"]
+        assert disk == [("stored", ("m",), 0), ("stored", ("m",), 4)]
+    finally:
+        tier.close(flush=False)
+        arena.destroy()
+
+
 def test_an_unload_saves_what_the_capacity_holds_and_nothing_an_alias_keeps(tmp_path) -> None:
     import numpy as np
 
