@@ -12,6 +12,10 @@ when a request loads instead of recomputing:
   (``holds_back``). A graceful stop first saves what the arena holds.
 - **write-through**: every chunk inserted into the tree is saved at once,
   its path locked in the tree while the I/O thread reads it.
+- **unload**: a model unloaded while no other model shares its KV has its
+  cache saved the same way as a capacity eviction (``save_unloaded``: most
+  recently used paths first, at most the store's capacity), so the next load
+  of the same weights loads its prompts' prefixes back.
 - **loading**: at admission, beyond the in-memory match, the hash chain of the
   prompt's next chunks is looked up in the index. When the chunks found cover
   at least ``min_load_tokens``, the request gets slots for them, leaves the
