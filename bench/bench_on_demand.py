@@ -19,8 +19,10 @@ output tokens per second, failed requests, request latency p50/p99, loads per
 minute and unloads by reason (from ``/metrics``). Then, on the on-demand
 server, the first-request latency of a cold model (each on-demand name
 unloaded with ``DELETE /models/{name}``, back to ``registered``, then asked
-once) against the same request warm. An unloaded model's KV is not kept in
-the disk tier (not built), so there is no "cold with KV on disk" row.
+once) against the same request warm. There is no "cold with KV on disk" row:
+an unloaded model's KV goes to the disk tier only when no loaded model shares
+it, and here every name is an alias of the first, which stays loaded (its KV
+stays in memory for the next load of any alias).
 
     .venv/bin/python -m bench.bench_on_demand [--models 5 --max-loaded 3 --phases 4]
 

@@ -170,6 +170,11 @@ def chunk_keys(ns: bytes, tokens: bytes, chunk_tokens: int) -> list[bytes]:
     return keys
 
 
+def file_bytes(ns: bytes, payload_bytes: int) -> int:
+    """The size of a chunk file in namespace ``ns`` (what it counts against the capacity)."""
+    return _HEADER.size + len(ns) + payload_bytes
+
+
 def checksum(payload: memoryview | bytes) -> int:
     """The payload checksum a chunk file carries (XXH3, 64 bits)."""
     return xxhash.xxh3_64_intdigest(payload)
@@ -281,7 +286,7 @@ class StoreFiles:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=d)  # made by O_EXCL above: ours
                 raise
-        return _HEADER.size + len(ns) + payload.nbytes
+        return file_bytes(ns, payload.nbytes)
 
     def read(
         self, ref: ChunkRef, ns: bytes, n_tokens: int, out: memoryview, touch: bool = False

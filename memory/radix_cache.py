@@ -435,6 +435,18 @@ class RadixCache:
                 for node in list(gen.leaves):
                     yield (gen.pool, *self.path(node, gid))
 
+    def unload_paths(self, name: str) -> list[tuple[bytes, np.ndarray]]:
+        """``(tokens, slots)`` of every leaf-most entry ``unregister_model(name)``
+        would drop, most recently used first (what to save before an unload);
+        empty when another model still uses ``name``'s generation (nothing is
+        dropped then)."""
+        gid = self._model_generation[self.model(name).name]
+        gen = self._generations[gid]
+        if gen.models != {name}:
+            return []
+        leaves = sorted(gen.leaves, key=lambda node: -node.entries[gid].last_access)
+        return [self.path(node, gid) for node in leaves]
+
     # ---- sharing ---------------------------------------------------------------
     def shared_prefixes(
         self, handles: Sequence[CacheHandle | None], min_tokens: int = 1

@@ -62,6 +62,8 @@ class DiskTierStats(msgspec.Struct, frozen=True):
     chunks_loaded: int = 0  # chunks loads asked for (a load stopped by a bad one included)
     chunks_shared: int = 0  # of them, another instance's (--kv-disk-shared)
     shared: bool = False  # --kv-disk-shared
+    # chunks written by why the save was made: capacity, unload, write_through, shutdown
+    chunks_saved: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):

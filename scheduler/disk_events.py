@@ -23,6 +23,9 @@ class _Chunk:
     tokens: bytes  # the whole path its save wrote from (shared by its chunks)
     start: int  # first token of the chunk
     end: int
+    # The pool's models when the save was queued: a model unloaded since
+    # (its KV saved as it went) is still the one the chunk is for.
+    models: tuple[str, ...]
 
 
 class DiskEvents:
@@ -38,8 +41,9 @@ class DiskEvents:
     def queued(self, pool: str, tokens: bytes, keys: list[bytes], indices: list[int]) -> None:
         """Chunks ``indices`` of ``tokens`` (keys ``keys``) are being saved."""
         c = self.chunk
+        models = self._models(pool)
         for key, i in zip(keys, indices, strict=True):
-            self._queued[key] = _Chunk(pool, tokens, i * c, (i + 1) * c)
+            self._queued[key] = _Chunk(pool, tokens, i * c, (i + 1) * c, models)
 
     def written(self, keys: Iterable[bytes]) -> None:
         """These chunks are on disk now."""
@@ -65,6 +69,9 @@ class DiskEvents:
         """Every chunk left the disk (``/flush_cache``)."""
         self.dropped(list(self._on_disk))
 
+    def _models(self, pool: str) -> tuple[str, ...]:
+        return tuple(sorted(m for m in self.cache.models if self.cache.pool_of(m) == pool))
+
     def _add(self, kind: TreeEventKind, chunk: _Chunk) -> None:
-        models = tuple(sorted(m for m in self.cache.models if self.cache.pool_of(m) == chunk.pool))
+        models = self._models(chunk.pool) or chunk.models
         self.log.add(kind, models, chunk.tokens[: chunk.end * 4], chunk.start, tier="disk")

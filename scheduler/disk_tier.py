@@ -12,6 +12,10 @@ when a request loads instead of recomputing:
   (``holds_back``). A graceful stop first saves what the arena holds.
 - **write-through**: every chunk inserted into the tree is saved at once,
   its path locked in the tree while the I/O thread reads it.
+- **unload**: a model unloaded while no other model shares its KV has its
+  cache saved the same way as a capacity eviction (``save_unloaded``: most
+  recently used paths first, at most the store's capacity), so the next load
+  of the same weights loads its prompts' prefixes back.
 - **loading**: at admission, beyond the in-memory match, the hash chain of the
   prompt's next chunks is looked up in the index. When the chunks found cover
   at least ``min_load_tokens``, the request gets slots for them, leaves the
@@ -43,6 +47,7 @@ from radixmux.memory.kv_disk_store import (
     DiskKVStore,
     check_settings,
     chunk_keys,
+    file_bytes,
     namespace,
     namespace_dir,
 )
@@ -65,6 +70,9 @@ log = logging.getLogger("radixmux.scheduler")
 
 # How long a graceful stop may spend saving the arena (the launcher waits 10 s).
 FLUSH_SECONDS = 8.0
+# Why a chunk was saved: a capacity eviction spilled it, its model was
+# unloaded, write-through saved it on insert, a graceful stop saved the arena.
+SAVE_REASONS = ("capacity", "unload", "write_through", "shutdown")
 
 
 @dataclass(frozen=True)
@@ -119,11 +127,14 @@ class DiskTier:
         self.disabled: str | None = None
         self._spaces: dict[str, _Namespace] = {}
         self._reading: dict[int, np.ndarray] = {}  # save job -> arena blocks it reads
+        self._job_reason: dict[int, str] = {}  # save job -> why it was made
         self._through_locks: dict[int, CacheHandle] = {}
         self._queued: set[bytes] = set()  # keys in save jobs not finished yet
         self._loading_keys: collections.Counter[bytes] = collections.Counter()
         self.loading: dict[int, _Load] = {}
         self.bytes_written = self.bytes_read = self.chunks_written = self.chunks_dropped = 0
+        # Chunks written by why their save was made (SAVE_REASONS).
+        self.chunks_saved: collections.Counter[str] = collections.Counter()
         self.write_errors = 0
         self.loads = 0
         self.chunks_loaded = self.chunks_shared = 0
@@ -161,11 +172,23 @@ class DiskTier:
         return [ChunkRef(k, space.ns_dir) for k in keys]
 
     # ---- saving ----------------------------------------------------------------------
-    def _save(self, pool: str, tokens: bytes, slots: np.ndarray, first: int = 0) -> int | None:
+    def _save(
+        self,
+        pool: str,
+        tokens: bytes,
+        slots: np.ndarray,
+        reason: str,
+        first: int = 0,
+        limit: int | None = None,
+        hold: bool = False,
+    ) -> tuple[int | None, int]:
         """Submit the chunks of ``tokens`` from chunk ``first`` on that the store
-        lacks; returns the job id (None when there was nothing to save)."""
+        lacks (no more than ``limit``, first ones first: a load needs the chain
+        from the start). With ``hold`` the arena blocks the job reads are held
+        back from batches until it has read them (their slots are freed now).
+        Returns the job id (None when there was nothing to save) and its chunks."""
         if self.disabled:
-            return None
+            return None, 0
         c = self.chunk
         space = self._space(pool)
         keys = chunk_keys(space.ns, tokens, c)
@@ -173,24 +196,56 @@ class DiskTier:
             i
             for i in range(first, len(keys))
             if keys[i] not in self.store and keys[i] not in self._queued
-        ]
+        ][:limit]
         if not todo:
-            return None
+            return None, 0
         chunk_slots = np.concatenate([slots[i * c : (i + 1) * c] for i in todo])
         chosen = [keys[i] for i in todo]
         self._queued.update(chosen)
         if self.events is not None:
             self.events.queued(pool, tokens, chosen, todo)
-        job = SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c)
-        return self.transfer.submit(job)
+        job = self.transfer.submit(
+            SaveJob(space.view, chunk_slots, self._refs(space, chosen), space.ns, c)
+        )
+        self._job_reason[job] = reason
+        if hold:
+            self._reading[job] = np.unique(self.cache.allocator.block_of(pool, chunk_slots))
+        return job, len(todo)
 
     def _spill(self, pool: str, tokens: bytes, slots: np.ndarray, start: int) -> None:
         """The tree is about to free ``slots[start:]``: save the chunks ending there."""
-        job = self._save(pool, tokens, slots, start // self.chunk)
-        if job is not None:
-            c = self.chunk
-            read = slots[start // c * c : len(slots) // c * c]
-            self._reading[job] = np.unique(self.cache.allocator.block_of(pool, read))
+        self._save(pool, tokens, slots, "capacity", start // self.chunk, hold=True)
+
+    def save_unloaded(self, model: str) -> int:
+        """``model`` is being unloaded and its cache entries are about to be
+        freed: save the chunks of them the store lacks, so that a reload of
+        the same weights (same KV-share key, same chunk keys) loads its
+        prefixes instead of computing them. Most recently used paths go first,
+        and no more than the store's capacity holds (more would only push out
+        what this save just wrote); the blocks are held back from batches until
+        the I/O thread has read them, as for an eviction's spill, so the unload
+        itself never waits on the disk. Returns the chunks queued."""
+        if self.disabled:
+            return 0
+        paths = self.cache.unload_paths(model)
+        if not paths:  # nothing cached, or an alias keeps the generation
+            return 0
+        pool = self.cache.pool_of(model)
+        space = self._space(pool)
+        payload = self.chunk * self.cache.model(model).layout.bytes_per_token
+        budget = self.store.capacity_bytes // file_bytes(space.ns, payload)
+        queued = 0
+        for tokens, slots in paths:
+            if queued >= budget:
+                break
+            queued += self._save(pool, tokens, slots, "unload", limit=budget - queued, hold=True)[1]
+        log.info(
+            "disk tier: model %s unloaded: saving %d chunks of its cache (%d paths)",
+            model,
+            queued,
+            len(paths),
+        )
+        return queued
 
     def inserted(self, model: str, tokens: np.ndarray) -> None:
         """Write-through: save the whole chunks of a just-inserted prefix, its
@@ -204,7 +259,8 @@ class DiskTier:
         if m.length < n:  # invalidated meanwhile: nothing of it is cached any more
             return
         self.cache.lock(m.handle)
-        job = self._save(self.cache.pool_of(model), tokens[:n].tobytes(), m.slots)
+        pool = self.cache.pool_of(model)
+        job, _ = self._save(pool, tokens[:n].tobytes(), m.slots, "write_through")
         if job is None:
             self.cache.unlock(m.handle)
         else:
@@ -329,6 +385,7 @@ class DiskTier:
                     self.events.dropped(v.key for v in victims)
             self.bytes_written += result.nbytes
             self.chunks_written += len(result.written)
+            self.chunks_saved[self._job_reason.pop(job.job_id)] += len(result.written)
             return None
         if isinstance(job, LoadJob):
             for key, why in result.bad:
@@ -390,7 +447,7 @@ class DiskTier:
         if flush and not self.disabled and self.write_policy == "write_back":
             t0 = time.monotonic()
             for pool, tokens, slots in self.cache.cached_paths():
-                self._save(pool, tokens, slots)
+                self._save(pool, tokens, slots, "shutdown")
             self.poll(wait=FLUSH_SECONDS)
             log.info(
                 "disk tier: saved the arena in %.1f s (%d chunks, %.1f MB in the store)",
@@ -418,6 +475,7 @@ class DiskTier:
             bytes_written=self.bytes_written,
             bytes_read=self.bytes_read,
             chunks_written=self.chunks_written,
+            chunks_saved={r: self.chunks_saved[r] for r in SAVE_REASONS},
             chunks_dropped=self.chunks_dropped,
             write_errors=self.write_errors,
             loads=self.loads,

@@ -3,7 +3,8 @@
 An instance added at run time waits in ``sched.pending`` until every one of
 its runners answered the roll call (the same ``RollCall`` the start-up uses);
 then it is registered in the cache and serves. A removed instance fails what
-it still has, and goes once no batch or disk load writes its KV any more.
+it still has, and goes once no batch or disk load writes its KV any more;
+with the disk tier on, its cached KV is saved to disk as it goes.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def finish_removals(sched: Scheduler) -> None:
             sched.held.pop(runner.runner_id, None)
         del sched.models[name]
         sched.warmups.pins.drop(name)
+        if disk is not None:  # its KV comes back with a reload of the same weights
+            disk.save_unloaded(name)
         freed = sched.cache.unregister_model(name)
         log.info("model %s removed: %d cached tokens freed", name, freed)
         removed = protocol.ModelRemoved(name, freed)

@@ -14,6 +14,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -229,7 +230,13 @@ def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path
 
 
 # ---- the tier's rules, in-process over a real arena and real files ----------------------
-def tier_setup(tmp_path: Path, chunk: int = 4, kv: Path | None = None, shared: bool = False):
+def tier_setup(
+    tmp_path: Path,
+    chunk: int = 4,
+    kv: Path | None = None,
+    shared: bool = False,
+    capacity: int = 1 << 20,
+):
     import numpy as np
 
     from radixmux.memory.allocator import KVAllocator
@@ -243,7 +250,7 @@ def tier_setup(tmp_path: Path, chunk: int = 4, kv: Path | None = None, shared: b
     arena = KVArena.create(4, 4096, directory=str(tmp_path))
     cache = RadixCache(KVAllocator(4, 4096))
     cache.register_model(ModelSpec("m", "g", "w", layout))
-    store = DiskKVStore(str(kv or tmp_path / "kv"), 1 << 20, shared=shared)
+    store = DiskKVStore(str(kv or tmp_path / "kv"), capacity, shared=shared)
     tier = DiskTier(cache, arena, store, chunk)
     geometry = cache.allocator.geometry("w")
     view = arena.view(geometry)
@@ -256,13 +263,26 @@ def tier_setup(tmp_path: Path, chunk: int = 4, kv: Path | None = None, shared: b
     return cache, tier, arena, kv_of
 
 
-def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_each_other(
-    tmp_path,
-) -> None:
+def looked_up(cache, rid: str, tokens):
+    """A request for ``tokens`` and one more token, its memory match locked (as
+    admission's ``KVManager.lookup`` leaves it)."""
     import numpy as np
 
     from radixmux.protocol import SamplingParams
     from radixmux.scheduler.request import Req
+
+    ids = np.concatenate([tokens, np.array([99], dtype=np.int32)])
+    r = Req(rid, "m", ids, SamplingParams(max_new_tokens=4), [], True, 0.0)
+    m = cache.match("m", ids[:-1], record=False)
+    cache.lock(m.handle)
+    r.handle, r.slots, r.kv_len = m.handle, m.slots, m.length
+    return r
+
+
+def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_each_other(
+    tmp_path,
+) -> None:
+    import numpy as np
 
     cache, tier, arena, kv_of = tier_setup(tmp_path)
     try:
@@ -276,15 +296,7 @@ def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_ea
         assert not tier.holds_back("w", slots[:1])
         assert len(tier.store) == 4 and cache.cached_tokens("m") == 0
 
-        def req(rid: str) -> Req:
-            ids = np.concatenate([tokens, np.array([99], dtype=np.int32)])
-            r = Req(rid, "m", ids, SamplingParams(max_new_tokens=4), [], True, 0.0)
-            m = cache.match("m", ids[:-1], record=False)
-            cache.lock(m.handle)
-            r.handle, r.slots, r.kv_len = m.handle, m.slots, m.length
-            return r
-
-        a, b = req("a"), req("b")
+        a, b = looked_up(cache, "a", tokens), looked_up(cache, "b", tokens)
         plan = tier.plan_load(a)
         assert plan is not None and not isinstance(plan, str)
         assert (plan.start, plan.end) == (0, 16)
@@ -294,6 +306,97 @@ def test_a_batch_is_held_back_while_a_save_reads_its_block_and_loads_wait_for_ea
         assert tier.poll(wait=10) == [a] and a.kv_len == 16
         assert (kv_of(a.slots) == saved).all()  # the bytes that were evicted, exactly
         assert tier.stats().tokens_loaded == {"m": 16}
+    finally:
+        tier.close(flush=False)
+        arena.destroy()
+
+
+def test_an_unloaded_models_kv_is_saved_and_loads_back_after_its_reload(tmp_path) -> None:
+    import numpy as np
+
+    cache, tier, arena, kv_of = tier_setup(tmp_path)
+    try:
+        spec = cache.model("m")
+        long, short = np.arange(12, dtype=np.int32), np.arange(100, 110, dtype=np.int32)
+        slots = {}
+        for tokens in (long, short):
+            slots[len(tokens)] = cache.allocator.alloc("w", len(tokens))
+            cache.insert("m", tokens, slots[len(tokens)])
+        saved = kv_of(slots[12])
+        assert tier.save_unloaded("m") == 3 + 2  # whole 4-token chunks the store lacks
+        assert cache.unregister_model("m") == 22  # freed in the tree at once ...
+        assert tier.holds_back("w", slots[12][:1])  # ... but no batch writes them yet
+        assert tier.poll(wait=10) == []
+        assert not tier.holds_back("w", slots[12][:1])
+        assert tier.stats().chunks_saved == {
+            "capacity": 0,
+            "unload": 5,
+            "write_through": 0,
+            "shutdown": 0,
+        }
+
+        cache.register_model(spec)  # the same weights again: the same pool and chunk keys
+        req = looked_up(cache, "r", long)
+        assert req.kv_len == 0
+        plan = tier.plan_load(req)
+        assert plan is not None and not isinstance(plan, str)
+        assert (plan.start, plan.end) == (0, 12)
+        req.slots = cache.allocator.alloc("w", 12)
+        tier.start_load(req, plan)
+        assert tier.poll(wait=10) == [req] and req.kv_len == 12
+        assert (kv_of(req.slots) == saved).all()
+    finally:
+        tier.close(flush=False)
+        arena.destroy()
+
+
+def test_an_unloads_chunks_are_reported_stored_on_disk_for_the_unloaded_model(tmp_path) -> None:
+    import numpy as np
+
+    from radixmux.memory.tree_events import TreeEventLog
+    from radixmux.scheduler.disk_events import DiskEvents
+
+    cache, tier, arena, _ = tier_setup(tmp_path)
+    try:
+        cache.events = TreeEventLog()
+        tier.events = DiskEvents(cache, cache.events, tier.chunk)
+        cache.insert("m", np.arange(8, dtype=np.int32), cache.allocator.alloc("w", 8))
+        tier.save_unloaded("m")
+        cache.unregister_model("m")
+        tier.poll(wait=10)  # written once m is gone: still m's KV (a router may route there)
+        disk = [(e.kind, e.models, e.start) for e in cache.events.drain() if e.tier == "disk"]
+        assert disk == [("stored", ("m",), 0), ("stored", ("m",), 4)]
+    finally:
+        tier.close(flush=False)
+        arena.destroy()
+
+
+def test_an_unload_saves_what_the_capacity_holds_and_nothing_an_alias_keeps(tmp_path) -> None:
+    import numpy as np
+
+    from radixmux.memory.kv_disk_store import file_bytes, namespace
+    from radixmux.memory.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, "float32")  # tier_setup's
+    three_chunks = 3 * file_bytes(namespace("w", layout, 4), 4 * layout.bytes_per_token)
+    cache, tier, arena, _ = tier_setup(tmp_path, capacity=three_chunks)
+    try:
+        spec = cache.model("m")
+        old, new = np.arange(12, dtype=np.int32), np.arange(100, 112, dtype=np.int32)
+        for tokens in (old, new):  # ``new`` is the most recently used
+            cache.insert("m", tokens, cache.allocator.alloc("w", 12))
+        alias = replace(spec, name="m2")
+        cache.register_model(alias)
+        assert tier.save_unloaded("m") == 0  # m2 still uses the same KV: nothing is dropped
+        assert cache.unregister_model("m") == 0
+        assert tier.save_unloaded("m2") == 3  # what the store holds: the newest path
+        cache.unregister_model("m2")
+        tier.poll(wait=10)
+        assert len(tier.store) == 3 and tier.stats().chunks_saved["unload"] == 3
+        cache.register_model(spec)
+        for tokens, on_disk in ((new, 12), (old, 0)):
+            plan = tier.plan_load(looked_up(cache, "r", tokens))
+            assert (plan.end if plan is not None and not isinstance(plan, str) else 0) == on_disk
     finally:
         tier.close(flush=False)
         arena.destroy()

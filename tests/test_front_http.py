@@ -664,6 +664,9 @@ def test_dashboard_json_asks_the_scheduler_and_survives_its_silence(
     r = http.get("/dashboard.json")
     assert r.status_code == 200 and r.json()["stats"] is None
     assert "did not answer" in r.json()["error"]
+    # The lifecycle is the front's own: there still, every served model loaded.
+    states = {m["name"]: (m["state"], m["on_demand"]) for m in r.json()["lifecycle"]}
+    assert states == {"base": ("loaded", False), "chat": ("loaded", False)}
 
 
 def test_info_endpoints(http: httpx.Client) -> None:

@@ -19,6 +19,7 @@ import pytest
 from bench.tiny_models import make_tiny_model_dir
 from radixmux.runtime.client import Client
 from radixmux.runtime.client.engine import Engine
+from tests.test_dashboard import chromium, dump_dom
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,6 +80,12 @@ def metric(url: str, name: str, **labels: str) -> float:
         if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
             return float(m.group(2))
     return 0.0
+
+
+def lifecycle(url: str) -> dict[str, dict]:
+    """``/dashboard.json``'s model lifecycle, by model."""
+    view = httpx.get(f"{url}/dashboard.json", timeout=30).json()
+    return {m.pop("name"): m for m in view["lifecycle"]}
 
 
 def test_first_requests_share_one_load(serve: Callable[..., str], folders: dict[str, Path]) -> None:
@@ -180,8 +187,103 @@ def test_failing_load_answers_every_waiter(
     assert all("could not be loaded" in e["message"] for e in errors), errors
     assert len({e["message"] for e in errors}) == 1
     assert states(url) == {"a": "loaded", "d": "failed"}
+    assert lifecycle(url)["d"]["state"] == "failed"  # the dashboard says so too
     assert complete(url, "a").status_code == 200  # the server stays up
 
     weights.write_bytes(good)  # a later request tries again
     assert complete(url, "d").status_code == 200
     assert states(url)["d"] == "loaded"
+
+
+# Long enough for several of the disk tier's 64-token chunks.
+LONG_PROMPT = "Story: " + " ".join(f"word{j}" for j in range(300))
+
+
+def complete_long(url: str, model: str) -> dict:
+    body = {
+        "model": model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("disk", [True, False], ids=["disk-tier", "no-disk-tier"])
+def test_an_unloaded_models_cache_comes_back_from_the_disk_tier(
+    serve: Callable[..., str], tmp_path: Path, disk: bool
+) -> None:
+    flags = {"kv_disk_bytes": 1 << 30, "kv_disk_dir": str(tmp_path / "kv")} if disk else {}
+    url = serve("b", **flags)
+    before = complete_long(url, "b")
+    assert before["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    prompt_tokens = before["usage"]["prompt_tokens"]
+    assert prompt_tokens > 4 * 64
+
+    r = httpx.delete(f"{url}/models/b", timeout=120)
+    assert r.status_code == 200, r.text
+    assert states(url) == {"a": "loaded", "b": "registered"}
+    saved = 'radixmux_disk_chunks_saved_total{reason="unload"}'
+    if disk:  # the unload answers at once; the I/O thread saves in the background
+        deadline = time.monotonic() + 30.0
+        while metric(url, "radixmux_disk_chunks_saved_total", reason="unload") < 1:
+            assert time.monotonic() < deadline, f"no {saved} within 30 s"
+            time.sleep(0.1)
+        # Every whole chunk of the prompt's cached KV (one token is always computed).
+        chunks = (prompt_tokens - 1) // 64
+        assert metric(url, "radixmux_disk_chunks_saved_total", reason="unload") >= chunks
+    else:
+        assert saved not in httpx.get(f"{url}/metrics", timeout=30).text
+
+    after = complete_long(url, "b")  # loads b on demand again: the same weights
+    assert states(url)["b"] == "loaded"
+    assert metric(url, "radixmux_model_loads_total", model="b", reason="on_demand") == 2
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
+    cached = after["usage"]["prompt_tokens_details"]["cached_tokens"]
+    loaded = metric(url, "radixmux_disk_tokens_loaded_total", model="b")
+    if disk:  # the prefix came back from disk instead of being computed
+        assert cached >= chunks * 64
+        assert loaded == cached
+    else:  # as before the disk tier: a reload starts with an empty cache
+        assert cached == 0 and loaded == 0
+
+
+def test_dashboard_shows_states_loads_and_unloads(
+    serve: Callable[..., str], tmp_path: Path
+) -> None:
+    url = serve("bc")
+    assert complete(url, "b").status_code == 200
+    assert httpx.delete(f"{url}/models/b", timeout=120).status_code == 200
+    assert complete(url, "b").status_code == 200  # loaded again by its request
+    views = lifecycle(url)
+    assert {n: (v["state"], v["on_demand"]) for n, v in views.items()} == {
+        "a": ("loaded", False),
+        "b": ("loaded", True),
+        "c": ("registered", True),
+    }
+    b = views["b"]
+    assert (b["loads"], b["unloads"]) == ({"on_demand": 2}, {"manual": 1})
+    assert b["load_seconds"] > 0
+    assert views["c"]["loads"] == {} and views["a"]["unloads"] == {}
+    for reason, n in b["loads"].items():  # the figures /metrics reports
+        assert metric(url, "radixmux_model_loads_total", model="b", reason=reason) == n
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="manual") == 1
+
+    browser = chromium()
+    if browser is None:
+        pytest.skip("chromium not found (Debian: apt-get install chromium; `make setup` does it)")
+    page = dump_dom(browser, f"{url}/dashboard", tmp_path / "profile")
+    assert int(page.body.get("data-polls", "0")) >= 1, "the page never got its figures"
+
+    def shown(model: str, field: str) -> str:
+        (text,) = page.find(data_lifecycle=model, data_field=field)
+        return text
+
+    assert [shown(m, "state") for m in "abc"] == ["loaded", "loaded", "registered"]
+    assert [shown(m, "on_demand") for m in "abc"] == ["no", "yes", "yes"]
+    assert (shown("b", "loads"), shown("b", "unloads")) == ("2", "1")
+    assert shown("b", "reasons") == "loads: on_demand 2 · unloads: manual 1"
+    assert shown("b", "load_mean").endswith(" s") and shown("c", "load_mean") == "–"

@@ -391,6 +391,14 @@ def _disk_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         metric = family(name, doc)
         metric.add_metric([], float(getattr(disk, key)))
         yield metric
+    saved = CounterMetricFamily(
+        "radixmux_disk_chunks_saved",
+        "Chunks saved, by why: capacity (an eviction), unload, write_through, shutdown",
+        labels=["reason"],
+    )
+    for reason, count in sorted(disk.chunks_saved.items()):
+        saved.add_metric([reason], float(count))
+    yield saved
     loaded = _counter("radixmux_disk_tokens_loaded", "Prompt tokens loaded from disk, not computed")
     rate = _gauge(
         "radixmux_disk_hit_rate", "Prompt tokens loaded from disk / prompt tokens looked up"

@@ -3,13 +3,16 @@
 The page (``dashboard.html`` next to this module) is self-contained: no
 build step, nothing fetched but ``dashboard.json``, which it polls every
 second. It draws the arena block by block coloured by the pool (the models)
-owning each block, each model's cache and queue figures, the most shared
-prefixes of the unified tree with a text preview, and evictions by reason
-over time (the page keeps that series itself from successive polls).
+owning each block, each model's cache and queue figures, every served or
+registered model's state (loaded, loading, registered, failed) with its loads
+and unloads by reason and load time, the most shared prefixes of the unified
+tree with a text preview, and evictions by reason over time (the page keeps
+that series itself from successive polls).
 
 The JSON is one ``DashboardView``: the scheduler's ``SchedulerStats`` and
 ``DashboardSnapshot`` from one ``dashboard`` control op (so the figures are
-the ones ``/metrics`` reports), the front's queue-time histogram counts, and
+the ones ``/metrics`` reports), the front's queue-time histogram counts and
+model lifecycle (the registry's states, the load and unload counters), and
 prefix previews decoded by a tokenizer worker (cached: a prefix is decoded
 once, not at every poll).
 
@@ -24,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import msgspec
+from prometheus_client.metrics import MetricWrapperBase
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
@@ -35,6 +40,7 @@ from radixmux.runtime.api_error import APIError
 from radixmux.runtime.front.api.common import json_response
 from radixmux.runtime.front.hub import RequestHub, new_rid
 from radixmux.runtime.front.metrics import FrontMetrics
+from radixmux.runtime.front.on_demand import OnDemand
 from radixmux.runtime.front.openapi import Endpoint, Handler
 from radixmux.runtime.front.state import Front
 
@@ -53,6 +59,19 @@ class QueueTimeView(msgspec.Struct, frozen=True):
     sum_s: float
 
 
+class ModelLifecycleView(msgspec.Struct, frozen=True):
+    """One served or registered model's state, loads and unloads (by reason,
+    as ``radixmux_model_loads_total`` / ``radixmux_model_unloads_total``) and
+    the time its run-time loads took (``radixmux_model_load_seconds``)."""
+
+    name: str
+    state: str  # loaded, loading, registered or failed (its last load failed)
+    on_demand: bool  # registered: loaded by its first request, unloaded when idle
+    loads: dict[str, int]  # on_demand, manual
+    unloads: dict[str, int]  # lru, memory, idle, manual
+    load_seconds: float  # summed over its run-time loads
+
+
 class DashboardView(msgspec.Struct, frozen=True):
     """Everything one poll of ``/dashboard`` draws.
 
@@ -68,15 +87,17 @@ class DashboardView(msgspec.Struct, frozen=True):
     snapshot: protocol.DashboardSnapshot | None
     previews: list[str | None]
     queue_time: dict[str, QueueTimeView]
+    lifecycle: list[ModelLifecycleView] = msgspec.field(default_factory=list)
     error: str | None = None
 
 
 class Dashboard:
     """Builds ``DashboardView``s for one front, caching prefix previews."""
 
-    def __init__(self, hub: RequestHub, metrics: FrontMetrics) -> None:
+    def __init__(self, hub: RequestHub, metrics: FrontMetrics, on_demand: OnDemand) -> None:
         self.hub = hub
         self.metrics = metrics
+        self.on_demand = on_demand
         self._previews: dict[tuple[str, tuple[int, ...], tuple[int, ...]], str | None] = {}
 
     async def view(self) -> DashboardView:
@@ -91,19 +112,43 @@ class Dashboard:
             error = exc.message
         prefixes = snapshot.prefixes if snapshot is not None else []
         previews = list(await asyncio.gather(*(self._preview(p) for p in prefixes)))
-        return DashboardView(time.time(), stats, snapshot, previews, self.queue_times(), error)
+        return DashboardView(
+            time.time(),
+            stats,
+            snapshot,
+            previews,
+            self.queue_times(),
+            self.lifecycle(),
+            error,
+        )
 
     def queue_times(self) -> dict[str, QueueTimeView]:
         """Per model, the ``radixmux_request_queue_time_seconds`` count and sum."""
-        count: dict[str, float] = {}
-        total: dict[str, float] = {}
-        for family in self.metrics.queue_time.collect():
-            for s in family.samples:
-                if s.name.endswith("_count"):
-                    count[s.labels["model"]] = s.value
-                elif s.name.endswith("_sum"):
-                    total[s.labels["model"]] = s.value
-        return {m: QueueTimeView(int(n), total.get(m, 0.0)) for m, n in count.items()}
+        count = _samples(self.metrics.queue_time, "_count")
+        total = _samples(self.metrics.queue_time, "_sum")
+        return {key[0]: QueueTimeView(int(n), total.get(key, 0.0)) for key, n in count.items()}
+
+    def lifecycle(self) -> list[ModelLifecycleView]:
+        """Every served or registered model: its state, loads, unloads, load time."""
+        changes = self.metrics.changes
+        loads: defaultdict[str, dict[str, int]] = defaultdict(dict)
+        unloads: defaultdict[str, dict[str, int]] = defaultdict(dict)
+        for counts, metric in ((loads, changes.loads), (unloads, changes.unloads)):
+            for (model, reason), n in _samples(metric, "_total").items():
+                counts[model][reason] = int(n)
+        seconds = _samples(changes.load_seconds, "_sum")
+        registry = self.on_demand.registry
+        return [
+            ModelLifecycleView(
+                name,
+                self.on_demand.state(name) if name in registry else "loaded",
+                name in registry,
+                loads[name],
+                unloads[name],
+                seconds.get((name,), 0.0),
+            )
+            for name in sorted({*self.on_demand.served, *registry})
+        ]
 
     async def _preview(self, prefix: protocol.SharedPrefixView) -> str | None:
         if not prefix.holders or not prefix.holders[0].models:
@@ -130,9 +175,19 @@ class Dashboard:
         return reply.text or ""
 
 
+def _samples(metric: MetricWrapperBase, suffix: str) -> dict[tuple[str, ...], float]:
+    """A labelled metric's samples named ``<name><suffix>``, by their label values."""
+    return {
+        tuple(s.labels.values()): s.value
+        for family in metric.collect()
+        for s in family.samples
+        if s.name.endswith(suffix)
+    }
+
+
 def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     """``/dashboard`` (the page, open) and ``/dashboard.json`` (its figures)."""
-    view = Dashboard(front.hub, front.metrics)
+    view = Dashboard(front.hub, front.metrics, front.on_demand)
 
     async def dashboard_page(request: Request) -> Response:
         return HTMLResponse(DASHBOARD_PAGE)
