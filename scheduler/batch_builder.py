@@ -166,28 +166,36 @@ class BatchBuilder:
         the running requests' remaining decode steps, after which the waiting
         prompts prefill together and decode together undisturbed (the cohorts
         vLLM's schedule falls into). Wait when that wait, from measured step
-        times, is at most ``prefill_wait_ratio`` x the delay. The wait is
-        bounded: nothing is admitted meanwhile, so the running set only drains.
+        times, is at most ``prefill_wait_ratio`` x the delay, and only while
+        the waiting prompts fit one full step: past that they prefill over
+        several steps anyway, the later chunks delaying the earlier prompts'
+        tokens, so waiting would add to their first token and save nothing.
+        The wait is bounded: nothing is admitted meanwhile, so the running set
+        only drains.
         """
         ratio = self.limits.prefill_wait_ratio
         costs = runner.costs
         if not ratio or not waiting or budget <= 0 or not costs.known:
             return False
+        step = self.limits.chunked_prefill_size
+        queued = self._uncached_tokens(waiting, step + 1)
+        if queued > step:
+            return False
         steps_left = max(r.params.max_new_tokens - len(r.output_ids) for r in runner.running)
         wait_ms = steps_left * costs.decode_ms
-        return wait_ms <= ratio * costs.prefill_ms(self._uncached_tokens(waiting, budget))
+        return wait_ms <= ratio * costs.prefill_ms(min(queued, budget))
 
-    def _uncached_tokens(self, waiting: list[Req], budget: int) -> int:
-        """Prompt tokens the next admissions would prefill (up to ``budget``),
-        from a look at the cache that locks nothing."""
+    def _uncached_tokens(self, waiting: list[Req], limit: int) -> int:
+        """Prompt tokens the waiting requests would prefill (counted up to
+        ``limit``), from a look at the cache that locks nothing."""
         total = 0
         for req in waiting:
             cached = 0
             if self.kv.use_cache:
                 cached = self.kv.cache.match(req.model, req.input_ids, record=False).length
             total += len(req.input_ids) - cached
-            if total >= budget:
-                return budget
+            if total >= limit:
+                return limit
         return total
 
     def _prefix_groups(self, reqs: list[Req], chunks: list[int]) -> list[PrefixGroup]:

@@ -172,6 +172,19 @@ def test_waiting_counts_only_the_uncached_part_of_a_prompt() -> None:
     assert b.waits_for_decodes == 0
 
 
+def test_no_wait_when_the_waiting_prompts_need_more_than_one_step() -> None:
+    """Prompts that need several steps delay the running requests' tokens
+    anyway (and each other's): waiting would only delay their first token."""
+    b = builder(chunked=256, wait_ratio=0.5)
+    runner = RunnerState("m#0", "m", state="up")
+    runner.costs = StepCosts(decode_ms=10.0, prefill_ms_per_token=1.0)
+    waiting = [request("first", list(range(1, 41)), max_new_tokens=3)]
+    run(b, runner, waiting)
+    waiting += [request("a", list(range(100, 300))), request("b", list(range(300, 400)))]
+    assert run(b, runner, waiting) == [("first", 1), ("a", 200), ("b", 55)]
+    assert b.waits_for_decodes == 0
+
+
 def test_no_wait_before_costs_are_measured() -> None:
     b = builder(chunked=256, wait_ratio=10.0)
     runner = RunnerState("m#0", "m", state="up")
