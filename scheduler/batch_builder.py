@@ -48,6 +48,13 @@ log = logging.getLogger("radixmux.scheduler")
 IN_BATCH_SHARE_TOKENS = 32
 # Admission keeps room for this many future decode tokens x conservativeness.
 DECODE_RESERVE_TOKENS = 64
+# New prompts wait for finishing decodes only while they fit this many full
+# steps (``chunked_prefill_size``): one step is too tight, as prompts of a
+# closed-loop cohort come a few tokens over it (vLLM's random 512-token prompts,
+# 4 at a time, are ~2,060 tokens after tokenization), and larger cohorts cost
+# their first tokens more than they save the running requests (random c=16:
+# TTFT p50 1.8 -> 4.6 s for TPOT 150 -> 63 ms; docs/journal.md).
+WAIT_MAX_STEPS = 2
 # Decodes sharing at least this many cached tokens read them once per step.
 MIN_SHARED_PREFIX = 32
 
@@ -167,9 +174,9 @@ class BatchBuilder:
         prompts prefill together and decode together undisturbed (the cohorts
         vLLM's schedule falls into). Wait when that wait, from measured step
         times, is at most ``prefill_wait_ratio`` x the delay, and only while
-        the waiting prompts fit one full step: past that they prefill over
-        several steps anyway, the later chunks delaying the earlier prompts'
-        tokens, so waiting would add to their first token and save nothing.
+        the waiting prompts fit ``WAIT_MAX_STEPS`` full steps: past that they
+        prefill over many steps anyway, the later chunks delaying the earlier
+        prompts' tokens, so waiting would mostly add to their first token.
         The wait is bounded: nothing is admitted meanwhile, so the running set
         only drains.
         """
@@ -177,9 +184,9 @@ class BatchBuilder:
         costs = runner.costs
         if not ratio or not waiting or budget <= 0 or not costs.known:
             return False
-        step = self.limits.chunked_prefill_size
-        queued = self._uncached_tokens(waiting, step + 1)
-        if queued > step:
+        most = WAIT_MAX_STEPS * self.limits.chunked_prefill_size
+        queued = self._uncached_tokens(waiting, most + 1)
+        if queued > most:
             return False
         steps_left = max(r.params.max_new_tokens - len(r.output_ids) for r in runner.running)
         wait_ms = steps_left * costs.decode_ms

@@ -180,8 +180,8 @@ def test_no_wait_when_the_waiting_prompts_need_more_than_one_step() -> None:
     runner.costs = StepCosts(decode_ms=10.0, prefill_ms_per_token=1.0)
     waiting = [request("first", list(range(1, 41)), max_new_tokens=3)]
     run(b, runner, waiting)
-    waiting += [request("a", list(range(100, 300))), request("b", list(range(300, 400)))]
-    assert run(b, runner, waiting) == [("first", 1), ("a", 200), ("b", 55)]
+    waiting += [request(f"p{i}", list(range(100 * i, 100 * i + 200))) for i in range(1, 4)]
+    assert run(b, runner, waiting) == [("first", 1), ("p1", 200), ("p2", 55)]
     assert b.waits_for_decodes == 0
 
 
