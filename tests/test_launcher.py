@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -173,9 +174,16 @@ def test_engine_generates_survives_runner_death_stops_on_core_death(tiny):
 @needs_stack
 @pytest.mark.timeout(90)
 def test_launch_py_serves_and_stops_on_sigint(tiny, tmp_path):
+    # The runtime dir outside tmp_path: socket paths are limited to ~107 bytes,
+    # and pytest-xdist's worker folder (popen-gw0/) makes tmp_path too long.
+    with tempfile.TemporaryDirectory(prefix="rmx-") as short:
+        _launch_py_serves_and_stops_on_sigint(tiny, tmp_path, Path(short) / "rt")
+
+
+def _launch_py_serves_and_stops_on_sigint(tiny, tmp_path: Path, runtime: Path) -> None:
     cmd = [sys.executable, str(REPO / "launch.py"), "--model", f"{tiny['a']},name=tiny"]
     cmd += ["--kv-cache-bytes", str(8 << 20), "--kv-block-bytes", str(64 << 10), "--port", "0"]
-    cmd += ["--runtime-dir", str(tmp_path / "rt")]
+    cmd += ["--runtime-dir", str(runtime)]
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -194,7 +202,7 @@ def test_launch_py_serves_and_stops_on_sigint(tiny, tmp_path):
     assert len(pids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
-    assert not (tmp_path / "rt").exists()
+    assert not runtime.exists()
     assert arena_files(proc.pid) == []
 
 
