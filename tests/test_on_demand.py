@@ -287,3 +287,21 @@ def test_dashboard_shows_states_loads_and_unloads(
     assert (shown("b", "loads"), shown("b", "unloads")) == ("2", "1")
     assert shown("b", "reasons") == "loads: on_demand 2 · unloads: manual 1"
     assert shown("b", "load_mean").endswith(" s") and shown("c", "load_mean") == "–"
+
+
+def test_a_manual_load_makes_room_like_an_on_demand_one(
+    serve: Callable[..., str], folders: dict[str, Path]
+) -> None:
+    """``POST /models`` (not on demand) counts against ``--max-loaded-models``:
+    it unloads the idle on-demand model first; with no on-demand model left to
+    unload it is refused (503 no_room) and nothing more is loaded."""
+    url = serve("b", max_loaded_models=2)
+    assert complete(url, "b").status_code == 200
+    assert states(url) == {"a": "loaded", "b": "loaded"}
+    r = httpx.post(f"{url}/models", json={"source": str(folders["c"]), "name": "c"}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="lru") == 1
+    r = httpx.post(f"{url}/models", json={"source": str(folders["d"]), "name": "d"}, timeout=180)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_room", r.text
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}

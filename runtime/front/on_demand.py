@@ -8,9 +8,10 @@ for it during the load shares that one load, and all get the same 503 if it
 fails (its state is then ``failed``; the next request tries again).
 
 Only on-demand models are ever unloaded automatically; models loaded at start
-(or by ``POST /models`` without ``load``) stay until ``DELETE``. Before an
-on-demand load, with ``--max-loaded-models`` models loaded, the least recently
-used *idle* on-demand model is unloaded: idle means no request in flight or
+(or by ``POST /models`` without ``load``) stay until ``DELETE``. Before any
+load at run time (on demand or by ``POST /models``), with
+``--max-loaded-models`` models loaded, the least recently used *idle*
+on-demand model is unloaded: idle means no request in flight or
 about to be submitted, and no pinned warm-up prefix. When only busy models
 could make room the load waits for one to turn idle (within
 ``--model-load-timeout``); when none ever could, it fails at once (503). A
@@ -26,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -43,6 +45,7 @@ from radixmux.runtime.model_sources import resolve_model as resolve_model_arg
 log = logging.getLogger("radixmux.front")
 
 STATES = ("loaded", "loading", "registered", "failed")
+T = TypeVar("T")
 # How often a load that waits for a busy model to turn idle looks again.
 ROOM_POLL_S = 0.05
 
@@ -194,6 +197,17 @@ class OnDemand:
             entry.load = None
 
     # ---- making room -----------------------------------------------------------------
+    async def load_with_room(self, name: str, load: Callable[[], Awaitable[T]]) -> T:
+        """A load that is not on demand (``POST /models``) counts against
+        ``--max-loaded-models`` too: room is made as for an on-demand load
+        (least recently used idle on-demand model first; 503 ``no_room`` when
+        none can go), and no on-demand load takes the room meanwhile."""
+        if name in self.served:  # the load answers 409: nothing to make room for
+            return await load()
+        async with self.room:
+            await self._make_room(name, time.monotonic() + self.args.model_load_timeout)
+            return await load()
+
     async def _make_room(self, loading: str, deadline: float) -> None:
         """Unload LRU idle on-demand models until one more fits ``--max-loaded-models``."""
         limit = self.args.max_loaded_models

@@ -13,6 +13,7 @@ import math
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixmux.common.server_args import default_model_name
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelChange, ReloadModelBody
 from radixmux.runtime.front.api.common import json_response
@@ -47,7 +48,8 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
             raise APIError(
                 400, "load must be 'start' or 'on_demand' (keep_alive: only on demand)", "load"
             )
-        return json_response(await manager.load(req))
+        name = req.name if req.name is not None else default_model_name(req.source)
+        return json_response(await front.on_demand.load_with_room(name, lambda: manager.load(req)))
 
     async def unload(request: Request) -> Response:
         name = request.path_params["name"]
