@@ -59,6 +59,7 @@ def check_block_options(cache: RadixCache, pool: str) -> None:
 
 
 def walk_entries(cache: RadixCache):
+    """Every (node, generation id, entry) in the tree."""
     stack = list(cache._roots.values())
     while stack:
         node = stack.pop()

@@ -21,6 +21,7 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import CacheHandle, ModelSpec, RadixCache
 from radixmux.memory.radix_diagnostics import check_invariants
+from tests.test_evict_cycles import walk_entries
 
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8)  # 64 slots per 4 KiB block
 WIDE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8)  # 32 slots per block
@@ -33,21 +34,12 @@ MODELS = (
 NAMES = [m.name for m in MODELS]
 
 
-def entries(cache: RadixCache):
-    """Every (node, generation id, entry) in the tree."""
-    stack = list(cache._roots.values())
-    while stack:
-        node = stack.pop()
-        yield from ((node, gid, e) for gid, e in node.entries.items())
-        stack.extend(node.children.values())
-
-
 def recount_emptiable(cache: RadixCache, pool: str) -> set[int]:
     """Other pools' blocks whose every used slot an unlocked entry holds, from scratch."""
     alloc = cache.allocator
     held: dict[int, int] = {}
     locked: set[int] = set()
-    for _, gid, entry in entries(cache):
+    for _, gid, entry in walk_entries(cache):
         owner = cache._generations[gid].pool
         if owner == pool:
             continue
@@ -149,7 +141,7 @@ def test_incremental_counts_equal_a_recount(page: int, policy: str, ops: list[tu
             cache.invalidate(step[1])
         elif kind == "flush":
             cache.flush()
-        cache._evictor.check(entries(cache))
+        cache._evictor.check(walk_entries(cache))
         for spec in MODELS:
             offered = {o.block for o in cache._evictor.emptiable_blocks(spec.pool)}
             assert offered == recount_emptiable(cache, spec.pool)
@@ -157,7 +149,7 @@ def test_incremental_counts_equal_a_recount(page: int, policy: str, ops: list[tu
     while locks:
         cache.unlock(locks.pop())
     cache.flush()
-    cache._evictor.check(entries(cache))
+    cache._evictor.check(walk_entries(cache))
     assert cache.allocator.usage().free_blocks == cache.allocator.num_blocks
 
 
@@ -172,15 +164,15 @@ def test_the_recount_catches_drift() -> None:
     m = cache.match("a", tokens[:20])  # splits the edge
     cache.lock(m.handle)
     ev = cache._evictor
-    ev.check(entries(cache))
+    ev.check(walk_entries(cache))
     block = int(slots[0]) // 64
     for index in (ev._tally, ev._locks_in, ev._lock_mask):
         index[block] = not index[block] if index is ev._lock_mask else index[block] + 1
         with pytest.raises(AssertionError):
-            ev.check(entries(cache))
+            ev.check(walk_entries(cache))
         index[block] = not index[block] if index is ev._lock_mask else index[block] - 1
-    ev.check(entries(cache))
+    ev.check(walk_entries(cache))
     cache.unlock(m.handle)
     cache.flush()
-    ev.check(entries(cache))
+    ev.check(walk_entries(cache))
     assert not ev._tally.any() and not any(ev._locks_in) and not ev._lock_mask.any()
