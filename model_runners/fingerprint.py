@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import torch
@@ -50,9 +51,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """
     h = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        _hash_tensor(h, name, tensor)
     return h.hexdigest()
 
 
@@ -142,9 +141,7 @@ def _normalized(value: Any, is_config: bool = False) -> Any:
     if isinstance(value, dict):
         is_config = is_config or "model_type" in value
         return {
-            str(k): _normalized(v)
-            for k, v in value.items()
-            if not (is_config and k in _NOT_KV)
+            str(k): _normalized(v) for k, v in value.items() if not (is_config and k in _NOT_KV)
         }
     if isinstance(value, (list, tuple)):
         return [_normalized(v) for v in value]
@@ -171,3 +168,71 @@ def kv_share_key(model: torch.nn.Module) -> str:
     h.update(b"\0class\0" + f"{type(model).__module__}.{type(model).__qualname__}".encode())
     h.update(b"\0config\0" + _canonical(kv_config(model.config)))
     return h.hexdigest()
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """The module that holds the decoder layers, and the layers (the ModuleList
+    named ``layers`` with ``num_hidden_layers`` entries)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    n = int(config.num_hidden_layers)
+    for parent in model.modules():
+        layers = getattr(parent, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+            return parent, layers
+    raise ValueError(f"{type(model).__name__}: no ModuleList of {n} decoder layers found")
+
+
+def layer_chain(model: torch.nn.Module) -> list[str]:
+    """Cumulative fingerprints of the layer stack: entry ``i`` hashes what the
+    K/V (and the hidden state) of layers ``0..i`` depend on.
+
+    Entry ``i`` covers the model class, the K/V-relevant config (``kv_config``),
+    every tensor outside the layer stack that feeds it (embeddings, rotary
+    tables, anything not after the stack) and the tensors of layers ``0..i``.
+    Left out: the stack's final norm and an untied output head, which only the
+    logits read. Two models with equal entry ``k - 1`` therefore produce
+    identical K/V in layers ``0..k-1`` for the same tokens, whatever their
+    upper layers (fine-tunes that froze the lower layers), so those layers'
+    K/V can be stored once for both (``scheduler/layer_groups.py``).
+    """
+    decoder, layers = _decoder_layers(model)
+    after: set[int] = set()
+    norm = getattr(decoder, "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        after |= {id(p) for p in norm.parameters()}
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None:
+        inputs = {id(p) for p in embed.parameters()} if embed is not None else set()
+        after |= {id(p) for p in head.parameters()} - inputs
+    per_layer: dict[int, list[tuple[str, torch.Tensor]]] = {i: [] for i in range(len(layers))}
+    base = hashlib.blake2b(digest_size=16)
+    base.update(f"{type(model).__module__}.{type(model).__qualname__}\0".encode())
+    base.update(_canonical(kv_config(model.config)))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, tensor in sorted(named.items()):
+        found = _LAYER_INDEX.search(name)
+        if found is not None and int(found.group(1)) in per_layer:
+            # The name inside its layer, so two layers' keys do not depend on
+            # where the stack sits in the module tree.
+            per_layer[int(found.group(1))].append((name[found.end() :], tensor))
+        elif id(tensor) not in after:
+            _hash_tensor(base, name, tensor)
+    chain, prev = [], base.hexdigest()
+    for i in range(len(layers)):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(prev.encode())
+        for name, tensor in per_layer[i]:
+            _hash_tensor(h, name, tensor)
+        prev = h.hexdigest()
+        chain.append(prev)
+    return chain
+
+
+def _hash_tensor(h: Any, name: str, tensor: torch.Tensor) -> None:
+    t = tensor.detach().to("cpu").contiguous()
+    h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -12,7 +12,11 @@ import torch
 from radixmux.common.tokenizer_load import load_tokenizer
 from radixmux.memory.layout import KVLayout
 from radixmux.model_runners import fetch
-from radixmux.model_runners.fingerprint import kv_share_key, tokenizer_fingerprint
+from radixmux.model_runners.fingerprint import (
+    kv_share_key,
+    layer_chain,
+    tokenizer_fingerprint,
+)
 from radixmux.model_runners.fused_ops import fuse_model
 from radixmux.model_runners.info import eos_ids, sliding_windows
 from radixmux.model_runners.packed_linear import pack_linear_weights
@@ -76,6 +80,7 @@ def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> 
         dtype=dtype,
         device=device,
         weight_bytes=weight_bytes(model),
+        layer_keys=layer_chain(model),
     )
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from radixmux.model_runners.paged_attention import (
     ATTN_NAME,
     DecodeGroups,
     ExtendSeq,
+    LayerGroups,
     PagedBatch,
     paged_batch,
 )
@@ -56,6 +58,7 @@ class _Seq:
     num_output: int  # tokens generated so far
     stop_ids: np.ndarray  # stop token ids (int64)
     bias: np.ndarray  # logit bias records (protocol.BIAS_RECORD)
+    lower_slots: list[np.ndarray]  # per lower layer group (ForwardBatch.layer_splits)
 
 
 class ModelRunner:
@@ -74,6 +77,7 @@ class ModelRunner:
         grammar_compile_timeout: float = COMPILE_TIMEOUT_S,
         jump_forward: bool = False,
         deterministic: bool = False,
+        view_for: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         layout = loaded.info.layout
         expect = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
@@ -87,6 +91,10 @@ class ModelRunner:
         self.store = KVStore(kv)
         self.slots_per_block = self.store.slots_per_block
         self.num_slots = self.store.num_slots
+        # The arena seen with a layout of n of this model's layers, for layer
+        # groups stored apart (ForwardBatch.layer_splits); None: never split.
+        self.view_for = view_for
+        self._group_stores: dict[int, KVStore] = {layout.num_layers: self.store}
         self.device = next(self.model.parameters()).device
         self.use_kernel = self._pick_kernel(attention_backend)
         # Batch-invariant arithmetic (batch_invariance.py): refused here, at
@@ -149,7 +157,8 @@ class ModelRunner:
         return False
 
     # ---- validation -------------------------------------------------------
-    def _decode(self, seq: SeqInput) -> _Seq:
+    def _decode(self, seq: SeqInput, stores: Sequence[KVStore]) -> _Seq:
+        """``seq`` checked and unpacked; ``stores`` are its layer groups' (top last)."""
         tokens = unpack_ids(seq.new_tokens)
         slots = unpack_ids(seq.slots)
         n = len(tokens)
@@ -157,12 +166,20 @@ class ModelRunner:
             raise BatchError(f"{seq.rid}: no new tokens")
         if len(slots) < n:
             raise BatchError(f"{seq.rid}: {len(slots)} slots for {n} new tokens")
-        if slots.min() < 0 or slots.max() >= self.num_slots:
-            raise BatchError(f"{seq.rid}: slot ids outside [0, {self.num_slots})")
+        if len(seq.lower_slots) != len(stores) - 1:
+            raise BatchError(
+                f"{seq.rid}: {len(seq.lower_slots)} lower slot lists for {len(stores)} layer groups"
+            )
+        lower = [unpack_ids(x) for x in seq.lower_slots]
+        for ids, store in zip([*lower, slots], stores, strict=True):
+            if len(ids) != len(slots):
+                raise BatchError(f"{seq.rid}: layer groups with {len(ids)} and {len(slots)} slots")
+            if ids.min() < 0 or ids.max() >= store.num_slots:
+                raise BatchError(f"{seq.rid}: slot ids outside [0, {store.num_slots})")
+            if len(np.unique(ids)) != len(ids):
+                raise BatchError(f"{seq.rid}: repeated slot ids")
         if tokens.min() < 0 or tokens.max() >= self.info.vocab_size:
             raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")
-        if len(np.unique(slots)) != len(slots):
-            raise BatchError(f"{seq.rid}: repeated slot ids")
         output_ids = unpack_ids(seq.output_ids)
         num_output = len(output_ids) if seq.num_output < 0 else seq.num_output
         # Packed by the scheduler (one array op per step, whatever their length);
@@ -174,43 +191,79 @@ class ModelRunner:
         bias = unpack_bias(seq.logit_bias)
         if p.logit_bias:
             bias = np.concatenate([bias, unpack_bias(pack_bias(p.logit_bias))])
-        return _Seq(tokens, slots, len(slots) - n, output_ids, num_output, stop_ids, bias)
+        return _Seq(tokens, slots, len(slots) - n, output_ids, num_output, stop_ids, bias, lower)
 
     # ---- batch preparation -----------------------------------------------
+    def _stores(self, splits: Sequence[int]) -> list[KVStore]:
+        """The KV store of each layer group of a batch cut at ``splits`` (top last)."""
+        num_layers = self.info.layout.num_layers
+        if not splits:
+            return [self.store]
+        if list(splits) != sorted(set(splits)) or splits[0] <= 0 or splits[-1] >= num_layers:
+            raise BatchError(f"layer splits {list(splits)} are not increasing in (0, {num_layers})")
+        if self.view_for is None:
+            raise BatchError("this runner cannot store its layers in groups")
+        bounds = [0, *splits, num_layers]
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            if b - a not in self._group_stores:
+                self._group_stores[b - a] = KVStore(self.view_for(b - a))
+            out.append(self._group_stores[b - a])
+        return out
+
     def _paged_batch(
-        self, seqs: list[_Seq], groups: Sequence[PrefixGroup] = ()
-    ) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
-        store = self.store
-        dev = self.kv.device  # metadata lives where the arena does (cpu today, cuda later)
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=torch.int64).to(dev)
-
+        self, seqs: list[_Seq], groups: Sequence[PrefixGroup] = (), splits: Sequence[int] = ()
+    ) -> tuple[PagedBatch | LayerGroups, torch.Tensor, torch.Tensor]:
+        """The batch's attention metadata (one ``PagedBatch`` per layer group),
+        its token ids and positions."""
         lens = [len(s.tokens) for s in seqs]
         row0 = np.concatenate([[0], np.cumsum(lens)])
         input_ids = np.concatenate([s.tokens for s in seqs])
         positions = np.concatenate(
             [np.arange(s.start_pos, s.start_pos + len(s.tokens)) for s in seqs]
         )
-        new_slots = np.concatenate([s.slots[-len(s.tokens) :] for s in seqs])
-
         dec = [i for i, n in enumerate(lens) if n == 1]
-        dec_slots = np.concatenate([seqs[i].slots for i in dec]) if dec else np.zeros(0, np.int64)
-        dec_offsets = np.concatenate([[0], np.cumsum([len(seqs[i].slots) for i in dec])])
+        dec_groups = self._decode_groups(dec, groups)
+        stores = self._stores(splits)
+        batches = []
+        for g, store in enumerate(stores):
+            top = g == len(stores) - 1
+            slots = [s.slots if top else s.lower_slots[g] for s in seqs]
+            batches.append(self._group_batch(store, slots, lens, row0, positions, dec, dec_groups))
+        batch = batches[0] if len(batches) == 1 else LayerGroups((0, *splits), tuple(batches))
+        return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
 
+    def _group_batch(
+        self,
+        store: KVStore,
+        slots: list[np.ndarray],
+        lens: list[int],
+        row0: np.ndarray,
+        positions: np.ndarray,
+        dec: list[int],
+        dec_groups: DecodeGroups | None,
+    ) -> PagedBatch:
+        """One layer group's ``PagedBatch``: ``slots[i]`` is sequence i's context in ``store``."""
+        dev = self.kv.device  # metadata lives where the arena does (cpu today, cuda later)
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(a, dtype=torch.int64).to(dev)
+
+        new_slots = np.concatenate([s[-n:] for s, n in zip(slots, lens, strict=True)])
+        dec_slots = np.concatenate([slots[i] for i in dec]) if dec else np.zeros(0, np.int64)
+        dec_offsets = np.concatenate([[0], np.cumsum([len(slots[i]) for i in dec])])
         extends = []
         for i, n in enumerate(lens):
             if n == 1:
                 continue
-            s = seqs[i]
-            end = s.start_pos + n
+            end = int(positions[row0[i]]) + n
             extends.append(
                 ExtendSeq(
                     start=int(row0[i]),
                     end=int(row0[i + 1]),
-                    addr=store.address(t(s.slots)),
-                    k_pos=torch.arange(end - len(s.slots), end, device=dev),
-                    q_pos=torch.arange(s.start_pos, end, device=dev),
+                    addr=store.address(t(slots[i])),
+                    k_pos=torch.arange(end - len(slots[i]), end, device=dev),
+                    q_pos=torch.arange(end - n, end, device=dev),
                 )
             )
         batch = PagedBatch(
@@ -223,11 +276,11 @@ class ModelRunner:
             extends=extends,
             use_kernel=self.use_kernel,
             deterministic=self.deterministic,
-            dec_groups=self._decode_groups(dec, groups),
+            dec_groups=dec_groups,
         )
-        if batch.dec_groups is not None:
-            batch.dec_groups.check(batch.dec_slots, batch.dec_offsets)
-        return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
+        if dec_groups is not None:
+            dec_groups.check(batch.dec_slots, batch.dec_offsets)
+        return batch
 
     def _decode_groups(self, dec: list[int], groups: Sequence[PrefixGroup]) -> DecodeGroups | None:
         """The batch's prefix groups as decode positions (None: nothing shared,
@@ -247,7 +300,7 @@ class ModelRunner:
     def logits(self, seqs: list[SeqInput], rows: list[int] | None = None) -> torch.Tensor:
         """Run the batch; return float32 logits ``[len(rows), vocab]`` at each
         listed sequence's last new token (default: every sequence)."""
-        decoded = [self._decode(s) for s in seqs]
+        decoded = [self._decode(s, [self.store]) for s in seqs]
         return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)[0]
 
     def _logits(
@@ -256,11 +309,12 @@ class ModelRunner:
         rows: list[int],
         groups: Sequence[PrefixGroup] = (),
         every: Sequence[int] = (),
+        splits: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run the batch; float32 logits ``[len(rows), vocab]`` at each listed
         sequence's last new token, and for each of ``every`` (prompt logprobs)
         its logits at every new token."""
-        batch, input_ids, positions = self._paged_batch(seqs, groups)
+        batch, input_ids, positions = self._paged_batch(seqs, groups, splits)
         ends = np.cumsum([len(s.tokens) for s in seqs])
         if every:
             spans = [np.arange(ends[i] - len(seqs[i].tokens), ends[i]) for i in every]
@@ -298,19 +352,23 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         try:
-            seqs = [self._decode(s) for s in fb.seqs]
+            stores = self._stores(fb.layer_splits)
+            seqs = [self._decode(s, stores) for s in fb.seqs]
             if not seqs:
                 raise BatchError("empty batch")
         except BatchError as exc:
             return ForwardResult(fb.batch_id, error=str(exc))
         try:
-            outputs, t1 = self._run(fb.seqs, seqs, fb.prefix_groups)
+            outputs, t1 = self._run(fb.seqs, seqs, fb.prefix_groups, fb.layer_splits)
         except Exception as exc:
             log.exception("batch %d failed", fb.batch_id)
             if len(seqs) == 1:
                 outputs = [SeqOutput(fb.seqs[0].rid, -1, error=_describe(exc))]
             else:  # find the sequences that fail on their own
-                outputs = [self._run_alone(s, d) for s, d in zip(fb.seqs, seqs, strict=True)]
+                outputs = [
+                    self._run_alone(s, d, fb.layer_splits)
+                    for s, d in zip(fb.seqs, seqs, strict=True)
+                ]
             t1 = time.perf_counter()
         t2 = time.perf_counter()
         return ForwardResult(
@@ -321,16 +379,20 @@ class ModelRunner:
             threads=torch.get_num_threads(),
         )
 
-    def _run_alone(self, seq: SeqInput, decoded: _Seq) -> SeqOutput:
+    def _run_alone(self, seq: SeqInput, decoded: _Seq, splits: Sequence[int]) -> SeqOutput:
         """One sequence of a failed batch, run by itself: its output or its error."""
         try:
-            return self._run([seq], [decoded])[0][0]
+            return self._run([seq], [decoded], (), splits)[0][0]
         except Exception as exc:
             log.exception("rid=%s failed on its own", seq.rid)
             return SeqOutput(seq.rid, -1, error=_describe(exc))
 
     def _run(
-        self, inputs: list[SeqInput], seqs: list[_Seq], groups: Sequence[PrefixGroup] = ()
+        self,
+        inputs: list[SeqInput],
+        seqs: list[_Seq],
+        groups: Sequence[PrefixGroup] = (),
+        splits: Sequence[int] = (),
     ) -> tuple[list[SeqOutput], float]:
         """Forward and sample some sequences; returns the outputs and when the
         forward ended (``perf_counter``)."""
@@ -339,7 +401,7 @@ class ModelRunner:
         params = [inputs[i].params for i in rows]
         outs = [seqs[i].output_ids for i in rows]
         pending = self._start_masks([inputs[i].rid for i in rows], params, outs)
-        logits, prompt_logits = self._logits(seqs, rows, groups, scored)
+        logits, prompt_logits = self._logits(seqs, rows, groups, scored, splits)
         t1 = time.perf_counter()
         masks = pending.result() if pending is not None else None
         steps = [seqs[i].num_output for i in rows]

@@ -30,6 +30,7 @@ window) is made here from positions.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 from collections.abc import Iterator, Sequence
@@ -258,7 +259,23 @@ class PagedBatch:
         return self.dec_masks[window]
 
 
-_current: PagedBatch | None = None
+@dataclass(frozen=True)
+class LayerGroups:
+    """A forward whose model keeps its K/V in several layer groups, each in
+    its own slots (models sharing lower layers, ``ForwardBatch.layer_splits``):
+    group ``g`` holds layers ``starts[g]`` up to the next start, and
+    ``batches[g]`` addresses them (its layer ``0`` is layer ``starts[g]``)."""
+
+    starts: tuple[int, ...]
+    batches: tuple[PagedBatch, ...]
+
+    def route(self, layer: int) -> tuple[PagedBatch, int]:
+        """The batch that holds ``layer``, and the layer's index inside it."""
+        g = bisect.bisect_right(self.starts, layer) - 1
+        return self.batches[g], layer - self.starts[g]
+
+
+_current: PagedBatch | LayerGroups | None = None
 
 
 def active() -> bool:
@@ -267,7 +284,7 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def paged_batch(batch: PagedBatch) -> Iterator[None]:
+def paged_batch(batch: PagedBatch | LayerGroups) -> Iterator[None]:
     """Make ``batch`` the metadata the attention function uses during a forward."""
     global _current
     previous, _current = _current, batch
@@ -398,10 +415,13 @@ def paged_attention_forward(
     ``query`` is ``[1, heads, T, head_dim]``, ``key``/``value`` ``[1, kv_heads,
     T, head_dim]`` for the packed batch; returns ``[1, T, heads, head_dim]``.
     """
-    batch = _current
-    if batch is None:
+    current = _current
+    if current is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside a paged_batch() context")
-    layer = module.layer_idx
+    if isinstance(current, LayerGroups):
+        batch, layer = current.route(module.layer_idx)
+    else:
+        batch, layer = current, module.layer_idx
     store = batch.store
     store.write(layer, batch.write_addr, key[0].transpose(0, 1), value[0].transpose(0, 1))
 

@@ -18,12 +18,14 @@ or start with :func:`spawn_runner`.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -31,6 +33,12 @@ from radixmux.common.cpu import cpu_cores
 from radixmux.common.heap import trim_heap
 from radixmux.common.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
 from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.layout import BlockGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+    from radixmux.memory.arena import KVArena
 
 PARENT_CHECK_MS = 1000
 
@@ -98,7 +106,6 @@ def serve(config: RunnerConfig) -> int:
     encoder = msgspec.msgpack.Encoder()
     try:
         from radixmux.memory.arena import KVArena
-        from radixmux.memory.layout import BlockGeometry
         from radixmux.model_runners.loader import load_model
         from radixmux.model_runners.model_runner import ModelRunner
 
@@ -120,6 +127,7 @@ def serve(config: RunnerConfig) -> int:
             grammar_compile_timeout=config.grammar_compile_timeout,
             jump_forward=config.jump_forward,
             deterministic=config.deterministic,
+            view_for=functools.partial(_group_view, arena, geometry),
         )
         t0 = time.perf_counter()
         arena.populate()  # no page faults on K/V writes while serving
@@ -214,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _group_view(arena: KVArena, geometry: BlockGeometry, num_layers: int) -> torch.Tensor:
+    """The arena seen with ``num_layers`` of the model's layers per slot (a layer group)."""
+    layout = msgspec.structs.replace(geometry.layout, num_layers=num_layers)
+    return arena.view(BlockGeometry(layout, geometry.block_bytes, geometry.page_size))
 
 
 if __name__ == "__main__":

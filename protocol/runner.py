@@ -35,6 +35,9 @@ class SeqInput(msgspec.Struct, frozen=True):
     # Tokens generated so far. ``output_ids`` holds them only when penalties
     # count them (-1: as many as ``output_ids`` holds).
     num_output: int = -1
+    # With ``ForwardBatch.layer_splits``: the slots of each lower layer group,
+    # lowest first, as ``slots`` is for the top group (same length).
+    lower_slots: list[bytes] = msgspec.field(default_factory=list)
 
 
 class PrefixGroup(msgspec.Struct, frozen=True):
@@ -56,6 +59,11 @@ class ForwardBatch(msgspec.Struct, tag="forward", frozen=True):
     # scheduler gives a runner more cores while the others have no work.
     threads: int = 0
     prefix_groups: list[PrefixGroup] = msgspec.field(default_factory=list)
+    # Layers where the model's K/V is cut into groups stored apart (models
+    # sharing their lower layers, scheduler/layer_groups.py): layers
+    # ``[0, s0)`` read ``SeqInput.lower_slots[0]``, ..., layers ``[s_last,
+    # num_layers)`` read ``SeqInput.slots``. Empty: one group.
+    layer_splits: list[int] = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):

@@ -45,6 +45,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # Bytes of its parameters and buffers as loaded (a tied matrix once),
     # before the runner repacks them: what its memory is measured against.
     weight_bytes: int = 0
+    # Cumulative fingerprints of the layer stack (``fingerprint.layer_chain``):
+    # models with equal entry ``k - 1`` compute identical K/V in layers 0..k-1.
+    layer_keys: list[str] = msgspec.field(default_factory=list)
 
 
 class Constraint(msgspec.Struct, frozen=True):

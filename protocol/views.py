@@ -66,6 +66,24 @@ class DiskTierStats(msgspec.Struct, frozen=True):
     chunks_saved: dict[str, int] = msgspec.field(default_factory=dict)
 
 
+class LayerGroupStatus(msgspec.Struct, frozen=True):
+    """One lower layer group of a model cut for layer sharing (``--share-layers``):
+    layers ``[start, end)`` of ``model``, stored in ``pool`` with every model
+    that shares them (``shared_with``)."""
+
+    model: str
+    start: int
+    end: int
+    pool: str
+    shared_with: list[str]
+    cached_tokens: int  # tokens of these layers' K/V the tree holds (once for all sharers)
+    tokens_matched: int  # prompt tokens this model found cached in these layers and used
+    # prompt tokens these layers held cached but the model's upper layers did
+    # not: recomputed with them (what a partial-hit path would save)
+    tokens_recomputed: int
+    arena_bytes: int  # arena bytes of the blocks the pool owns
+
+
 class SchedulerStats(msgspec.Struct, frozen=True):
     """Everything ``/metrics`` and ``/get_server_info`` report from the scheduler."""
 
@@ -96,6 +114,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     pins: int = 0  # pinned prefixes (each holds one lock on the tree)
     pinned_bytes: int = 0  # KV bytes of pinned tokens, all models
     max_pinned_bytes: int = 0  # --max-pinned-fraction of the arena
+    layer_groups: list[LayerGroupStatus] = msgspec.field(default_factory=list)
 
 
 class ArenaPool(msgspec.Struct, frozen=True):

@@ -22,6 +22,8 @@ What they work on:
 - ``runners.py``, ``models.py``: ``RunnerState`` and the roll call, ``ModelState``.
 - ``batch_builder.py``, ``policy.py``, ``kv_manager.py``: what a runner computes
   next, in which order, with which KV.
+- ``layer_groups.py``: models that share lower layers, cut into layer groups
+  stored once for all of them (``--share-layers``).
 - ``disk_tier.py``, ``warmup.py``, ``dashboard.py``: the disk tier, warm-ups and
   pins, the dashboard's snapshot.
 """

@@ -71,7 +71,9 @@ class ScheduledBatch:
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
     batch_id: int = field(default_factory=lambda: next(_batch_ids))
 
-    def to_forward_batch(self, threads: int = 0) -> ForwardBatch:
+    def to_forward_batch(
+        self, threads: int = 0, layer_splits: list[int] | None = None
+    ) -> ForwardBatch:
         seqs = []
         for req, n in zip(self.reqs, self.chunks, strict=True):
             start = req.kv_len
@@ -85,6 +87,7 @@ class ScheduledBatch:
                     rid=req.rid,
                     new_tokens=req.token_slice(start, end).tobytes(),
                     slots=req.slots[:end].astype(np.int32).tobytes(),
+                    lower_slots=[p.slots[:end].astype(np.int32).tobytes() for p in req.lower],
                     sample=end == req.num_tokens,
                     params=wire.params,
                     output_ids=req.packed_output_ids() if wire.sends_output else b"",
@@ -94,7 +97,7 @@ class ScheduledBatch:
                     num_output=len(req.output_ids),
                 )
             )
-        return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups)
+        return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups, layer_splits or [])
 
 
 @dataclass

@@ -18,6 +18,8 @@ from radixmux.memory.radix_diagnostics import check_invariants
 from radixmux.scheduler.dashboard import dashboard_snapshot
 
 if TYPE_CHECKING:
+    from radixmux.memory.allocator import ArenaUsage
+    from radixmux.memory.radix_cache import CacheStats
     from radixmux.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("radixmux.scheduler")
@@ -68,7 +70,7 @@ def reply(sched: Scheduler, msg: protocol.ControlRequest) -> protocol.ControlRep
         if msg.model not in sched.models:
             return protocol.ControlReply(msg.req_id, False, f"model {msg.model!r} is not served")
         sched.warmups.pins.drop(msg.model)  # its pinned KV is stale too
-        freed = cache.invalidate(msg.model)
+        freed = sched.kv.invalidate(msg.model)
         log.info("model %s invalidated: %d cached tokens freed", msg.model, freed)
         return protocol.ControlReply(
             msg.req_id, True, f"invalidated {msg.model}: freed {freed} tokens"
@@ -130,7 +132,10 @@ def stats(sched: Scheduler) -> protocol.SchedulerStats:
         invariants_current=walk.version == sched.version,
         invariant_checks=walk.count,
         locks_held=cache.locks_held,
-        request_owned_slots=sum(len(r.owned_slots) for r in sched.requests.values()),
+        request_owned_slots=sum(
+            len(r.owned_slots) + sum(len(p.owned_slots) for p in r.lower)
+            for r in sched.requests.values()
+        ),
         aborted_before_arrival=sched.aborted_before_arrival,
         contained_failures=sched.contained_failures,
         shared_prefix_rows=sched.builder.shared_prefix_rows,
@@ -140,7 +145,35 @@ def stats(sched: Scheduler) -> protocol.SchedulerStats:
         pins=len(pins.by_key),
         pinned_bytes=pins.bytes(),
         max_pinned_bytes=pins.cap_bytes,
+        layer_groups=layer_group_status(sched, cs, usage),
     )
+
+
+def layer_group_status(
+    sched: Scheduler, cs: CacheStats, usage: ArenaUsage
+) -> list[protocol.LayerGroupStatus]:
+    """The lower layer groups of every model cut for layer sharing."""
+    cache, out = sched.cache, []
+    for model, groups in sched.kv.groups.items():
+        bounds = [0, *groups.splits]
+        for name, start, end in zip(groups.lower, bounds, bounds[1:], strict=False):
+            pool = cache.pool_of(name)
+            out.append(
+                protocol.LayerGroupStatus(
+                    model=model,
+                    start=start,
+                    end=end,
+                    pool=pool,
+                    shared_with=sorted(
+                        m for m, g in sched.kv.groups.items() if m != model and pool in g.pools
+                    ),
+                    cached_tokens=cs.cached_tokens[name],
+                    tokens_matched=cs.per_model[name].tokens_matched,
+                    tokens_recomputed=sched.kv.lower_recomputed[name],
+                    arena_bytes=usage.pools[pool].blocks * usage.block_bytes,
+                )
+            )
+    return out
 
 
 def invariants_on_request(sched: Scheduler) -> None:
@@ -180,11 +213,14 @@ def check(sched: Scheduler) -> None:
     loading = [ld.req for ld in disk.loading.values()] if disk else []
     for req in sched.requests.values():
         if req.runner is None and req not in loading:
-            assert req.handle is None and not len(req.slots), f"rid={req.rid} waits holding KV"
+            assert req.handle is None and not len(req.slots) and not req.lower, (
+                f"rid={req.rid} waits holding KV"
+            )
     check_invariants(
         sched.cache,
         held=sched.kv.held_slots(running + loading),
         locks=[r.handle for r in running if r.handle is not None]
+        + [p.handle for r in running for p in r.lower]
         + (disk.locks if disk else [])
         + sched.warmups.pins.handles(),
     )

@@ -142,6 +142,9 @@ class DiskTier:
         self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.tokens_loaded: collections.Counter[str] = collections.Counter()
         self.events: DiskEvents | None = None  # set while KV events are published
+        # Pools the tier neither saves nor loads: those of models cut into
+        # layer groups (scheduler/layer_groups.py), whose loads are not built.
+        self.memory_only: set[str] = set()
         if write_policy == "write_back":
             cache.on_evict = self._spill
         sharing = ""
@@ -187,7 +190,7 @@ class DiskTier:
         from the start). With ``hold`` the arena blocks the job reads are held
         back from batches until it has read them (their slots are freed now).
         Returns the job id (None when there was nothing to save) and its chunks."""
-        if self.disabled:
+        if self.disabled or pool in self.memory_only:
             return None, 0
         c = self.chunk
         space = self._space(pool)
@@ -225,7 +228,7 @@ class DiskTier:
         what this save just wrote); the blocks are held back from batches until
         the I/O thread has read them, as for an eviction's spill, so the unload
         itself never waits on the disk. Returns the chunks queued."""
-        if self.disabled:
+        if self.disabled or self.cache.pool_of(model) in self.memory_only:
             return 0
         paths = self.cache.unload_paths(model)
         if not paths:  # nothing cached, or an alias keeps the generation

@@ -16,6 +16,7 @@ from radixmux import protocol
 from radixmux.memory.radix_cache import ModelSpec
 from radixmux.protocol import ModelArg, RunnerId, runner_ids
 from radixmux.scheduler import request_life
+from radixmux.scheduler.layer_groups import join
 from radixmux.scheduler.models import (
     ModelState,
     PendingModel,
@@ -87,7 +88,14 @@ def _register(sched: Scheduler, pending: PendingModel) -> None:
     try:
         check_replicas(add.model, pending.roll)
         spec: ModelSpec = model_spec(add.model, info)
-        sched.cache.register_model(spec)  # ValueError: its KV cannot live in the arena
+        kv = sched.kv
+        if kv.share_layers:  # --share-layers: cut it where it shares the served models' layers
+            groups = join(sched.cache, kv.groups, spec, info.layer_keys)
+            kv.groups[name] = groups
+            if sched.disk is not None and groups.splits:
+                sched.disk.memory_only.update(groups.pools)
+        else:
+            sched.cache.register_model(spec)  # ValueError: its KV cannot live in the arena
         served = serve(sched, add.model, pending.roll, add.served, add.version)
     except (StartupError, ValueError) as exc:
         log.error("model %s not added: %s", name, exc)
@@ -141,7 +149,7 @@ def finish_removals(sched: Scheduler) -> None:
         sched.warmups.pins.drop(name)
         if disk is not None:  # its KV comes back with a reload of the same weights
             disk.save_unloaded(name)
-        freed = sched.cache.unregister_model(name)
+        freed = sched.kv.unregister(name)
         log.info("model %s removed: %d cached tokens freed", name, freed)
         removed = protocol.ModelRemoved(name, freed)
         sched.outbox.to_detokenizer(removed)  # after the instance's last outputs

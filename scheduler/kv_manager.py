@@ -13,9 +13,10 @@ from collections import Counter
 
 import numpy as np
 
-from radixmux.memory.radix_cache import RadixCache
+from radixmux.memory.radix_cache import CacheHandle, RadixCache
 from radixmux.scheduler.disk_tier import DiskTier
-from radixmux.scheduler.request import Req
+from radixmux.scheduler.layer_groups import ModelGroups
+from radixmux.scheduler.request import LowerKV, Req
 
 
 class KVManager:
@@ -35,12 +36,21 @@ class KVManager:
         self.disk = disk
         self.page = cache.page_size
         self.allocated_tokens: Counter[str] = Counter()  # KV slots given, per model
+        # How models cut into layer groups are cut (layer_groups.py); a model
+        # not cut is absent.
+        self.groups: dict[str, ModelGroups] = {}
+        self.share_layers = False  # --share-layers (with a unified arena)
+        # Per lower group: prompt tokens it held cached that a request could not
+        # use (its model's upper layers lacked them) and recomputed.
+        self.lower_recomputed: Counter[str] = Counter()
 
     def lookup(self, req: Req) -> None:
         """Match and lock the longest cached prefix (leaving a token to compute).
 
         Statistics are not counted yet: a request may be looked up several
-        times before it is admitted; ``admitted`` counts it once.
+        times before it is admitted; ``admitted`` counts it once. A model cut
+        into layer groups has a prefix cached only as far as every group
+        holds it (the shortest group match).
         """
         if not self.use_cache:
             req.slots = np.zeros(0, dtype=np.int64)
@@ -51,17 +61,33 @@ class KVManager:
         limit = req.num_tokens - 1
         if req.wants_prompt_logprobs:
             limit = min(limit, max(req.params.prompt_logprobs_start, 1) - 1)
-        m = self.cache.match(req.model, req.tokens[:limit], record=False)
-        self.cache.lock(m.handle)
-        req.handle = m.handle
-        req.slots = m.slots
-        req.kv_len = m.length
+        names = self.group_names(req.model)
+        matches = [self.cache.match(name, req.tokens[:limit], record=False) for name in names]
+        length = min(m.length for m in matches)
+        found_lengths = [m.length for m in matches]
+        for i, m in enumerate(matches):
+            if m.length > length:  # re-match to the common length (whole pages)
+                matches[i] = self.cache.match(names[i], req.tokens[:length], record=False)
+        for m in matches:
+            self.cache.lock(m.handle)
+        *lower, top = matches
+        req.handle = top.handle
+        req.slots = top.slots
+        req.lower = [
+            LowerKV(n, m.handle, m.slots, found)
+            for n, m, found in zip(names, lower, found_lengths, strict=False)
+        ]
+        req.kv_len = length
 
     def admitted(self, req: Req) -> None:
         """The looked-up request runs: count its hit and refresh its path."""
         if req.handle is not None:
             self.cache.record(req.model, req.handle, req.num_tokens)
+        for part in req.lower:
+            self.cache.record(part.name, part.handle, req.num_tokens)
         if not req.admitted_once:
+            for part in req.lower:
+                self.lower_recomputed[part.name] += part.found - part.handle.length
             req.cached_tokens = req.kv_len
             req.admitted_once = True
             if req.arrival:  # time.time() at the front (0: not stamped, e.g. a test)
@@ -73,7 +99,7 @@ class KVManager:
         ``"loading"`` (slots reserved, the request is the tier's until its load
         ends), ``"wait"`` (another request is loading those chunks: look again
         next round), ``"no room"``, or None (nothing worth loading)."""
-        if self.disk is None or req.wants_prompt_logprobs:
+        if self.disk is None or req.wants_prompt_logprobs or req.lower:
             return None
         plan = self.disk.plan_load(req)
         if plan is None or plan == "wait":
@@ -84,26 +110,63 @@ class KVManager:
         self.disk.start_load(req, plan)
         return "loading"
 
+    def group_names(self, model: str) -> tuple[str, ...]:
+        """The cache names that hold ``model``'s K/V: its lower layer groups, then itself."""
+        groups = self.groups.get(model)
+        return (*groups.lower, model) if groups is not None else (model,)
+
+    def layer_splits(self, model: str) -> list[int]:
+        """Where ``model``'s layers are cut into groups (what its runner is told)."""
+        groups = self.groups.get(model)
+        return list(groups.splits) if groups is not None else []
+
+    def unregister(self, model: str) -> int:
+        """Take a model (every layer group of it) out of the cache; tokens freed now."""
+        names = self.group_names(model)
+        self.groups.pop(model, None)
+        return sum(self.cache.unregister_model(n) for n in names)
+
+    def invalidate(self, model: str) -> int:
+        """Drop ``model``'s cached K/V in every layer group; tokens freed now."""
+        return sum(self.cache.invalidate(n) for n in self.group_names(model))
+
     def room_for(self, req: Req, n: int) -> bool:
         """Whether ``n`` more slots for this model can be had (evicting if needed)."""
-        pool = self.cache.pool_of(req.model)
-        return self.cache.allocator.can_alloc(pool, n) or (
-            self.use_cache and self.cache.evict_for(req.model, n)
-        )
+        for name in self.group_names(req.model):
+            pool = self.cache.pool_of(name)
+            if not self.cache.allocator.can_alloc(pool, n) and not (
+                self.use_cache and self.cache.evict_for(name, n)
+            ):
+                return False
+        return True
+
+    def capacity_slots(self, model: str) -> int:
+        """The most tokens of KV the arena could ever hold for one request of ``model``."""
+        allocator = self.cache.allocator
+        return min(allocator.capacity_slots(self.cache.pool_of(n)) for n in self.group_names(model))
 
     def reserve(self, req: Req, n: int) -> bool:
-        """Make room for ``n`` more tokens of KV; False when there is none."""
+        """Make room for ``n`` more tokens of KV (in every layer group of its
+        model); False, holding nothing new, when there is none."""
         need = req.kv_len + n - len(req.slots)
         if need <= 0:
             return True
-        pool = self.cache.pool_of(req.model)
-        new = self.cache.allocator.alloc(pool, need)
-        if new is None and self.cache.evict_for(req.model, need):
+        got: list[tuple[str, np.ndarray]] = []
+        for name in self.group_names(req.model):
+            pool = self.cache.pool_of(name)
             new = self.cache.allocator.alloc(pool, need)
-        if new is None:
-            return False
-        self.allocated_tokens[req.model] += len(new)
-        req.slots = np.concatenate([req.slots, new])
+            if new is None and self.cache.evict_for(name, need):
+                new = self.cache.allocator.alloc(pool, need)
+            if new is None:
+                for taken_from, slots in got:
+                    self.cache.allocator.free(self.cache.pool_of(taken_from), slots)
+                return False
+            got.append((name, new))
+        self.allocated_tokens[req.model] += need
+        *lower, (_, top) = got
+        req.slots = np.concatenate([req.slots, top])
+        for part, (_, new) in zip(req.lower, lower, strict=True):
+            part.slots = np.concatenate([part.slots, new])
         return True
 
     def cacheable(self, req: Req) -> bool:
@@ -112,6 +175,7 @@ class KVManager:
             self.use_cache
             and req.handle is not None
             and req.handle.generation_id == self.cache.generation_of(req.model)
+            and all(p.handle.generation_id == self.cache.generation_of(p.name) for p in req.lower)
         )
 
     def cache_progress(self, req: Req) -> None:
@@ -124,36 +188,54 @@ class KVManager:
         if aligned <= req.handle.length:
             return
         tokens = self._insert(req, aligned)
-        m = self.cache.match(req.model, tokens, record=False)
-        assert m.length == aligned, "a just-inserted prefix must match"
+        for part in req.lower:
+            part.handle, part.slots = self._relock(part.name, tokens, part.handle, part.slots)
+        req.handle, req.slots = self._relock(req.model, tokens, req.handle, req.slots)
+
+    def _relock(
+        self, name: str, tokens: np.ndarray, old: CacheHandle, slots: np.ndarray
+    ) -> tuple[CacheHandle, np.ndarray]:
+        """Lock the just-inserted path of ``tokens`` in place of ``old``; the
+        slots with the tree's copies of those tokens' K/V first."""
+        m = self.cache.match(name, tokens, record=False)
+        assert m.length == len(tokens), "a just-inserted prefix must match"
         self.cache.lock(m.handle)
-        self.cache.unlock(req.handle)
-        req.slots = np.concatenate([m.slots, req.slots[aligned:]])
-        req.handle = m.handle
+        self.cache.unlock(old)
+        return m.handle, np.concatenate([m.slots, slots[len(tokens) :]])
 
     def _insert(self, req: Req, aligned: int) -> np.ndarray:
-        """Cache the request's first ``aligned`` tokens (whole pages) and tell the
-        disk tier (write-through saves them); returns those tokens."""
+        """Cache the request's first ``aligned`` tokens (whole pages) in every
+        layer group and tell the disk tier (write-through saves them); returns
+        those tokens."""
         tokens = req.tokens[:aligned]
+        for part in req.lower:
+            self.cache.insert(part.name, tokens, part.slots[:aligned], prefix=part.handle)
         self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
-        if self.disk is not None:
+        if self.disk is not None and not req.lower:
             self.disk.inserted(req.model, tokens)
         return tokens
 
     def release(self, req: Req, keep: bool) -> None:
         """Give back the request's KV: insert computed pages into the cache when
         ``keep`` (finished or retracted), free everything else, drop the lock."""
-        pool = self.cache.pool_of(req.model)
+        allocator = self.cache.allocator
         if keep and self.cacheable(req):
             assert req.handle is not None
             aligned = req.kv_len - req.kv_len % self.page
             self._insert(req, aligned)
-            self.cache.allocator.free(pool, req.slots[aligned:])
+            allocator.free(self.cache.pool_of(req.model), req.slots[aligned:])
+            for part in req.lower:
+                allocator.free(self.cache.pool_of(part.name), part.slots[aligned:])
         else:
-            self.cache.allocator.free(pool, req.owned_slots)
+            allocator.free(self.cache.pool_of(req.model), req.owned_slots)
+            for part in req.lower:
+                allocator.free(self.cache.pool_of(part.name), part.owned_slots)
         if req.handle is not None:
             self.cache.unlock(req.handle)
+        for part in req.lower:
+            self.cache.unlock(part.handle)
         req.handle = None
+        req.lower = []
         req.slots = np.zeros(0, dtype=np.int64)
         req.kv_len = 0
 
@@ -162,4 +244,6 @@ class KVManager:
         held: dict[str, list[np.ndarray]] = {}
         for req in reqs:
             held.setdefault(self.cache.pool_of(req.model), []).append(req.owned_slots)
+            for part in req.lower:
+                held.setdefault(self.cache.pool_of(part.name), []).append(part.owned_slots)
         return held

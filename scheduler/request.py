@@ -29,6 +29,22 @@ class WireParams:
     sends_output: bool
 
 
+@dataclass
+class LowerKV:
+    """A request's K/V in one lower layer group of its model (``layer_groups.py``):
+    the group's cache name, its locked handle and its slots, which follow the
+    same rules as ``Req.handle`` and ``Req.slots`` and always have their length."""
+
+    name: str
+    handle: CacheHandle
+    slots: np.ndarray
+    found: int = 0  # tokens the group held at lookup (more than it could use: recomputed)
+
+    @property
+    def owned_slots(self) -> np.ndarray:
+        return self.slots[self.handle.length :]
+
+
 @dataclass(eq=False)
 class Req:
     """One generation request.
@@ -52,6 +68,9 @@ class Req:
     runner: str | None = None
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     handle: CacheHandle | None = None
+    # Its model's lower layer groups, when the model shares lower layers with
+    # another (empty otherwise): ``slots``/``handle`` are its top group's.
+    lower: list[LowerKV] = field(default_factory=list)
     kv_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted_once: bool = False

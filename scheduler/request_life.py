@@ -73,7 +73,7 @@ def _refusal(
     if prompt == 0:
         return 400, "empty prompt", "prompt"
     need = prompt + msg.params.max_new_tokens
-    capacity = sched.cache.allocator.capacity_slots(sched.cache.pool_of(model.name))
+    capacity = sched.kv.capacity_slots(model.name)
     if need > capacity:
         return (
             400,

@@ -282,7 +282,9 @@ class Scheduler:
         if threads < 0:
             threads = fair_share.threads_per_runner(self)
         runner.sent_at = time.monotonic()
-        self.outbox.to_runner(runner.runner_id, batch.to_forward_batch(threads))
+        self.outbox.to_runner(
+            runner.runner_id, batch.to_forward_batch(threads, self.kv.layer_splits(runner.model))
+        )
 
     def send_outputs(self, outputs: list[protocol.RequestOutput]) -> None:
         """Requests' outputs to the detokenizer in one batch; warm-ups' are

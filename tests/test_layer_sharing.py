@@ -1,0 +1,293 @@
+"""Layer sharing (``--share-layers``): models whose lower layers are identical
+store those layers' K/V once (scheduler/layer_groups.py).
+
+From the fingerprints (a changed lower tensor splits the chain there, an
+upper or head change does not), through the plan (where models are cut) and
+the scheduler (per-group handles and slots, the shortest group match,
+deduplicated inserts, clean invariants under eviction), to real processes:
+two tiny fine-tunes that share their lower layers answer exactly as each
+does alone, while the shared layers' K/V are cached once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_scheduler_unit import Harness, RecordingOutbox
+
+from bench.tiny_models import make_tiny_model_dir
+from radixmux import protocol
+from radixmux.common.server_args import ServerArgs
+from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.layout import KVLayout
+from radixmux.memory.radix_cache import ModelSpec
+from radixmux.model_runners.fingerprint import layer_chain
+from radixmux.protocol import ModelArg, RunnerId, runner_ids
+from radixmux.runtime.client.engine import Engine
+from radixmux.scheduler import bootstrap, control
+from radixmux.scheduler.layer_groups import group_specs, plan_splits, shared_depth
+from radixmux.scheduler.runners import RollCall
+from radixmux.scheduler.scheduler import Scheduler
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8)  # 256 B a token
+BLOCK_BYTES = 4096
+NO_PID = 1 << 30
+
+# Layer chains: a and b agree on layers 0-1 (b is a fine-tune with those
+# frozen), c shares nothing, a2 is a replica of a.
+CHAINS = {
+    "a": ["x0", "x1", "a2", "a3"],
+    "b": ["x0", "x1", "b2", "b3"],
+    "c": ["c0", "c1", "c2", "c3"],
+}
+
+
+# ---- the plan ------------------------------------------------------------------------
+def test_models_are_cut_where_their_chains_part() -> None:
+    assert shared_depth(CHAINS["a"], CHAINS["b"]) == 2
+    assert plan_splits(CHAINS) == {"a": (2,), "b": (2,), "c": ()}
+    # A replica agrees everywhere: nothing to cut for it (it shares the whole key).
+    assert plan_splits({"a": CHAINS["a"], "a2": list(CHAINS["a"])}) == {"a": (), "a2": ()}
+    # Three fine-tunes parting at two depths: each is cut where it parts from another.
+    three = {**CHAINS, "d": ["x0", "d1", "d2", "d3"]}
+    assert plan_splits(three)["a"] == (1, 2)
+    assert plan_splits(three)["d"] == (1,)
+
+
+def test_a_model_added_later_follows_the_served_models_cuts() -> None:
+    chains = {**CHAINS, "e": ["x0", "x1", "a2", "e3"]}  # agrees with a on 3 layers
+    served = {"a": (2,), "b": (2,), "c": ()}
+    assert plan_splits(chains, served) == {"e": (2,)}
+    # Agreeing with a served model that was not cut: no group to share.
+    assert plan_splits({"c": CHAINS["c"], "f": ["c0", "f1", "f2", "f3"]}, {"c": ()}) == {"f": ()}
+
+
+def test_group_specs_share_lower_pools_and_keep_own_top_pools() -> None:
+    def spec(name: str) -> ModelSpec:
+        return ModelSpec(name, "tok", f"w-{name}:float32", LAYOUT, cost_per_token=4.0)
+
+    a = group_specs(spec("a"), CHAINS["a"], (2,))
+    b = group_specs(spec("b"), CHAINS["b"], (2,))
+    assert [s.name for s in a] == ["a#layers0-2", "a"]
+    assert [s.layout.num_layers for s in a] == [2, 2]
+    assert a[0].pool == b[0].pool and a[1].pool != b[1].pool
+    assert a[1].pool.startswith("w-a:float32")
+    assert sum(s.cost_per_token for s in a) == pytest.approx(4.0)
+    assert group_specs(spec("c"), CHAINS["c"], ()) == [spec("c")]
+
+
+# ---- fingerprints of real layers ---------------------------------------------------------
+def fine_tune(base: Path, dst: Path, layers: set[int], seed: int = 1) -> Path:
+    """A copy of ``base`` with the tensors of ``layers`` perturbed (the rest bit-identical)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(base / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if any(f"layers.{i}." in name for i in layers):
+            tensors[name] = t + 0.05 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("layer-sharing")
+    base = make_tiny_model_dir(root / "base", seed=3, layers=4)
+    return {
+        "base": base,
+        "upper": fine_tune(base, root / "upper", {2, 3}),
+        "lower": fine_tune(base, root / "lower", {1}),
+    }
+
+
+def chain_of(folder: Path) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    return layer_chain(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+
+
+def test_layer_chains_agree_exactly_as_far_as_the_weights_do(family: dict[str, Path]) -> None:
+    base, upper, lower = (chain_of(family[k]) for k in ("base", "upper", "lower"))
+    assert shared_depth(base, upper) == 2
+    assert shared_depth(base, lower) == 1
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(family["base"], dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)  # read by the logits only
+    assert layer_chain(model) == base
+    with torch.no_grad():
+        model.model.embed_tokens.weight[5, 0] += 1.0  # read by every layer
+    assert shared_depth(layer_chain(model), base) == 0
+
+
+# ---- the scheduler -----------------------------------------------------------------------
+def info(name: str) -> protocol.ModelInfo:
+    return protocol.ModelInfo(
+        name=name,
+        architecture="fake",
+        layout=LAYOUT,
+        context_length=4096,
+        sliding_windows=[None] * 4,
+        vocab_size=100,
+        eos_token_ids=[0],
+        tokenizer_fingerprint="tok",
+        kv_share_key=f"weights-{name}",
+        has_chat_template=False,
+        dtype="float32",
+        device="cpu",
+        layer_keys=CHAINS[name],
+    )
+
+
+def harness(models: tuple[str, ...] = ("a", "b", "c"), blocks: int = 32, **flags) -> Harness:
+    args = ServerArgs(
+        models=[ModelArg(f"/models/{m}", m) for m in models],
+        share_layers=True,
+        page_size=4,
+        **flags,
+    )
+    arena = ArenaSpec("/nonexistent-arena", blocks, BLOCK_BYTES)
+    roll = RollCall({rid for m in args.models for rid in runner_ids(m)})
+    for rid in sorted(roll.expected):
+        name = str(RunnerId.parse(rid).model)
+        assert roll.answer(rid, protocol.Ready(info(name), NO_PID, 0.1, 1)) is None
+    out = RecordingOutbox()
+    return Harness(Scheduler(args, arena, out, bootstrap.build(args, arena, roll)), out)
+
+
+def lower_group(h: Harness, model: str) -> protocol.LayerGroupStatus:
+    [group] = [g for g in control.stats(h.sched).layer_groups if g.model == model]
+    return group
+
+
+def test_batches_carry_each_groups_slots() -> None:
+    h = harness()
+    h.request("r", model="a", prompt=10, max_tokens=3)
+    batch = h.inflight("a#0")
+    assert batch is not None and batch.layer_splits == [2]
+    [seq] = batch.seqs
+    [lower] = seq.lower_slots
+    assert len(protocol.unpack_ids(lower)) == len(protocol.unpack_ids(seq.slots)) == 10
+    h.run_until_idle("a#0")
+    h.request("s", model="c", prompt=10, max_tokens=2)
+    batch = h.inflight("c#0")
+    assert batch is not None and batch.layer_splits == [] and not batch.seqs[0].lower_slots
+    h.run_until_idle("c#0")
+    h.assert_clean()
+
+
+def test_a_sibling_finds_the_shared_layers_cached_and_they_are_kept_once() -> None:
+    h = harness()
+    h.request("r1", model="a", prompt=17, max_tokens=2)
+    h.run_until_idle("a#0")
+    cached = lower_group(h, "a").cached_tokens
+    assert cached >= 16
+    assert lower_group(h, "a").shared_with == ["b"]
+    # b has no K/V of its own for the prompt: nothing counts as cached for it
+    # (its upper layers must be computed), but its lower group is found.
+    h.request("r2", model="b", prompt=17, max_tokens=2)
+    batch = h.inflight("b#0")
+    assert batch is not None and len(protocol.unpack_ids(batch.seqs[0].new_tokens)) == 17
+    h.run_until_idle("b#0")
+    assert lower_group(h, "b").tokens_recomputed >= 16
+    assert lower_group(h, "b").tokens_matched == 0
+    # The lower layers of the prompt are held once for both models: b's
+    # computed copy went back to the allocator when it was inserted.
+    assert lower_group(h, "b").cached_tokens == lower_group(h, "a").cached_tokens == cached
+    usage = h.sched.cache.allocator.usage().pools
+    assert usage[lower_group(h, "a").pool].used_slots == cached
+    assert usage[h.sched.cache.pool_of("b")].used_slots == cached
+    # A second request of b now hits every group.
+    h.request("r3", model="b", prompt=17, max_tokens=2)
+    batch = h.inflight("b#0")
+    assert batch is not None and len(protocol.unpack_ids(batch.seqs[0].new_tokens)) == 1
+    h.run_until_idle("b#0")
+    h.assert_clean()
+
+
+def test_eviction_across_groups_keeps_the_invariants() -> None:
+    # 12 blocks: a handful of prompts per model fit; the rest evicts.
+    h = harness(blocks=12, check_invariants=True)
+    rng = np.random.default_rng(0)
+    for i in range(30):
+        model = ("a", "b", "c")[i % 3]
+        h.request(f"r{i}", model=model, prompt=int(rng.integers(8, 40)), start=1 + 50 * (i % 4))
+        h.run_until_idle(f"{model}#0")
+        assert not h.out.errors(f"r{i}")
+    h.assert_clean()
+
+
+def test_invalidating_a_model_drops_its_lower_groups_too() -> None:
+    h = harness()
+    h.request("r1", model="a", prompt=17, max_tokens=2)
+    h.run_until_idle("a#0")
+    assert lower_group(h, "a").cached_tokens > 0
+    h.send(protocol.ControlRequest("c1", "invalidate", model="a"))
+    assert lower_group(h, "a").cached_tokens == 0
+    h.request("r2", model="a", prompt=17, max_tokens=2)
+    batch = h.inflight("a#0")
+    assert batch is not None and len(protocol.unpack_ids(batch.seqs[0].new_tokens)) == 17
+    h.run_until_idle("a#0")
+    h.assert_clean()
+
+
+# ---- real processes ----------------------------------------------------------------------
+PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short poem about the sea and the wind",
+    "The history of the printing press begins in Mainz, where",
+]
+
+
+def serve_and_ask(models: dict[str, Path], share: bool) -> tuple[dict[str, list[str]], dict]:
+    engine = Engine(
+        model=[f"{path},name={name}" for name, path in models.items()],
+        kv_cache_bytes=16 << 20,
+        kv_block_bytes=64 << 10,
+        runner_threads=1,
+        dtype="float32",
+        share_layers=share,
+        check_invariants=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{engine.args.port}"
+        texts: dict[str, list[str]] = {name: [] for name in models}
+        for prompt in PROMPTS:
+            for name in models:
+                body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                texts[name].append(r.json()["choices"][0]["text"])
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+        return texts, info
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]) -> None:
+    models = {"base": family["base"], "ft": family["upper"], "other": family["lower"]}
+    shared, info = serve_and_ask(models, share=True)
+    alone, plain = serve_and_ask(models, share=False)
+    assert shared == alone
+    assert shared["base"] != shared["ft"]  # the fine-tune answers differently
+    assert not plain["layer_groups"]
+    # base and ft agree on 2 layers, other on 1 with both: cut at 1 and 2.
+    assert sorted(g["model"] for g in info["layer_groups"]) == ["base", "base", "ft", "ft", "other"]
+    lowest = [g for g in info["layer_groups"] if (g["start"], g["end"]) == (0, 1)]
+    assert {g["model"] for g in lowest} == {"base", "ft", "other"}
+    assert len({g["pool"] for g in lowest}) == 1
+    # The models found the others' layer-0 K/V for the prompts (recomputed
+    # with their own upper layers), and the third prompt extends the first.
+    assert sum(g["tokens_recomputed"] for g in lowest) > 0
+    assert sum(g["tokens_matched"] for g in lowest) > 0
+    assert info["invariants"] in (None, "ok")
