@@ -179,8 +179,10 @@ def test_metrics_doc_documents_every_exposed_metric(server: str) -> None:
             exposed.add(fam.name + "_total" if fam.type == "counter" else fam.name)
     documented = set(re.findall(r"^\| `(radixmux_\w+)`", METRICS_DOC.read_text(), re.M))
     assert exposed - documented == set(), "metrics missing from docs/metrics.md's table"
-    # Documented but not exposed here: only the disk tier's (this server has none).
-    assert all(n.startswith("radixmux_disk_") for n in documented - exposed), documented - exposed
+    # Documented but not exposed here: only the disk tier's and layer sharing's
+    # (this server has neither).
+    absent = documented - exposed
+    assert all(n.startswith(("radixmux_disk_", "radixmux_layer_group_")) for n in absent), absent
 
 
 # ---- the live view -------------------------------------------------------------------

@@ -268,6 +268,7 @@ def serve_and_ask(models: dict[str, Path], share: bool) -> tuple[dict[str, list[
                 assert r.status_code == 200, r.text
                 texts[name].append(r.json()["choices"][0]["text"])
         info = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+        info["metrics"] = httpx.get(f"{url}/metrics", timeout=30).text
         return texts, info
     finally:
         engine.shutdown()
@@ -291,3 +292,8 @@ def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]
     assert sum(g["tokens_recomputed"] for g in lowest) > 0
     assert sum(g["tokens_matched"] for g in lowest) > 0
     assert info["invariants"] in (None, "ok")
+    assert (
+        'radixmux_layer_group_cached_tokens{layers="0-1",model="ft",version="1"}'
+        in (info["metrics"])
+    )
+    assert "radixmux_layer_group" not in plain["metrics"]

@@ -148,6 +148,8 @@ class SchedulerCollector(Collector):
         yield from _global_metrics(self.stats)
         if self.stats.disk is not None:
             yield from _disk_metrics(self.stats)
+        if self.stats.layer_groups:
+            yield from _layer_group_metrics(self.stats)
 
 
 def _gauge(name: str, doc: str) -> GaugeMetricFamily:
@@ -382,6 +384,28 @@ _DISK: list[tuple[str, type[Metric], str, str]] = [
     ("radixmux_disk_load_p50_seconds", GaugeMetricFamily, "Median load (last 1,024)", "load_p50_s"),
     ("radixmux_disk_load_p99_seconds", GaugeMetricFamily, "p99 load (last 1,024)", "load_p99_s"),
 ]
+
+
+def _layer_group_metrics(stats: SchedulerStats) -> Iterator[Metric]:
+    """Lower layer groups of models cut for layer sharing (``--share-layers``)."""
+    labels = [*LABELS, "layers"]
+    cached = GaugeMetricFamily(
+        "radixmux_layer_group_cached_tokens",
+        "Tokens of a lower layer group's K/V the cache holds (once for every model sharing it)",
+        labels=labels,
+    )
+    recomputed = CounterMetricFamily(
+        "radixmux_layer_group_recomputed_tokens",
+        "Prompt tokens a lower layer group held cached but the model's upper layers did not "
+        "(recomputed)",
+        labels=labels,
+    )
+    for g in stats.layer_groups:
+        key = [*model_labels(g.model), f"{g.start}-{g.end}"]
+        cached.add_metric(key, float(g.cached_tokens))
+        recomputed.add_metric(key, float(g.tokens_recomputed))
+    yield cached
+    yield recomputed
 
 
 def _disk_metrics(stats: SchedulerStats) -> Iterator[Metric]:
