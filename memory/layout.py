@@ -43,6 +43,14 @@ class KVLayout(msgspec.Struct, frozen=True):
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
 
 
+def hidden_layers(layout: KVLayout, hidden_size: int) -> int:
+    """Pseudo-layers a token's hidden state (``hidden_size`` values) takes when
+    stored beside its K/V in a lower layer group (scheduler/layer_groups.py):
+    each pseudo-layer's K and V rows hold ``num_kv_heads * head_dim`` values."""
+    row = layout.num_kv_heads * layout.head_dim
+    return -(-hidden_size // (2 * row))
+
+
 @dataclass(frozen=True)
 class BlockGeometry:
     """How a layout is carved into the arena's blocks at a given page size."""

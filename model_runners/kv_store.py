@@ -81,3 +81,29 @@ class KVStore:
         k = kc[addr[0], addr[1]]
         v = vc[addr[0], addr[1]]
         return k.view(*k.shape[:-1], *self.head_shape), v.view(*v.shape[:-1], *self.head_shape)
+
+    # ---- boundary hidden states (layer groups, scheduler/layer_groups.py) -----
+    # A lower layer group keeps, beside its layers' K/V, the hidden state its
+    # last layer hands on, in pseudo-layers after its real ones: pseudo-layer
+    # j's K row holds values [2j * row, (2j + 1) * row), its V row the next
+    # ``row`` values (zero-padded at the end).
+
+    def write_hidden(self, first: int, addr: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store ``hidden [n, hidden_size]`` at ``addr`` from pseudo-layer ``first`` on."""
+        n, size = hidden.shape
+        layers = -(-size // (2 * self.row))
+        padded = hidden.new_zeros(n, layers * 2 * self.row)
+        padded[:, :size] = hidden
+        parts = padded.view(n, layers, 2, self.row)
+        for j in range(layers):
+            self.write(first + j, addr, parts[:, j, 0], parts[:, j, 1])
+
+    def read_hidden(self, first: int, addr: torch.Tensor, size: int) -> torch.Tensor:
+        """The ``[n, size]`` hidden states stored at the 1-D ``addr`` (``write_hidden``)."""
+        layers = -(-size // (2 * self.row))
+        n = addr.shape[-1]
+        rows = []
+        for j in range(layers):
+            k, v = self.gather(first + j, addr)
+            rows += [k.reshape(n, self.row), v.reshape(n, self.row)]
+        return torch.cat(rows, dim=1)[:, :size]

@@ -25,6 +25,7 @@ from torch import nn
 
 from radixmux.model_runners import paged_attention
 from radixmux.model_runners.fused_ops import references, same_code
+from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.packed_linear import PackedLinear
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -97,6 +98,27 @@ def _layer(layer: nn.Module) -> _Layer | None:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class GroupPass:
+    """One layer group's part of a forward whose model keeps its layers in
+    groups (scheduler/layer_groups.py), each computing its own rows.
+
+    ``rows``: the packed rows the group computes (None: all); with a partial
+    hit a lower group skips the positions it holds already. ``fill``: before
+    the group runs, rows whose input comes from the group below's stored
+    boundary hidden states (that group held those positions): (store, its
+    first hidden pseudo-layer, addresses, packed rows). ``save``: after it
+    ran (lower groups), where its computed rows' hidden states go: (store,
+    first pseudo-layer, addresses of its rows).
+    """
+
+    start: int
+    end: int
+    rows: torch.Tensor | None
+    fill: tuple[KVStore, int, torch.Tensor, torch.Tensor] | None = None
+    save: tuple[KVStore, int, torch.Tensor] | None = None
+
+
 class LeanStack:
     """The forward of a fused Llama-code model, as one loop over its layers."""
 
@@ -152,4 +174,61 @@ class LeanStack:
             o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
             h, x = add_rms(h, lay.o(o.reshape(1, tokens, -1).contiguous()), *lay.post_norm)
             h, x = add_rms(h, lay.down(act_and_mul(lay.gate_up(x), *lay.act)), *next_norm)
+        return self.lm_head(x[:, keep])
+
+    def run_groups(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        keep: torch.Tensor,
+        passes: list[GroupPass],
+    ) -> torch.Tensor:
+        """As ``__call__``, layer group by layer group (``passes``, lowest
+        first): each computes its rows only, takes the rows it did not get
+        from the group below out of that group's stored hidden states, and a
+        lower group stores the hidden states it hands on. The kernels and
+        their order per row are the loop's own, so a row computed here is
+        bit-identical to the same row through ``__call__``."""
+        add_rms = torch.ops.radixmux.add_rms_norm
+        rms_norm = torch.ops.radixmux.rms_norm
+        act_and_mul = torch.ops.radixmux.act_and_mul
+        attend = paged_attention.paged_attention_forward
+        first = passes[0].rows
+        ids = input_ids if first is None else input_ids[:, first]
+        h0 = self.embed(ids)
+        tokens = input_ids.shape[1]
+        # The residual stream and the normed input of every packed row, as far
+        # as a group has set them.
+        h = h0.new_empty(1, tokens, h0.shape[-1])
+        x = torch.empty_like(h)
+        rows0 = slice(None) if first is None else first
+        h[:, rows0] = h0
+        x[:, rows0] = rms_norm(h0, *self.layers[0].in_norm)
+        cos_all, sin_all = self.rotary_emb(h, position_ids=position_ids)
+        norms = [lay.in_norm for lay in self.layers[1:]] + [self.final_norm]
+        for gp in passes:
+            if gp.fill is not None:
+                store, layer, addr, rows = gp.fill
+                stored = store.read_hidden(layer, addr, h.shape[-1]).to(h.dtype)
+                h[0, rows] = stored
+                x[0, rows] = rms_norm(stored[None], *self.layers[gp.start].in_norm)[0]
+            sel = slice(None) if gp.rows is None else gp.rows
+            hg, xg = h[:, sel], x[:, sel]
+            cos, sin = cos_all[:, sel], sin_all[:, sel]
+            n = hg.shape[1]
+            for lay, next_norm in zip(
+                self.layers[gp.start : gp.end], norms[gp.start : gp.end], strict=True
+            ):
+                shape = (1, n, -1, lay.head_dim)
+                q = lay.q(xg).view(shape).transpose(1, 2)
+                k = lay.k(xg).view(shape).transpose(1, 2)
+                v = lay.v(xg).view(shape).transpose(1, 2)
+                q, k = self.rotary(q, k, cos, sin)
+                o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
+                hg, xg = add_rms(hg, lay.o(o.reshape(1, n, -1).contiguous()), *lay.post_norm)
+                hg, xg = add_rms(hg, lay.down(act_and_mul(lay.gate_up(xg), *lay.act)), *next_norm)
+            h[:, sel], x[:, sel] = hg, xg
+            if gp.save is not None:
+                store, layer, addr = gp.save
+                store.write_hidden(layer, addr, hg[0])
         return self.lm_head(x[:, keep])

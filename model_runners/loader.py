@@ -81,6 +81,7 @@ def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> 
         device=device,
         weight_bytes=weight_bytes(model),
         layer_keys=layer_chain(model),
+        hidden_size=int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0)),
     )
 
 

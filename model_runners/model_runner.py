@@ -10,16 +10,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from radixmux.common.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixmux.common.server_args import ATTENTION_BACKENDS
+from radixmux.memory.layout import hidden_layers
 from radixmux.model_runners import paged_decode
 from radixmux.model_runners.batch_invariance import AttentionShape, check_deterministic
 from radixmux.model_runners.grammar import GrammarRows, StepMasks
 from radixmux.model_runners.kv_store import KVStore
-from radixmux.model_runners.lean_stack import LeanStack
+from radixmux.model_runners.lean_stack import GroupPass, LeanStack
 from radixmux.model_runners.loader import LoadedModel
 from radixmux.model_runners.paged_attention import (
     ATTN_NAME,
@@ -59,6 +61,7 @@ class _Seq:
     stop_ids: np.ndarray  # stop token ids (int64)
     bias: np.ndarray  # logit bias records (protocol.BIAS_RECORD)
     lower_slots: list[np.ndarray]  # per lower layer group (ForwardBatch.layer_splits)
+    lower_starts: list[int]  # where each lower group starts computing (empty: start_pos)
 
 
 class ModelRunner:
@@ -112,6 +115,11 @@ class ModelRunner:
         # Llama-code models with fused ops skip transformers' per-module Python
         # (lean_stack.py; same kernels, same results). lean=False: never.
         self.lean = LeanStack.build(self.model) if lean else None
+        # Lower layer groups store their boundary hidden states beside their
+        # K/V (this many pseudo-layers) when the lean stack can restart the
+        # layers above from them: what the scheduler learns from ``info``.
+        self.hidden_layers = hidden_layers(layout, self.info.hidden_size) if self.lean else 0
+        self.info = msgspec.structs.replace(self.info, layer_restart=self.lean is not None)
         self.grammar_compile_timeout = grammar_compile_timeout
         self.jump_forward = jump_forward
         self._grammar: GrammarRows | None = None  # built at the first constrained request
@@ -180,6 +188,15 @@ class ModelRunner:
                 raise BatchError(f"{seq.rid}: repeated slot ids")
         if tokens.min() < 0 or tokens.max() >= self.info.vocab_size:
             raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")
+        starts = list(seq.lower_starts)
+        if starts:
+            first = len(slots) - n
+            if len(starts) != len(lower):
+                raise BatchError(f"{seq.rid}: {len(starts)} lower starts for {len(lower)} groups")
+            if min(starts) < first or max(starts) > len(slots):
+                raise BatchError(f"{seq.rid}: lower starts outside [{first}, {len(slots)}]")
+            if not self.hidden_layers and max(starts) > first:
+                raise BatchError(f"{seq.rid}: this runner cannot restart its upper layers")
         output_ids = unpack_ids(seq.output_ids)
         num_output = len(output_ids) if seq.num_output < 0 else seq.num_output
         # Packed by the scheduler (one array op per step, whatever their length);
@@ -191,11 +208,14 @@ class ModelRunner:
         bias = unpack_bias(seq.logit_bias)
         if p.logit_bias:
             bias = np.concatenate([bias, unpack_bias(pack_bias(p.logit_bias))])
-        return _Seq(tokens, slots, len(slots) - n, output_ids, num_output, stop_ids, bias, lower)
+        return _Seq(
+            tokens, slots, len(slots) - n, output_ids, num_output, stop_ids, bias, lower, starts
+        )
 
     # ---- batch preparation -----------------------------------------------
     def _stores(self, splits: Sequence[int]) -> list[KVStore]:
-        """The KV store of each layer group of a batch cut at ``splits`` (top last)."""
+        """The KV store of each layer group of a batch cut at ``splits`` (top
+        last); a lower group's view has its hidden pseudo-layers too."""
         num_layers = self.info.layout.num_layers
         if not splits:
             return [self.store]
@@ -206,66 +226,109 @@ class ModelRunner:
         bounds = [0, *splits, num_layers]
         out = []
         for a, b in itertools.pairwise(bounds):
-            if b - a not in self._group_stores:
-                self._group_stores[b - a] = KVStore(self.view_for(b - a))
-            out.append(self._group_stores[b - a])
+            n = b - a + (self.hidden_layers if b < num_layers else 0)
+            if n not in self._group_stores:
+                self._group_stores[n] = KVStore(self.view_for(n))
+            out.append(self._group_stores[n])
         return out
 
     def _paged_batch(
         self, seqs: list[_Seq], groups: Sequence[PrefixGroup] = (), splits: Sequence[int] = ()
-    ) -> tuple[PagedBatch | LayerGroups, torch.Tensor, torch.Tensor]:
+    ) -> tuple[PagedBatch | LayerGroups, torch.Tensor, torch.Tensor, list[GroupPass] | None]:
         """The batch's attention metadata (one ``PagedBatch`` per layer group),
-        its token ids and positions."""
+        its token ids and positions, and, for a model whose lower groups keep
+        their boundary hidden states, each group's pass (``GroupPass``)."""
         lens = [len(s.tokens) for s in seqs]
         row0 = np.concatenate([[0], np.cumsum(lens)])
-        input_ids = np.concatenate([s.tokens for s in seqs])
+        input_ids = torch.from_numpy(np.concatenate([s.tokens for s in seqs]))
         positions = np.concatenate(
             [np.arange(s.start_pos, s.start_pos + len(s.tokens)) for s in seqs]
         )
-        dec = [i for i, n in enumerate(lens) if n == 1]
-        dec_groups = self._decode_groups(dec, groups)
         stores = self._stores(splits)
-        batches = []
+        if len(stores) == 1:
+            starts = [s.start_pos for s in seqs]
+            batch = self._group_batch(self.store, [s.slots for s in seqs], starts, groups)
+            return batch, input_ids, torch.from_numpy(positions), None
+        bounds = [0, *splits, self.info.layout.num_layers]
+        batches: list[PagedBatch] = []
+        passes: list[GroupPass] = []
+        below: list[int] = []  # where the group below started, per sequence
         for g, store in enumerate(stores):
             top = g == len(stores) - 1
             slots = [s.slots if top else s.lower_slots[g] for s in seqs]
-            batches.append(self._group_batch(store, slots, lens, row0, positions, dec, dec_groups))
-        batch = batches[0] if len(batches) == 1 else LayerGroups((0, *splits), tuple(batches))
-        return batch, torch.from_numpy(input_ids), torch.from_numpy(positions)
+            # A lower group of a partial hit starts past the tokens it holds.
+            starts = [s.start_pos if top or not s.lower_starts else s.lower_starts[g] for s in seqs]
+            batch = self._group_batch(store, slots, starts, groups)
+            batches.append(batch)
+            rows = np.concatenate(
+                [np.arange(row0[i] + st - s.start_pos, row0[i + 1]) for i, (s, st) in
+                 enumerate(zip(seqs, starts, strict=True))]
+            )  # fmt: skip
+            fill = None
+            if g and any(b > st for b, st in zip(below, starts, strict=True)):
+                # Rows this group computes that the group below held already.
+                held = [np.arange(st, max(b, st)) for b, st in zip(below, starts, strict=True)]
+                lower = stores[g - 1]
+                fill = (
+                    lower,
+                    bounds[g] - bounds[g - 1],
+                    lower.address(self._t(np.concatenate(
+                        [seqs[i].lower_slots[g - 1][p] for i, p in enumerate(held)]
+                    ))),
+                    self._t(np.concatenate(
+                        [row0[i] + p - s.start_pos for i, (s, p) in
+                         enumerate(zip(seqs, held, strict=True))]
+                    )),
+                )  # fmt: skip
+            save = None if top else (store, bounds[g + 1] - bounds[g], batch.write_addr)
+            all_rows = len(rows) == len(input_ids)
+            passes.append(
+                GroupPass(bounds[g], bounds[g + 1], None if all_rows else self._t(rows), fill, save)
+            )
+            below = starts
+        routed = LayerGroups(tuple(bounds[:-1]), tuple(batches))
+        if not self.hidden_layers:  # no stored hidden states: transformers' forward will do
+            return routed, input_ids, torch.from_numpy(positions), None
+        return routed, input_ids, torch.from_numpy(positions), passes
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        """Batch metadata as int64 where the arena is (cpu today, cuda later)."""
+        return torch.as_tensor(a, dtype=torch.int64).to(self.kv.device)
 
     def _group_batch(
         self,
         store: KVStore,
         slots: list[np.ndarray],
-        lens: list[int],
-        row0: np.ndarray,
-        positions: np.ndarray,
-        dec: list[int],
-        dec_groups: DecodeGroups | None,
+        starts: list[int],
+        groups: Sequence[PrefixGroup],
     ) -> PagedBatch:
-        """One layer group's ``PagedBatch``: ``slots[i]`` is sequence i's context in ``store``."""
-        dev = self.kv.device  # metadata lives where the arena does (cpu today, cuda later)
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=torch.int64).to(dev)
-
-        new_slots = np.concatenate([s[-n:] for s, n in zip(slots, lens, strict=True)])
+        """One layer group's ``PagedBatch`` over the rows it computes:
+        ``slots[i]`` is sequence i's context in ``store``; it computes the
+        positions from ``starts[i]`` (default: its new tokens) to the end."""
+        t, dev = self._t, self.kv.device
+        ends = [len(s) for s in slots]
+        firsts = starts
+        lens = [e - f for e, f in zip(ends, firsts, strict=True)]
+        row0 = np.concatenate([[0], np.cumsum(lens)])
+        positions = np.concatenate([np.arange(f, e) for f, e in zip(firsts, ends, strict=True)])
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        new_slots = np.concatenate([s[f:] for s, f in zip(slots, firsts, strict=True)])
         dec_slots = np.concatenate([slots[i] for i in dec]) if dec else np.zeros(0, np.int64)
         dec_offsets = np.concatenate([[0], np.cumsum([len(slots[i]) for i in dec])])
         extends = []
         for i, n in enumerate(lens):
-            if n == 1:
+            if n <= 1:  # a decode, or nothing for this group to compute
                 continue
-            end = int(positions[row0[i]]) + n
             extends.append(
                 ExtendSeq(
                     start=int(row0[i]),
                     end=int(row0[i + 1]),
                     addr=store.address(t(slots[i])),
-                    k_pos=torch.arange(end - len(slots[i]), end, device=dev),
-                    q_pos=torch.arange(end - n, end, device=dev),
+                    k_pos=torch.arange(0, ends[i], device=dev),
+                    q_pos=torch.arange(firsts[i], ends[i], device=dev),
                 )
             )
+        dec_groups = self._decode_groups(dec, groups)
         batch = PagedBatch(
             store=store,
             write_addr=store.address(t(new_slots)),
@@ -314,7 +377,7 @@ class ModelRunner:
         """Run the batch; float32 logits ``[len(rows), vocab]`` at each listed
         sequence's last new token, and for each of ``every`` (prompt logprobs)
         its logits at every new token."""
-        batch, input_ids, positions = self._paged_batch(seqs, groups, splits)
+        batch, input_ids, positions, passes = self._paged_batch(seqs, groups, splits)
         ends = np.cumsum([len(s.tokens) for s in seqs])
         if every:
             spans = [np.arange(ends[i] - len(seqs[i].tokens), ends[i]) for i in every]
@@ -325,7 +388,10 @@ class ModelRunner:
         ids, pos = input_ids[None].to(self.device), positions[None].to(self.device)
         keep_at = torch.as_tensor(keep, dtype=torch.int64).to(self.device)
         with paged_batch(batch):
-            if self.lean is not None:
+            if passes is not None:
+                assert self.lean is not None  # passes need the lean stack's loop
+                out = self.lean.run_groups(ids, pos, keep_at, passes)
+            elif self.lean is not None:
                 out = self.lean(ids, pos, keep_at)
             else:
                 out = self.model(

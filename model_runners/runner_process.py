@@ -144,7 +144,7 @@ def serve(config: RunnerConfig) -> int:
         sock.close()
         ctx.term()
         return 1
-    sock.send(encoder.encode(protocol.Ready(loaded.info, os.getpid(), load_seconds, threads)))
+    sock.send(encoder.encode(protocol.Ready(runner.info, os.getpid(), load_seconds, threads)))
 
     try:
         return _loop(sock, runner, parent)

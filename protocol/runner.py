@@ -38,6 +38,11 @@ class SeqInput(msgspec.Struct, frozen=True):
     # With ``ForwardBatch.layer_splits``: the slots of each lower layer group,
     # lowest first, as ``slots`` is for the top group (same length).
     lower_slots: list[bytes] = msgspec.field(default_factory=list)
+    # Per lower group, the position from which it computes (a partial hit:
+    # that group holds the K/V and boundary hidden states before it, so the
+    # groups above start from those). Empty: every group starts at the first
+    # new token. Only for runners with ``ModelInfo.layer_restart``.
+    lower_starts: list[int] = msgspec.field(default_factory=list)
 
 
 class PrefixGroup(msgspec.Struct, frozen=True):

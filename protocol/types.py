@@ -48,6 +48,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     # Cumulative fingerprints of the layer stack (``fingerprint.layer_chain``):
     # models with equal entry ``k - 1`` compute identical K/V in layers 0..k-1.
     layer_keys: list[str] = msgspec.field(default_factory=list)
+    hidden_size: int = 0
+    # The runner can run its upper layers alone from stored hidden states
+    # (ForwardBatch.layer_splits with SeqInput.lower_starts): a partial hit.
+    layer_restart: bool = False
 
 
 class Constraint(msgspec.Struct, frozen=True):

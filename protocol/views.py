@@ -81,6 +81,9 @@ class LayerGroupStatus(msgspec.Struct, frozen=True):
     # prompt tokens these layers held cached but the model's upper layers did
     # not: recomputed with them (what a partial-hit path would save)
     tokens_recomputed: int
+    # prompt tokens these layers held cached past the full hit and served: only
+    # the layers above were computed for them (a partial hit)
+    tokens_reused: int
     arena_bytes: int  # arena bytes of the blocks the pool owns
 
 

@@ -88,6 +88,7 @@ class ScheduledBatch:
                     new_tokens=req.token_slice(start, end).tobytes(),
                     slots=req.slots[:end].astype(np.int32).tobytes(),
                     lower_slots=[p.slots[:end].astype(np.int32).tobytes() for p in req.lower],
+                    lower_starts=_lower_starts(req),
                     sample=end == req.num_tokens,
                     params=wire.params,
                     output_ids=req.packed_output_ids() if wire.sends_output else b"",
@@ -98,6 +99,13 @@ class ScheduledBatch:
                 )
             )
         return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups, layer_splits or [])
+
+
+def _lower_starts(req: Req) -> list[int]:
+    """Where each lower layer group of a partial hit starts computing (it holds
+    the tokens before); empty when every group starts at ``kv_len``."""
+    starts = [max(req.kv_len, p.handle.length) for p in req.lower]
+    return starts if any(s > req.kv_len for s in starts) else []
 
 
 @dataclass

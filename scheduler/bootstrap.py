@@ -27,7 +27,7 @@ from radixmux.protocol import runner_ids
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits
 from radixmux.scheduler.disk_tier import DiskTier
 from radixmux.scheduler.kv_manager import KVManager
-from radixmux.scheduler.layer_groups import plan_splits, register
+from radixmux.scheduler.layer_groups import plan_splits, register, restart_layers
 from radixmux.scheduler.models import StartupError, check_replicas, fixed_share, model_spec
 from radixmux.scheduler.outbox import SocketOutbox
 from radixmux.scheduler.runners import RollCall
@@ -111,14 +111,21 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
     if args.kv_partition == "static":
         share = arena.total_bytes // len({s.pool for s in specs})
         specs = [fixed_share(s, share, arena.block_bytes) for s in specs]
+    infos = {arg.name: roll.infos[runner_ids(arg)[0]] for arg in args.models}
     chains = {}
     if args.share_layers and args.kv_partition == "unified":
-        chains = {arg.name: roll.infos[runner_ids(arg)[0]].layer_keys for arg in args.models}
+        chains = {name: info.layer_keys for name, info in infos.items()}
     splits = plan_splits(chains)
     groups = {}
     for arg, spec in zip(args.models, specs, strict=True):
         check_replicas(arg, roll)
-        groups[arg.name] = register(cache, spec, chains.get(arg.name, ()), splits.get(arg.name, ()))
+        groups[arg.name] = register(
+            cache,
+            spec,
+            chains.get(arg.name, ()),
+            splits.get(arg.name, ()),
+            restart_layers(infos[arg.name]),
+        )
     disk = open_disk_tier(args, arena, cache)
     kv = KVManager(cache, use_cache=not args.disable_radix_cache, disk=disk)
     if chains:

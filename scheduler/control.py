@@ -170,6 +170,7 @@ def layer_group_status(
                     cached_tokens=cs.cached_tokens[name],
                     tokens_matched=cs.per_model[name].tokens_matched,
                     tokens_recomputed=sched.kv.lower_recomputed[name],
+                    tokens_reused=sched.kv.lower_reused[name],
                     arena_bytes=usage.pools[pool].blocks * usage.block_bytes,
                 )
             )

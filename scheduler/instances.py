@@ -90,7 +90,7 @@ def _register(sched: Scheduler, pending: PendingModel) -> None:
         spec: ModelSpec = model_spec(add.model, info)
         kv = sched.kv
         if kv.share_layers:  # --share-layers: cut it where it shares the served models' layers
-            groups = join(sched.cache, kv.groups, spec, info.layer_keys)
+            groups = join(sched.cache, kv.groups, spec, info)
             kv.groups[name] = groups
             if sched.disk is not None and groups.splits:
                 sched.disk.memory_only.update(groups.pools)

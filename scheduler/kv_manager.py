@@ -43,6 +43,9 @@ class KVManager:
         # Per lower group: prompt tokens it held cached that a request could not
         # use (its model's upper layers lacked them) and recomputed.
         self.lower_recomputed: Counter[str] = Counter()
+        # ... and prompt tokens it held cached past the full hit and served
+        # (a partial hit: only the layers above were computed for them).
+        self.lower_reused: Counter[str] = Counter()
 
     def lookup(self, req: Req) -> None:
         """Match and lock the longest cached prefix (leaving a token to compute).
@@ -65,8 +68,14 @@ class KVManager:
         matches = [self.cache.match(name, req.tokens[:limit], record=False) for name in names]
         length = min(m.length for m in matches)
         found_lengths = [m.length for m in matches]
+        groups = self.groups.get(req.model)
+        # A runner that restarts upper layers from stored hidden states uses
+        # every lower group's whole match (a partial hit); otherwise each
+        # group is cut back to the common length and the rest recomputed.
+        keep_lower = groups is not None and groups.restart
         for i, m in enumerate(matches):
-            if m.length > length:  # re-match to the common length (whole pages)
+            top = i == len(matches) - 1
+            if m.length > length and (top or not keep_lower):  # whole pages
                 matches[i] = self.cache.match(names[i], req.tokens[:length], record=False)
         for m in matches:
             self.cache.lock(m.handle)
@@ -87,6 +96,8 @@ class KVManager:
             self.cache.record(part.name, part.handle, req.num_tokens)
         if not req.admitted_once:
             for part in req.lower:
+                # Found past the full hit: reused (a partial hit) or recomputed.
+                self.lower_reused[part.name] += part.handle.length - req.kv_len
                 self.lower_recomputed[part.name] += part.found - part.handle.length
             req.cached_tokens = req.kv_len
             req.admitted_once = True
@@ -148,22 +159,22 @@ class KVManager:
     def reserve(self, req: Req, n: int) -> bool:
         """Make room for ``n`` more tokens of KV (in every layer group of its
         model); False, holding nothing new, when there is none."""
-        need = req.kv_len + n - len(req.slots)
-        if need <= 0:
-            return True
+        parts = [*((p.name, p.slots) for p in req.lower), (req.model, req.slots)]
         got: list[tuple[str, np.ndarray]] = []
-        for name in self.group_names(req.model):
+        for name, slots in parts:
+            # A lower group of a partial hit may already hold these tokens.
+            need = max(0, req.kv_len + n - len(slots))
             pool = self.cache.pool_of(name)
-            new = self.cache.allocator.alloc(pool, need)
+            new = self.cache.allocator.alloc(pool, need) if need else slots[:0]
             if new is None and self.cache.evict_for(name, need):
                 new = self.cache.allocator.alloc(pool, need)
             if new is None:
-                for taken_from, slots in got:
-                    self.cache.allocator.free(self.cache.pool_of(taken_from), slots)
+                for taken_from, taken in got:
+                    self.cache.allocator.free(self.cache.pool_of(taken_from), taken)
                 return False
             got.append((name, new))
-        self.allocated_tokens[req.model] += need
         *lower, (_, top) = got
+        self.allocated_tokens[req.model] += len(top)
         req.slots = np.concatenate([req.slots, top])
         for part, (_, new) in zip(req.lower, lower, strict=True):
             part.slots = np.concatenate([part.slots, new])
@@ -189,7 +200,8 @@ class KVManager:
             return
         tokens = self._insert(req, aligned)
         for part in req.lower:
-            part.handle, part.slots = self._relock(part.name, tokens, part.handle, part.slots)
+            if aligned > part.handle.length:
+                part.handle, part.slots = self._relock(part.name, tokens, part.handle, part.slots)
         req.handle, req.slots = self._relock(req.model, tokens, req.handle, req.slots)
 
     def _relock(
@@ -209,7 +221,8 @@ class KVManager:
         those tokens."""
         tokens = req.tokens[:aligned]
         for part in req.lower:
-            self.cache.insert(part.name, tokens, part.slots[:aligned], prefix=part.handle)
+            if aligned > part.handle.length:  # else it held them already (a partial hit)
+                self.cache.insert(part.name, tokens, part.slots[:aligned], prefix=part.handle)
         self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
         if self.disk is not None and not req.lower:
             self.disk.inserted(req.model, tokens)
@@ -225,7 +238,8 @@ class KVManager:
             self._insert(req, aligned)
             allocator.free(self.cache.pool_of(req.model), req.slots[aligned:])
             for part in req.lower:
-                allocator.free(self.cache.pool_of(part.name), part.slots[aligned:])
+                kept = max(aligned, part.handle.length)  # the tree's up to its handle
+                allocator.free(self.cache.pool_of(part.name), part.slots[kept:])
         else:
             allocator.free(self.cache.pool_of(req.model), req.owned_slots)
             for part in req.lower:

@@ -17,10 +17,13 @@ Split points are chosen when models register: at start from every model
 given (for each pair, the depth to which their chains agree), at run time
 from the split points of the models already served (a registered model's
 layout is never re-cut while it holds K/V). A prefix counts as cached for a
-model only where *every* group of it holds K/V (the shortest group match);
-the lower groups a sibling computed past that are recomputed with the rest
-(identical values; the insert keeps the tree's copy), which saves memory
-per cached token but not yet compute (docs/design.md says what would).
+model (``kv_len``) where its own top group holds it. Where its lower groups
+hold more (a sibling ran the prompt), a runner that can restart its upper
+layers from stored hidden states (``ModelInfo.layer_restart``: each lower
+group then keeps its boundary hidden state per token in extra pseudo-layers)
+computes only the layers above for those tokens: a partial hit. Otherwise
+every group is cut back to the shortest match and the lower layers are
+recomputed (identical values; the insert keeps the tree's copy).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from dataclasses import dataclass, replace
 
 import msgspec
 
+from radixmux.memory.layout import hidden_layers
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
+from radixmux.protocol import ModelInfo
 
 
 def shared_depth(a: Sequence[str], b: Sequence[str]) -> int:
@@ -78,7 +83,7 @@ def group_name(model: str, start: int, end: int) -> str:
 
 
 def group_specs(
-    spec: ModelSpec, layer_keys: Sequence[str], splits: tuple[int, ...]
+    spec: ModelSpec, layer_keys: Sequence[str], splits: tuple[int, ...], hidden: int = 0
 ) -> list[ModelSpec]:
     """The cache specs of a model cut at ``splits``: its lower groups first,
     then its own (top) group. ``spec`` is the model's spec as one group.
@@ -86,6 +91,8 @@ def group_specs(
     A lower group's pool is the chain fingerprint at its top layer (plus its
     span and dtype), so models that agree that far share it; the top group
     keeps the model's KV-share key (a replica or alias shares everything).
+    ``hidden`` pseudo-layers per lower group hold its boundary hidden states
+    (``restart_layers``), from which the layers above can be run alone.
     """
     if not splits:
         return [spec]
@@ -94,13 +101,13 @@ def group_specs(
     out = []
     for a, b in itertools.pairwise(bounds):
         top = b == layout.num_layers
-        pool = spec.pool if top else f"layers:{layer_keys[b - 1]}:{layout.dtype}"
+        pool = spec.pool if top else f"layers:{layer_keys[b - 1]}:{layout.dtype}:+{hidden}h"
         out.append(
             replace(
                 spec,
                 name=spec.name if top else group_name(spec.name, a, b),
                 pool=f"{pool}:{a}-{b}",
-                layout=msgspec.structs.replace(layout, num_layers=b - a),
+                layout=msgspec.structs.replace(layout, num_layers=b - a + (0 if top else hidden)),
                 cost_per_token=spec.cost_per_token * (b - a) / layout.num_layers,
                 # A static partition's share is per model: its top group takes it.
                 floor_bytes=spec.floor_bytes if top else 0,
@@ -120,14 +127,28 @@ class ModelGroups:
     lower: tuple[str, ...]
     pools: tuple[str, ...]
     chain: tuple[str, ...]
+    restart: bool = False  # its runner runs upper groups from stored hidden states
+
+
+def restart_layers(info: ModelInfo) -> int:
+    """Hidden-state pseudo-layers per lower group for a model whose runner can
+    restart its upper layers from them (0: it cannot; its partial hits are
+    recomputed)."""
+    if not info.layer_restart or not info.hidden_size:
+        return 0
+    return hidden_layers(info.layout, info.hidden_size)
 
 
 def register(
-    cache: RadixCache, spec: ModelSpec, layer_keys: Sequence[str], splits: tuple[int, ...]
+    cache: RadixCache,
+    spec: ModelSpec,
+    layer_keys: Sequence[str],
+    splits: tuple[int, ...],
+    hidden: int = 0,
 ) -> ModelGroups:
     """Register every group of a model with the cache (all or none: a
     ValueError, a group whose KV cannot live in the arena, undoes the rest)."""
-    specs = group_specs(spec, layer_keys, splits)
+    specs = group_specs(spec, layer_keys, splits, hidden)
     done: list[str] = []
     try:
         for s in specs:
@@ -138,15 +159,16 @@ def register(
             cache.unregister_model(name)
         raise
     names = tuple(s.name for s in specs[:-1])
-    return ModelGroups(splits, names, tuple(s.pool for s in specs), tuple(layer_keys))
+    pools = tuple(s.pool for s in specs)
+    return ModelGroups(splits, names, pools, tuple(layer_keys), restart=hidden > 0)
 
 
 def join(
-    cache: RadixCache, served: Mapping[str, ModelGroups], spec: ModelSpec, chain: Sequence[str]
+    cache: RadixCache, served: Mapping[str, ModelGroups], spec: ModelSpec, info: ModelInfo
 ) -> ModelGroups:
     """Register a model that arrives at run time: it is cut at the served
     models' split points as far as it shares their layers (``plan_splits``)."""
     chains: dict[str, Sequence[str]] = {m: g.chain for m, g in served.items()}
-    chains[spec.name] = chain
+    chains[spec.name] = info.layer_keys
     splits = plan_splits(chains, {m: g.splits for m, g in served.items()})[spec.name]
-    return register(cache, spec, chain, splits)
+    return register(cache, spec, info.layer_keys, splits, restart_layers(info))

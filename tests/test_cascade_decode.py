@@ -18,12 +18,13 @@ def _grouping(runner, groups: DecodeGroups | None) -> None:
     """Make every batch the runner builds carry ``groups`` (checked against its slots)."""
     build = type(runner)._paged_batch
 
-    def with_groups(seqs, *args) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
-        batch, ids, pos = build(runner, seqs, *args)
+    def with_groups(seqs, *args) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, None]:
+        batch, ids, pos, passes = build(runner, seqs, *args)
+        assert passes is None  # one layer group
         if groups is not None:
             groups.check(batch.dec_slots, batch.dec_offsets)
         batch.dec_groups = groups
-        return batch, ids, pos
+        return batch, ids, pos, passes
 
     runner._paged_batch = with_groups
 

@@ -130,7 +130,7 @@ def test_layer_chains_agree_exactly_as_far_as_the_weights_do(family: dict[str, P
 
 
 # ---- the scheduler -----------------------------------------------------------------------
-def info(name: str) -> protocol.ModelInfo:
+def info(name: str, restart: bool = False) -> protocol.ModelInfo:
     return protocol.ModelInfo(
         name=name,
         architecture="fake",
@@ -145,10 +145,14 @@ def info(name: str) -> protocol.ModelInfo:
         dtype="float32",
         device="cpu",
         layer_keys=CHAINS[name],
+        hidden_size=16,  # one hidden pseudo-layer (2 x 8 values) per lower group
+        layer_restart=restart,
     )
 
 
-def harness(models: tuple[str, ...] = ("a", "b", "c"), blocks: int = 32, **flags) -> Harness:
+def harness(
+    models: tuple[str, ...] = ("a", "b", "c"), blocks: int = 32, restart: bool = False, **flags
+) -> Harness:
     args = ServerArgs(
         models=[ModelArg(f"/models/{m}", m) for m in models],
         share_layers=True,
@@ -159,7 +163,7 @@ def harness(models: tuple[str, ...] = ("a", "b", "c"), blocks: int = 32, **flags
     roll = RollCall({rid for m in args.models for rid in runner_ids(m)})
     for rid in sorted(roll.expected):
         name = str(RunnerId.parse(rid).model)
-        assert roll.answer(rid, protocol.Ready(info(name), NO_PID, 0.1, 1)) is None
+        assert roll.answer(rid, protocol.Ready(info(name, restart), NO_PID, 0.1, 1)) is None
     out = RecordingOutbox()
     return Harness(Scheduler(args, arena, out, bootstrap.build(args, arena, roll)), out)
 
@@ -240,6 +244,44 @@ def test_invalidating_a_model_drops_its_lower_groups_too() -> None:
     h.assert_clean()
 
 
+def new_tokens(batch: protocol.ForwardBatch) -> int:
+    return len(protocol.unpack_ids(batch.seqs[0].new_tokens))
+
+
+def test_a_partial_hit_starts_the_lower_group_past_what_it_holds() -> None:
+    h = harness(restart=True)
+    assert h.sched.cache.model("a#layers0-2").layout.num_layers == 3  # + the hidden states
+    h.request("r1", model="a", prompt=41, max_tokens=2)
+    h.run_until_idle("a#0")
+    h.request("r2", model="b", prompt=41, max_tokens=2)
+    batch = h.inflight("b#0")
+    assert batch is not None and new_tokens(batch) == 41  # b's own layers: all of it
+    assert batch.seqs[0].lower_starts == [40]  # the shared layers: only the last token
+    lower_used = h.sched.cache.allocator.usage().pools[lower_group(h, "b").pool].used_slots
+    h.run_until_idle("b#0")
+    assert (lower_group(h, "b").tokens_reused, lower_group(h, "b").tokens_recomputed) == (40, 0)
+    assert lower_group(h, "b").tokens_matched == 40  # served from these layers
+    # b computed one token of the shared layers: one more slot there, no copy of the 40.
+    used = h.sched.cache.allocator.usage().pools[lower_group(h, "b").pool].used_slots
+    assert used - lower_used <= 4  # within the page the last token and the output took
+    h.assert_clean()
+
+
+def test_a_partial_hit_under_chunked_prefill() -> None:
+    h = harness(restart=True, chunked_prefill_size=8)
+    h.request("r1", model="a", prompt=41, max_tokens=2)
+    h.run_until_idle("a#0")
+    h.request("r2", model="b", prompt=41, max_tokens=2)
+    starts = []
+    while (batch := h.inflight("b#0")) is not None:
+        starts.append((new_tokens(batch), batch.seqs[0].lower_starts))
+        h.step("b#0")
+    # Chunks of 8 of b's own layers; the shared layers skip to position 40.
+    assert starts[:5] == [(8, [40])] * 5
+    assert starts[5] == (1, [])  # the prompt's last token: every group computes it
+    h.assert_clean()
+
+
 # ---- real processes ----------------------------------------------------------------------
 PROMPTS = [
     "The history of the printing press begins",
@@ -287,9 +329,11 @@ def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]
     lowest = [g for g in info["layer_groups"] if (g["start"], g["end"]) == (0, 1)]
     assert {g["model"] for g in lowest} == {"base", "ft", "other"}
     assert len({g["pool"] for g in lowest}) == 1
-    # The models found the others' layer-0 K/V for the prompts (recomputed
-    # with their own upper layers), and the third prompt extends the first.
-    assert sum(g["tokens_recomputed"] for g in lowest) > 0
+    # The models found the others' layer-0 K/V and hidden states for the
+    # prompts (a partial hit: only their own layers computed), and the third
+    # prompt extends the first (a full hit).
+    assert sum(g["tokens_reused"] for g in lowest) > 0
+    assert sum(g["tokens_recomputed"] for g in lowest) == 0
     assert sum(g["tokens_matched"] for g in lowest) > 0
     assert info["invariants"] in (None, "ok")
     assert (

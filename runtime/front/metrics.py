@@ -400,12 +400,20 @@ def _layer_group_metrics(stats: SchedulerStats) -> Iterator[Metric]:
         "(recomputed)",
         labels=labels,
     )
+    reused = CounterMetricFamily(
+        "radixmux_layer_group_reused_tokens",
+        "Prompt tokens a lower layer group held cached past the full hit and served "
+        "(a partial hit: only the layers above were computed)",
+        labels=labels,
+    )
     for g in stats.layer_groups:
         key = [*model_labels(g.model), f"{g.start}-{g.end}"]
         cached.add_metric(key, float(g.cached_tokens))
         recomputed.add_metric(key, float(g.tokens_recomputed))
+        reused.add_metric(key, float(g.tokens_reused))
     yield cached
     yield recomputed
+    yield reused
 
 
 def _disk_metrics(stats: SchedulerStats) -> Iterator[Metric]:
