@@ -130,6 +130,9 @@ def test_layer_chains_agree_exactly_as_far_as_the_weights_do(family: dict[str, P
 
 
 # ---- the scheduler -----------------------------------------------------------------------
+LATE = {"e": ["x0", "x1", "a2", "e3"]}  # a fine-tune that arrives at run time
+
+
 def info(name: str, restart: bool = False) -> protocol.ModelInfo:
     return protocol.ModelInfo(
         name=name,
@@ -144,7 +147,7 @@ def info(name: str, restart: bool = False) -> protocol.ModelInfo:
         has_chat_template=False,
         dtype="float32",
         device="cpu",
-        layer_keys=CHAINS[name],
+        layer_keys={**CHAINS, **LATE}[name],
         hidden_size=16,  # one hidden pseudo-layer (2 x 8 values) per lower group
         layer_restart=restart,
     )
@@ -279,6 +282,37 @@ def test_a_partial_hit_under_chunked_prefill() -> None:
     # Chunks of 8 of b's own layers; the shared layers skip to position 40.
     assert starts[:5] == [(8, [40])] * 5
     assert starts[5] == (1, [])  # the prompt's last token: every group computes it
+    h.assert_clean()
+
+
+def test_a_model_unloaded_while_a_sibling_shares_its_lower_layers() -> None:
+    h = harness(restart=True)
+    h.request("r1", model="a", prompt=41, max_tokens=2)
+    h.run_until_idle("a#0")
+    h.send(protocol.RemoveModel("a"))
+    assert "a" not in h.sched.models and "a#layers0-2" not in h.sched.cache.models
+    # The shared layers stay cached for b (their generation is b's too).
+    assert lower_group(h, "b").cached_tokens >= 40
+    h.request("r2", model="b", prompt=41, max_tokens=2)
+    batch = h.inflight("b#0")
+    assert batch is not None and batch.seqs[0].lower_starts == [40]
+    h.run_until_idle("b#0")
+    h.assert_clean()
+
+
+def test_a_fine_tune_added_at_run_time_shares_at_the_served_cuts() -> None:
+    h = harness(restart=True)
+    h.request("r1", model="a", prompt=41, max_tokens=2)
+    h.run_until_idle("a#0")
+    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
+    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    # e agrees with a on 3 layers, but a is cut at 2: e is cut there too.
+    assert h.sched.kv.groups["e"].splits == (2,)
+    assert lower_group(h, "e").pool == lower_group(h, "a").pool
+    h.request("r2", model="e", prompt=41, max_tokens=2)
+    batch = h.inflight("e#0")
+    assert batch is not None and batch.seqs[0].lower_starts == [40]
+    h.run_until_idle("e#0")
     h.assert_clean()
 
 
