@@ -99,6 +99,7 @@ class Scheduler:
         self.removing: set[str] = set()  # instances waiting for their last batch or disk load
         pins = Pins(int(arena.total_bytes * args.max_pinned_fraction))
         pins.cache = self.cache
+        pins.group_names = self.kv.group_names
         self.warmups = Warmups(pins)  # warm-ups in flight and pinned prefixes
         for arg in args.models:  # registered in the cache by ``bootstrap.build``
             instances.serve(self, arg, startup.roll, arg.name)

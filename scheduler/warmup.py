@@ -17,7 +17,7 @@ never leave running requests without KV.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,8 @@ class Pin:
     model: str
     tokens: bytes
     handle: CacheHandle
+    # The same path in the model's lower layer groups (layer_groups.py), if any.
+    lower: list[CacheHandle] = field(default_factory=list)
 
 
 def unique_tokens(paths: Iterable[bytes]) -> int:
@@ -64,6 +66,9 @@ class Pins:
         self.cap_bytes = cap_bytes
         self.cache: RadixCache | None = None
         self.by_key: dict[tuple[str, bytes], Pin] = {}
+        # The cache names holding a model's K/V: its lower layer groups, then
+        # itself (KVManager.group_names); a pin locks its path in each.
+        self.group_names: Callable[[str], tuple[str, ...]] = lambda model: (model,)
 
     def _paths(self, model: str) -> list[bytes]:
         return [p.tokens for (m, _), p in self.by_key.items() if m == model]
@@ -79,7 +84,7 @@ class Pins:
         models = {m for m, _ in self.by_key} | set(extra)
         return sum(
             unique_tokens(self._paths(m) + extra.get(m, []))
-            * self.cache.model(m).layout.bytes_per_token
+            * sum(self.cache.model(n).layout.bytes_per_token for n in self.group_names(m))
             for m in models
         )
 
@@ -106,7 +111,11 @@ class Pins:
         if why is not None:
             return 0, why
         self.cache.lock(m.handle)
-        self.by_key[(model, key)] = Pin(model, tokens, m.handle)
+        lower = [self.cache.match(n, ids[: m.length], record=False).handle
+                 for n in self.group_names(model)[:-1]]  # fmt: skip
+        for handle in lower:
+            self.cache.lock(handle)
+        self.by_key[(model, key)] = Pin(model, tokens, m.handle, lower)
         return m.length, None
 
     def unpin(self, model: str, key: bytes) -> bool:
@@ -114,7 +123,8 @@ class Pins:
         pin = self.by_key.pop((model, key), None)
         if pin is not None:
             assert self.cache is not None
-            self.cache.unlock(pin.handle)
+            for handle in (pin.handle, *pin.lower):
+                self.cache.unlock(handle)
         return pin is not None
 
     def drop(self, model: str | None = None) -> int:
@@ -127,7 +137,7 @@ class Pins:
 
     def handles(self) -> list[CacheHandle]:
         """The locks pins hold (for the scheduler's invariant check)."""
-        return [p.handle for p in self.by_key.values()]
+        return [h for p in self.by_key.values() for h in (p.handle, *p.lower)]
 
 
 @dataclass(eq=False)

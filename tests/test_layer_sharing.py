@@ -316,6 +316,28 @@ def test_a_fine_tune_added_at_run_time_shares_at_the_served_cuts() -> None:
     h.assert_clean()
 
 
+def test_a_pin_holds_the_prefix_in_every_layer_group() -> None:
+    h = harness(blocks=12, max_pinned_fraction=0.5)
+    prefix = protocol.pack_ids(np.arange(1, 41, dtype=np.int32))
+    h.send(protocol.WarmupRequest("w", "b", [prefix], pin=True))
+    h.run_until_idle("b#0")
+    [pin] = h.sched.warmups.pins.by_key.values()
+    assert [x.length for x in (pin.handle, *pin.lower)] == [40, 40]
+    # An eviction storm of other prompts leaves the pinned path whole.
+    for i in range(12):
+        model = ("a", "c")[i % 2]
+        h.request(f"r{i}", model=model, prompt=30, start=100 + 40 * i)
+        h.run_until_idle(f"{model}#0")
+    h.request("hit", model="b", prompt=41, max_tokens=1)
+    batch = h.inflight("b#0")
+    assert batch is not None and new_tokens(batch) == 1  # every group still holds it
+    h.run_until_idle("b#0")
+    h.send(protocol.WarmupRequest("u", "b", [prefix], pin=False))
+    h.run_until_idle("b#0")
+    assert not h.sched.warmups.pins.by_key
+    h.assert_clean()
+
+
 # ---- real processes ----------------------------------------------------------------------
 PROMPTS = [
     "The history of the printing press begins",
