@@ -3,19 +3,20 @@
     python -m bench.bench_layer_sharing --models DIR [DIR ...] [--kv-cache-bytes N]
 
 Serves the given model folders (for example the ``upper`` family of
-``python -m bench.make_finetunes``) twice, with ``--share-layers`` and without,
-on the same arena, and sends both the same trace: every model answers every
-one of a set of long system prompts (plus a short question each), round after
-round, so the working set of (model, prompt) K/V is well above what the arena
-holds when nothing is shared. For each setting it prints and saves:
+``python -m bench.make_finetunes``) twice, with layer sharing (the default)
+and with ``--disable-layer-sharing``, on the same arena, and sends both the
+same trace: every model answers every one of a set of long system prompts
+(plus a short question each), round after round, so the working set of
+(model, prompt) K/V is well above what the arena holds when nothing is
+shared. For each setting it prints and saves:
 
 * hit rate: prompt tokens served from the cache / prompt tokens;
 * arena bytes per cached model-token: arena bytes in use / the sum over models
   of the tokens cached for each (a token cached for 4 models counts 4), the
   memory the sharing saves;
 * output tokens per second and mean latency;
-* per lower layer group: tokens cached once for every sharer, and tokens found
-  cached but recomputed (no partial-hit path yet).
+* per lower layer group: tokens cached once for every sharer, tokens reused
+  (a partial hit: only the model's own layers computed) and recomputed.
 
 Writes ``bench/results/layer_sharing-<time>.json``.
 """
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace, share: bool, names: list[str]) -> Result:
         *(f"--model={path},name={name}" for name, path in zip(names, args.models, strict=True)),
         f"--kv-cache-bytes={args.kv_cache_bytes}",
         f"--dtype={args.dtype}",
-        *(["--share-layers"] if share else []),
+        *([] if share else ["--disable-layer-sharing"]),
     ]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log = RESULTS_DIR / f"layer_sharing-{stamp}-logs" / f"share-{share}.log"
@@ -158,7 +159,7 @@ def main() -> None:
         print(
             f"  {g['model']} layers {g['start']}-{g['end']}: {g['cached_tokens']} tokens cached "
             f"(shared with {', '.join(g['shared_with']) or 'nobody'}), "
-            f"{g['tokens_recomputed']} found but recomputed"
+            f"{g['tokens_reused']} reused in partial hits, {g['tokens_recomputed']} recomputed"
         )
     RESULTS_DIR.mkdir(exist_ok=True)
     out = args.out or RESULTS_DIR / f"layer_sharing-{time.strftime('%Y%m%d-%H%M%S')}.json"

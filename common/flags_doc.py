@@ -63,7 +63,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--kv-block-bytes",
             "--page-size",
             "--kv-partition",
-            "--share-layers",
+            "--disable-layer-sharing",
             "--eviction-policy",
             "--disable-radix-cache",
             "--warmup",

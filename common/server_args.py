@@ -107,7 +107,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     prefill_wait_ratio: float = 0.5
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
-    share_layers: bool = False
+    disable_layer_sharing: bool = False
     disable_fused_ops: bool = False
     linear_onednn_copy: bool = False
     enable_jump_forward: bool = False
@@ -428,10 +428,11 @@ _SWITCHES: list[tuple[str, str]] = [
         "(docs/kernels.md#deterministic-mode)",
     ),
     (
-        "share-layers",
-        "models whose lower layers are identical (fine-tunes of one base that froze them) "
-        "store those layers' K/V once: each model's layers are cut where its weights part "
-        "from another's (not with --kv-partition static; such models skip the disk tier)",
+        "disable-layer-sharing",
+        "store every model's K/V whole; by default models whose lower layers are identical "
+        "(fine-tunes of one base that froze them) store those layers' K/V once, each cut "
+        "where its weights part from another's, and a model that finds the shared layers "
+        "cached computes only its own (never with --kv-partition static)",
     ),
     ("check-invariants", "check the cache's invariants after every step (slow; debugging)"),
     (

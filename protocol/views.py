@@ -67,7 +67,7 @@ class DiskTierStats(msgspec.Struct, frozen=True):
 
 
 class LayerGroupStatus(msgspec.Struct, frozen=True):
-    """One lower layer group of a model cut for layer sharing (``--share-layers``):
+    """One lower layer group of a model cut for layer sharing (the default):
     layers ``[start, end)`` of ``model``, stored in ``pool`` with every model
     that shares them (``shared_with``)."""
 

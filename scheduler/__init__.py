@@ -23,7 +23,7 @@ What they work on:
 - ``batch_builder.py``, ``policy.py``, ``kv_manager.py``: what a runner computes
   next, in which order, with which KV.
 - ``layer_groups.py``: models that share lower layers, cut into layer groups
-  stored once for all of them (``--share-layers``).
+  stored once for all of them (unless ``--disable-layer-sharing``).
 - ``disk_tier.py``, ``warmup.py``, ``dashboard.py``: the disk tier, warm-ups and
   pins, the dashboard's snapshot.
 """

@@ -113,7 +113,7 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
         specs = [fixed_share(s, share, arena.block_bytes) for s in specs]
     infos = {arg.name: roll.infos[runner_ids(arg)[0]] for arg in args.models}
     chains = {}
-    if args.share_layers and args.kv_partition == "unified":
+    if not args.disable_layer_sharing and args.kv_partition == "unified":
         chains = {name: info.layer_keys for name, info in infos.items()}
     splits = plan_splits(chains)
     groups = {}
@@ -131,8 +131,6 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
     if chains:
         kv.share_layers = True
         kv.groups = groups
-        if disk is not None:  # grouped models' K/V stays in memory (layer_groups.py)
-            disk.memory_only.update(p for g in groups.values() if g.splits for p in g.pools)
     limits = BatchLimits(
         policy=args.schedule_policy,
         chunked_prefill_size=args.chunked_prefill_size,

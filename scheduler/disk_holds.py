@@ -70,8 +70,13 @@ def _writes_pending_save(sched: Scheduler, req: Req, n: int) -> bool:
     """Whether computing ``n`` tokens of ``req`` writes blocks a disk save still reads."""
     if sched.disk is None:
         return False
-    written = req.slots[req.kv_len : req.kv_len + n]
-    return sched.disk.holds_back(sched.cache.pool_of(req.model), written)
+    disk, cache, end = sched.disk, sched.cache, req.kv_len + n
+    if disk.holds_back(cache.pool_of(req.model), req.slots[req.kv_len : end]):
+        return True
+    return any(  # a lower layer group writes from where it holds the prompt up to
+        disk.holds_back(cache.pool_of(p.name), p.slots[max(req.kv_len, p.handle.length) : end])
+        for p in req.lower
+    )
 
 
 def check_stalls(sched: Scheduler) -> None:

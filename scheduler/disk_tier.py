@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -83,13 +83,26 @@ class _Namespace:
 
 
 @dataclass(frozen=True)
+class GroupLoad:
+    """A lower layer group's part of a load (scheduler/layer_groups.py): its
+    chunks from ``start``, which is past the top group's when it holds more."""
+
+    index: int  # which of ``Req.lower``
+    chunks: list[ChunkRef]
+    start: int
+    skip: int  # tokens of its first chunk already in memory
+
+
+@dataclass(frozen=True)
 class LoadPlan:
-    """Chunks a request can load: positions ``[start, end)`` after its memory match."""
+    """Chunks a request can load: positions ``[start, end)`` after its memory
+    match (its own layers'), and what each lower layer group loads with them."""
 
     chunks: list[ChunkRef]
     start: int
     end: int
     skip: int  # tokens of the first chunk already in memory
+    lower: list[GroupLoad] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -97,10 +110,24 @@ class LoadPlan:
 
 
 @dataclass
-class _Load:
+class _Loading:
+    """One request's load: its jobs (one per layer group that loads) end
+    before it does, and it covers as far as the shortest of them got."""
+
     req: Req
-    chunks: list[ChunkRef]
     t0: float
+    jobs: int
+    end: int
+
+
+@dataclass
+class _Load:
+    """One load job: a layer group's chunks for a request."""
+
+    loading: _Loading
+    chunks: list[ChunkRef]
+    start: int
+    top: bool  # the request's own layers (what counts as its tokens loaded)
 
 
 class DiskTier:
@@ -142,9 +169,6 @@ class DiskTier:
         self._latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.tokens_loaded: collections.Counter[str] = collections.Counter()
         self.events: DiskEvents | None = None  # set while KV events are published
-        # Pools the tier neither saves nor loads: those of models cut into
-        # layer groups (scheduler/layer_groups.py), whose loads are not built.
-        self.memory_only: set[str] = set()
         if write_policy == "write_back":
             cache.on_evict = self._spill
         sharing = ""
@@ -190,7 +214,7 @@ class DiskTier:
         from the start). With ``hold`` the arena blocks the job reads are held
         back from batches until it has read them (their slots are freed now).
         Returns the job id (None when there was nothing to save) and its chunks."""
-        if self.disabled or pool in self.memory_only:
+        if self.disabled:
             return None, 0
         c = self.chunk
         space = self._space(pool)
@@ -228,7 +252,7 @@ class DiskTier:
         what this save just wrote); the blocks are held back from batches until
         the I/O thread has read them, as for an eviction's spill, so the unload
         itself never waits on the disk. Returns the chunks queued."""
-        if self.disabled or self.cache.pool_of(model) in self.memory_only:
+        if self.disabled:
             return 0
         paths = self.cache.unload_paths(model)
         if not paths:  # nothing cached, or an alias keeps the generation
@@ -284,66 +308,104 @@ class DiskTier:
         """Tree locks the tier holds (write-through saves and loads in flight)."""
         return [
             *self._through_locks.values(),
-            *(ld.req.handle for ld in self.loading.values() if ld.req.handle),
+            *(
+                h
+                for req in self._loading_reqs()
+                for h in (req.handle, *(p.handle for p in req.lower))
+                if h
+            ),
         ]
+
+    def _loading_reqs(self) -> list[Req]:
+        """Requests with a load in flight, each once (a load may be several jobs)."""
+        return list({id(ld.loading.req): ld.loading.req for ld in self.loading.values()}.values())
 
     # ---- loading ---------------------------------------------------------------------
     def plan_load(self, req: Req) -> LoadPlan | str | None:
         """What of ``req``'s prompt past its memory match (``req.kv_len``) is on
         disk: a plan, ``"wait"`` when another request is loading those chunks
-        right now, or None (load nothing)."""
+        right now, or None (load nothing). A model cut into layer groups loads
+        as far as every group has the chunks (each from where it holds the
+        prompt up to)."""
         if self.disabled:
             return None
         c = self.chunk
         limit = (req.num_tokens - 1) // c  # whole chunks, leaving a token to compute
-        first = req.kv_len // c
-        if first >= limit:
+        if req.kv_len // c >= limit:
             return None
-        pool = self.cache.pool_of(req.model)
-        space = self._space(pool)
-        keys = chunk_keys(space.ns, req.tokens[: limit * c].tobytes(), c)
+        names = [*(p.name for p in req.lower), req.model]
+        starts = [*(max(req.kv_len, p.handle.length) for p in req.lower), req.kv_len]
+        runs: list[list[ChunkRef]] = []
+        end = limit
+        for name, start in zip(names, starts, strict=True):
+            first = start // c
+            run = self._run(name, req, first, limit)
+            if run == "wait":
+                return "wait"
+            assert not isinstance(run, str)
+            runs.append(run)
+            if first < limit:
+                end = min(end, first + len(run))
+        end_pos = end * c
+        if end_pos - req.kv_len < self.min_load_tokens:
+            return None
+        *lower_runs, top_run = runs
+        lower = [
+            GroupLoad(i, run[: end - start // c], start, start - start // c * c)
+            for i, (run, start) in enumerate(zip(lower_runs, starts, strict=False))
+            if start < end_pos
+        ]
+        first = req.kv_len // c
+        return LoadPlan(top_run[: end - first], req.kv_len, end_pos, req.kv_len - first * c, lower)
+
+    def _run(self, name: str, req: Req, first: int, limit: int) -> list[ChunkRef] | str:
+        """The chunks of ``req``'s prompt in ``name``'s namespace from chunk
+        ``first`` on that the store has, in a row (``"wait"``: the first is
+        being loaded by another request)."""
+        space = self._space(self.cache.pool_of(name))
+        if first >= limit:
+            return []
+        keys = chunk_keys(space.ns, req.tokens[: limit * self.chunk].tobytes(), self.chunk)
         run: list[ChunkRef] = []
         for key in keys[first:]:
             if self._loading_keys[key]:
-                if not run:
-                    return "wait"
-                break
+                return run or "wait"
             ref = ChunkRef(key, space.ns_dir)
             if not self.store.has(ref):
                 break
             run.append(ref)
-        end = (first + len(run)) * c
-        if end - req.kv_len < self.min_load_tokens:
-            return None
-        return LoadPlan(run, req.kv_len, end, req.kv_len - first * c)
+        return run
 
     def start_load(self, req: Req, plan: LoadPlan) -> None:
-        """Fill ``req.slots[plan.start:plan.end]`` (already reserved) from disk."""
-        space = self._space(self.cache.pool_of(req.model))
-        job = LoadJob(
-            space.view,
-            req.slots[plan.start : plan.end],
-            plan.chunks,
-            space.ns,
-            self.chunk,
-            skip=plan.skip,
-        )
-        self._loading_keys.update(ch.key for ch in plan.chunks)
-        for ch in plan.chunks:
-            self.store.touch(ch.key)
-        self.chunks_loaded += len(plan.chunks)
-        self.chunks_shared += sum(ch.key not in self.store for ch in plan.chunks)
-        self.loading[self.transfer.submit(job)] = _Load(req, plan.chunks, time.monotonic())
+        """Fill ``req.slots[plan.start:plan.end]`` (already reserved), and each
+        lower layer group's slots from its start, from disk."""
+        loading = _Loading(req, time.monotonic(), 1 + len(plan.lower), plan.end)
+        parts = [(req.model, req.slots, plan.chunks, plan.start, plan.skip, True)]
+        for g in plan.lower:
+            part = req.lower[g.index]
+            parts.append((part.name, part.slots, g.chunks, g.start, g.skip, False))
+        for name, slots, chunks, start, skip, top in parts:
+            space = self._space(self.cache.pool_of(name))
+            job = LoadJob(
+                space.view, slots[start : plan.end], chunks, space.ns, self.chunk, skip=skip
+            )
+            self._loading_keys.update(ch.key for ch in chunks)
+            for ch in chunks:
+                self.store.touch(ch.key)
+            self.chunks_loaded += len(chunks)
+            self.chunks_shared += sum(ch.key not in self.store for ch in chunks)
+            self.loading[self.transfer.submit(job)] = _Load(loading, chunks, start, top)
         log.info(
-            "rid=%s loading %d tokens (%d-%d) from disk",
+            "rid=%s loading %d tokens (%d-%d) from disk%s",
             req.rid,
             plan.tokens,
             plan.start,
             plan.end,
+            f" in {1 + len(plan.lower)} layer groups" if plan.lower else "",
         )
 
     def is_loading(self, req: Req) -> bool:
-        return any(ld.req is req for ld in self.loading.values())
+        return any(ld.loading.req is req for ld in self.loading.values())
 
     # ---- completions -----------------------------------------------------------------
     def fileno(self) -> int:
@@ -403,10 +465,19 @@ class DiskTier:
                 self._loading_keys[ch.key] -= 1
                 if not self._loading_keys[ch.key]:
                     del self._loading_keys[ch.key]
-            req = load.req
-            req.kv_len += result.tokens
-            self._count_load(req, result, time.monotonic() - load.t0)
-            return req
+            loading = load.loading
+            loading.end = min(loading.end, load.start + result.tokens)
+            loading.jobs -= 1
+            if load.top:
+                self._count_load(loading.req, result, time.monotonic() - loading.t0)
+            else:
+                self.bytes_read += result.nbytes
+            if loading.jobs:
+                return None
+            # Every group holds the prompt up to the shortest load's end (at
+            # least where the request's own layers started).
+            loading.req.kv_len = max(loading.req.kv_len, loading.end)
+            return loading.req
         return None
 
     def _count_load(self, req: Req, result: JobResult, seconds: float) -> None:

@@ -89,11 +89,9 @@ def _register(sched: Scheduler, pending: PendingModel) -> None:
         check_replicas(add.model, pending.roll)
         spec: ModelSpec = model_spec(add.model, info)
         kv = sched.kv
-        if kv.share_layers:  # --share-layers: cut it where it shares the served models' layers
+        if kv.share_layers:  # layer sharing: cut it where it shares the served models' layers
             groups = join(sched.cache, kv.groups, spec, info)
             kv.groups[name] = groups
-            if sched.disk is not None and groups.splits:
-                sched.disk.memory_only.update(groups.pools)
         else:
             sched.cache.register_model(spec)  # ValueError: its KV cannot live in the arena
         served = serve(sched, add.model, pending.roll, add.served, add.version)
@@ -148,7 +146,8 @@ def finish_removals(sched: Scheduler) -> None:
         del sched.models[name]
         sched.warmups.pins.drop(name)
         if disk is not None:  # its KV comes back with a reload of the same weights
-            disk.save_unloaded(name)
+            for group in sched.kv.group_names(name):  # (what no sibling keeps)
+                disk.save_unloaded(group)
         freed = sched.kv.unregister(name)
         log.info("model %s removed: %d cached tokens freed", name, freed)
         removed = protocol.ModelRemoved(name, freed)

@@ -39,7 +39,7 @@ class KVManager:
         # How models cut into layer groups are cut (layer_groups.py); a model
         # not cut is absent.
         self.groups: dict[str, ModelGroups] = {}
-        self.share_layers = False  # --share-layers (with a unified arena)
+        self.share_layers = False  # not --disable-layer-sharing, unified arena
         # Per lower group: prompt tokens it held cached that a request could not
         # use (its model's upper layers lacked them) and recomputed.
         self.lower_recomputed: Counter[str] = Counter()
@@ -110,7 +110,7 @@ class KVManager:
         ``"loading"`` (slots reserved, the request is the tier's until its load
         ends), ``"wait"`` (another request is loading those chunks: look again
         next round), ``"no room"``, or None (nothing worth loading)."""
-        if self.disk is None or req.wants_prompt_logprobs or req.lower:
+        if self.disk is None or req.wants_prompt_logprobs:
             return None
         plan = self.disk.plan_load(req)
         if plan is None or plan == "wait":
@@ -223,8 +223,10 @@ class KVManager:
         for part in req.lower:
             if aligned > part.handle.length:  # else it held them already (a partial hit)
                 self.cache.insert(part.name, tokens, part.slots[:aligned], prefix=part.handle)
+                if self.disk is not None:
+                    self.disk.inserted(part.name, tokens)
         self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
-        if self.disk is not None and not req.lower:
+        if self.disk is not None:
             self.disk.inserted(req.model, tokens)
         return tokens
 

@@ -1,4 +1,4 @@
-"""Layer sharing (``--share-layers``): models whose lower layers are identical
+"""Layer sharing (on by default): models whose lower layers are identical
 store those layers' K/V once (scheduler/layer_groups.py).
 
 From the fingerprints (a changed lower tensor splits the chain there, an
@@ -158,7 +158,6 @@ def harness(
 ) -> Harness:
     args = ServerArgs(
         models=[ModelArg(f"/models/{m}", m) for m in models],
-        share_layers=True,
         page_size=4,
         **flags,
     )
@@ -346,20 +345,23 @@ PROMPTS = [
 ]
 
 
-def serve_and_ask(models: dict[str, Path], share: bool) -> tuple[dict[str, list[str]], dict]:
+def serve_and_ask(
+    models: dict[str, Path], share: bool, prompts: list[str] = PROMPTS, **flags: object
+) -> tuple[dict[str, list[str]], dict]:
     engine = Engine(
         model=[f"{path},name={name}" for name, path in models.items()],
-        kv_cache_bytes=16 << 20,
+        kv_cache_bytes=flags.pop("kv_cache_bytes", 16 << 20),
         kv_block_bytes=64 << 10,
         runner_threads=1,
         dtype="float32",
-        share_layers=share,
+        disable_layer_sharing=not share,
         check_invariants=True,
+        **flags,
     )
     try:
         url = f"http://127.0.0.1:{engine.args.port}"
         texts: dict[str, list[str]] = {name: [] for name in models}
-        for prompt in PROMPTS:
+        for prompt in prompts:
             for name in models:
                 body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
                 r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -397,3 +399,31 @@ def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]
         in (info["metrics"])
     )
     assert "radixmux_layer_group" not in plain["metrics"]
+
+
+LONG = [f"Story {i}: " + " ".join(f"word{j}" for j in range(i * 7, i * 7 + 200)) for i in range(6)]
+
+
+@pytest.mark.timeout(600)
+def test_shared_layers_spill_to_disk_and_load_back_exactly(
+    family: dict[str, Path], tmp_path: Path
+) -> None:
+    models = {"base": family["base"], "ft": family["upper"]}
+    twice = LONG + LONG  # the second round finds the first's K/V on disk
+    alone, _ = serve_and_ask(models, share=False, prompts=twice)
+    shared, info = serve_and_ask(
+        models,
+        share=True,
+        prompts=twice,
+        kv_cache_bytes=3 << 20,  # a couple of prompts of the 6, for two models
+        kv_disk_bytes=1 << 30,
+        kv_disk_dir=str(tmp_path / "disk"),
+    )
+    assert shared == alone
+    disk = info["disk"]
+    assert disk["chunks_written"] > 0 and disk["loads"] > 0
+    assert set(disk["tokens_loaded"]) == {"base", "ft"}
+    assert info["invariants"] in (None, "ok")
+    # The shared layers' chunks are one namespace for both models.
+    lowest = {g["pool"] for g in info["layer_groups"] if g["start"] == 0}
+    assert len(lowest) == 1

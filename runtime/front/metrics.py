@@ -387,7 +387,7 @@ _DISK: list[tuple[str, type[Metric], str, str]] = [
 
 
 def _layer_group_metrics(stats: SchedulerStats) -> Iterator[Metric]:
-    """Lower layer groups of models cut for layer sharing (``--share-layers``)."""
+    """Lower layer groups of models cut for layer sharing (the default)."""
     labels = [*LABELS, "layers"]
     cached = GaugeMetricFamily(
         "radixmux_layer_group_cached_tokens",
