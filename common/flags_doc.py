@@ -19,6 +19,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Models",
         (
             "--model",
+            "--models-file",
             "--dtype",
             "--device",
             "--chat-template",

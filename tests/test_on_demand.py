@@ -5,6 +5,7 @@ after the timeout and not before, and a failing load answers every waiter."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -17,8 +18,10 @@ import httpx
 import pytest
 
 from bench.tiny_models import make_tiny_model_dir
+from radixmux.common.model_entry import parse_model_arg
+from radixmux.common.server_args import parse_args
 from radixmux.runtime.client import Client
-from radixmux.runtime.client.engine import Engine
+from radixmux.runtime.client.engine import Engine, args_from_flags
 from tests.test_dashboard import chromium, dump_dom
 
 pytestmark = pytest.mark.timeout(600)
@@ -305,3 +308,77 @@ def test_a_manual_load_makes_room_like_an_on_demand_one(
     r = httpx.post(f"{url}/models", json={"source": str(folders["d"]), "name": "d"}, timeout=180)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_room", r.text
     assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}
+
+
+# ---- --models-file -------------------------------------------------------------------
+def write_models_file(path: Path, data: object) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_models_file_entries_are_model_flags(tmp_path: Path) -> None:
+    (tmp_path / "weights" / "b").mkdir(parents=True)
+    path = write_models_file(
+        tmp_path / "models.json",
+        {
+            "models": [
+                {"source": "weights/b", "name": "b", "load": "on_demand", "keep_alive": 600},
+                {"source": "gemma3-270m", "dtype": "float32", "priority": 2, "replicas": 1},
+            ]
+        },
+    )
+    args = parse_args(["--model", "smollm2,name=a", "--models-file", path])
+    assert [(m.name, m.source, m.dtype, m.priority) for m in args.models] == [
+        ("a", "smollm2", None, 1.0),
+        ("gemma3-270m", "gemma3-270m", "float32", 2.0),
+    ]
+    (b,) = args.on_demand_models
+    # A relative source beside the file is taken from there; a short name stays one.
+    assert (b.name, b.source, b.on_demand, b.keep_alive) == (
+        "b",
+        str(tmp_path / "weights" / "b"),
+        True,
+        600.0,
+    )
+    # The same entry as a --model flag gives the same ModelArg: one checker.
+    flag = parse_model_arg(f"{b.source},name=b,load=on_demand,keep_alive=600")
+    assert flag == b
+    # A bare list works too, and the Python Engine's flags take the file.
+    listed = write_models_file(tmp_path / "list.json", [{"source": "smollm2", "name": "x"}])
+    assert [m.name for m in args_from_flags({"models_file": listed}).models] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (
+            [{"source": "s", "name": "m", "replicas": 2.5}],
+            "models[0] ('m'): replicas must be an int",
+        ),
+        ([{"name": "m"}], "models[0] ('m'): field 'source' is required"),
+        ([{"source": "s"}, {"source": "t", "sise": 1}], "models[1]: unknown field 'sise'"),
+        ([{"source": "s", "keep_alive": 5}], "models[0]: keep_alive needs load=on_demand"),
+        ([{"source": "s", "load": "lazy"}], "models[0]: load must be one of"),
+        ([{"source": "s", "priority": True}], "models[0]: field 'priority' must be a string"),
+        ([{"source": "s", "name": "a@2"}], "models[0] ('a@2'): name: model name 'a@2'"),
+        ({"model": []}, 'expected {"models": [entry, ...]} or a list of entries'),
+        ([{"source": "s", "name": "m"}, {"source": "t", "name": "m"}], "names must be unique"),
+    ],
+)
+def test_a_bad_models_file_names_the_entry_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: object, says: str
+) -> None:
+    path = write_models_file(tmp_path / "models.json", data)
+    with pytest.raises(SystemExit):
+        parse_args(["--models-file", path])
+    assert says in capsys.readouterr().err
+
+
+def test_an_unreadable_models_file_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.json").write_text("{models: []}")
+    for path, says in [("bad.json", "not JSON"), ("gone.json", "No such file")]:
+        with pytest.raises(SystemExit):
+            parse_args(["--models-file", str(tmp_path / path)])
+        assert f"--models-file {tmp_path / path}: {says}" in capsys.readouterr().err

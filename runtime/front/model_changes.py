@@ -27,7 +27,8 @@ import math
 import time
 
 from radixmux import protocol
-from radixmux.common.server_args import DTYPES, ServerArgs, check_model_name, default_model_name
+from radixmux.common.model_entry import DTYPES, check_model_name, default_model_name
+from radixmux.common.server_args import ServerArgs
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
 from radixmux.runtime.api_error import APIError

@@ -33,7 +33,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixmux import protocol
-from radixmux.common.server_args import ServerArgs, default_model_name
+from radixmux.common.model_entry import default_model_name
+from radixmux.common.server_args import ServerArgs
 from radixmux.protocol import ModelArg
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelCard, ModelChange, model_card

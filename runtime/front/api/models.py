@@ -13,7 +13,7 @@ import math
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.common.server_args import default_model_name
+from radixmux.common.model_entry import default_model_name
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelChange, ReloadModelBody
 from radixmux.runtime.front.api.common import json_response
