@@ -151,10 +151,13 @@ class ServerArgs(msgspec.Struct, kw_only=True):
             raise ValueError("--max-loaded-models and --idle-unload-seconds must be >= 0")
         self.on_demand_models += [m for m in self.models if m.on_demand]
         self.models = [m for m in self.models if not m.on_demand]
-        if not self.models:
-            if self.on_demand_models:
-                raise ValueError("at least one --model must load at start (not load=on_demand)")
+        if not self.models and not self.on_demand_models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
+        # Every model on demand is fine: the server starts with none loaded.
+        if self.on_demand_models and self.kv_partition == "static":
+            raise ValueError(
+                "load=on_demand needs --kv-partition unified (static shares are fixed at start)"
+            )
         names = [m.name for m in self.models + self.on_demand_models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")

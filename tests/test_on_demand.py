@@ -382,3 +382,43 @@ def test_an_unreadable_models_file_says_why(
         with pytest.raises(SystemExit):
             parse_args(["--models-file", str(tmp_path / path)])
         assert f"--models-file {tmp_path / path}: {says}" in capsys.readouterr().err
+
+
+def test_every_model_on_demand_starts_with_none_loaded(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = [{"source": str(folders[n]), "name": n, "load": "on_demand"} for n in "bc"]
+    path = write_models_file(tmp_path / "models.json", {"models": entries})
+    eng = Engine(
+        models_file=path,
+        kv_cache_bytes=64 << 20,
+        kv_block_bytes=256 << 10,
+        dtype="float32",
+        model_load_timeout=120.0,
+        max_loaded_models=1,
+    )
+    url = f"http://127.0.0.1:{eng.args.port}"
+    try:
+        assert eng.launcher.served == [] and eng.models == ["b", "c"]
+        assert not [c for c in eng.launcher.children if c.runner_id is not None]
+        assert states(url) == {"b": "registered", "c": "registered"}
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["models"] == {}, health.text
+        info = httpx.get(f"{url}/get_model_info", timeout=30)
+        assert info.status_code == 409 and "no model is loaded" in info.text, info.text
+        assert set(lifecycle(url)) == {"b", "c"}  # the dashboard has nothing loaded to show
+
+        assert complete(url, "b").status_code == 200  # the first request loads it
+        assert states(url) == {"b": "loaded", "c": "registered"}
+        # --max-loaded-models 1: the one loaded model makes room although it is the last.
+        assert complete(url, "c").status_code == 200
+        assert states(url) == {"b": "registered", "c": "loaded"}
+        assert metric(url, "radixmux_model_unloads_total", model="b", reason="lru") == 1
+        (out,) = eng.generate("Hello there", {"max_new_tokens": 2}, model="b")  # over ZMQ
+        assert out.text and states(url) == {"b": "loaded", "c": "registered"}
+    finally:
+        eng.shutdown()
+    # The static partition's shares are fixed at start: nothing can load later.
+    with pytest.raises(SystemExit):
+        parse_args(["--models-file", path, "--kv-partition", "static"])
+    assert "load=on_demand needs --kv-partition unified" in capsys.readouterr().err

@@ -50,7 +50,9 @@ class Engine:
         self.launcher = Launcher(args)
         self.launcher.start()
         self.args = self.launcher.args
+        # Loaded and on demand alike: a request for a registered model loads it.
         self.models = [m.name for m in self.launcher.served]
+        self.models += [m.name for m in self.args.on_demand_models]
         self._local = threading.local()
         self._clients: list[Client] = []
         self._lock = threading.Lock()

@@ -72,6 +72,7 @@ class OnDemand:
         self.args: ServerArgs = manager.args
         now = time.monotonic()
         self.registry = {m.name: Registered(m, now) for m in manager.args.on_demand_models}
+        manager.registered = self.registry
         self.room = asyncio.Lock()  # one room-making load at a time
         # The instances with pinned warm-up prefixes (the scheduler knows them).
         self.pinned: Callable[[], Awaitable[set[str]]] | None = None

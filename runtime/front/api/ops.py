@@ -124,6 +124,8 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         )
 
     def _first() -> str:
+        if not front.served:  # every model on demand, none asked for yet
+            raise APIError(409, "no model is loaded yet: name one with ?model=", "model")
         return next(iter(front.served))
 
     async def server_info(request: Request) -> Response:
