@@ -90,6 +90,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--memory-reserve-bytes",
             "--drain-timeout",
             "--model-load-timeout",
+            "--max-loaded-models",
+            "--max-weights-bytes",
+            "--idle-unload-seconds",
         ),
     ),
 )

@@ -81,6 +81,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0
     model_load_timeout: float = 900.0
     max_loaded_models: int = 0
+    max_weights_bytes: int = 0
     idle_unload_seconds: float = 0.0
     # Not a flag: the --model entries marked load=on_demand, split from
     # ``models`` (which every process loads at start) here.
@@ -147,8 +148,10 @@ class ServerArgs(msgspec.Struct, kw_only=True):
 
     def _split_on_demand(self) -> None:
         """Move the ``load=on_demand`` models out of ``models`` (loaded at start)."""
-        if self.max_loaded_models < 0 or not self.idle_unload_seconds >= 0:
-            raise ValueError("--max-loaded-models and --idle-unload-seconds must be >= 0")
+        if self.max_loaded_models < 0 or self.max_weights_bytes < 0:
+            raise ValueError("--max-loaded-models and --max-weights-bytes must be >= 0")
+        if not self.idle_unload_seconds >= 0:  # NaN too
+            raise ValueError("--idle-unload-seconds must be >= 0")
         self.on_demand_models += [m for m in self.models if m.on_demand]
         self.models = [m for m in self.models if not m.on_demand]
         if not self.models and not self.on_demand_models:
@@ -309,6 +312,13 @@ _FLAGS: list[tuple[str, type, str]] = [
         int,
         "most models loaded at once (0: no limit); an on-demand load past it first unloads "
         "the least recently used idle on-demand model",
+    ),
+    (
+        "max-weights-bytes",
+        int,
+        "most weight bytes the loaded models may hold, as their runners report them (0: no "
+        "limit); a load past it first unloads the least recently used idle on-demand models "
+        "(503 no_room when none can go)",
     ),
     (
         "idle-unload-seconds",

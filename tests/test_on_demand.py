@@ -20,6 +20,7 @@ import pytest
 from bench.tiny_models import make_tiny_model_dir
 from radixmux.common.model_entry import parse_model_arg
 from radixmux.common.server_args import parse_args
+from radixmux.runtime.admission import estimate
 from radixmux.runtime.client import Client
 from radixmux.runtime.client.engine import Engine, args_from_flags
 from tests.test_dashboard import chromium, dump_dom
@@ -422,3 +423,35 @@ def test_every_model_on_demand_starts_with_none_loaded(
     with pytest.raises(SystemExit):
         parse_args(["--models-file", path, "--kv-partition", "static"])
     assert "load=on_demand needs --kv-partition unified" in capsys.readouterr().err
+
+
+def test_max_weights_bytes_makes_room_like_max_loaded_models(
+    serve: Callable[..., str], folders: dict[str, Path]
+) -> None:
+    """``--max-weights-bytes`` holding 2.5 tiny models: ``a`` (loaded at start)
+    and one more. A load past it unloads the LRU idle on-demand model (reason
+    ``weights``); with only models that never go automatically, 503 no_room."""
+    weights = estimate(str(folders["a"]), "float32", 1).weights_bytes
+    url = serve("bc", max_weights_bytes=weights * 5 // 2)
+    assert complete(url, "b").status_code == 200
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    held = {m["name"]: m["info"]["weight_bytes"] for m in info["served_models"]}
+    # What the runners report, which the budget counts, is what the files hold
+    # (give or take buffers such as the rotary frequencies).
+    assert held.keys() == {"a", "b"}, held
+    assert all(abs(w - weights) <= weights // 100 for w in held.values()), (held, weights)
+    assert complete(url, "c").status_code == 200
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="weights") == 1
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="lru") == 0
+
+    # A load that is not on demand makes room the same way ...
+    body = {"source": str(folders["d"]), "name": "d"}
+    r = httpx.post(f"{url}/models", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "registered", "d": "loaded"}
+    # ... and stays: a and d never go automatically, so b finds no room.
+    r = complete(url, "b")
+    assert r.status_code == 503, r.text
+    assert "--max-weights-bytes" in r.json()["error"]["message"], r.text
+    assert states(url) == {"a": "loaded", "b": "failed", "c": "registered", "d": "loaded"}

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixmux.common.model_entry import default_model_name
+from radixmux.protocol import ModelArg
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelChange, ReloadModelBody
 from radixmux.runtime.front.api.common import json_response
@@ -49,7 +50,8 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
                 400, "load must be 'start' or 'on_demand' (keep_alive: only on demand)", "load"
             )
         name = req.name if req.name is not None else default_model_name(req.source)
-        return json_response(await front.on_demand.load_with_room(name, lambda: manager.load(req)))
+        arg = ModelArg(req.source, name, req.dtype, req.priority, req.replicas)
+        return json_response(await front.on_demand.load_with_room(arg, lambda: manager.load(req)))
 
     async def unload(request: Request) -> Response:
         name = request.path_params["name"]
