@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import pytest
 from bench.tiny_models import make_tiny_model_dir
 from radixmux.common.model_entry import parse_model_arg
 from radixmux.common.server_args import parse_args
-from radixmux.runtime.admission import estimate
+from radixmux.runtime.admission import RUNNER_OVERHEAD_BYTES, estimate, weight_copies
 from radixmux.runtime.client import Client
 from radixmux.runtime.client.engine import Engine, args_from_flags
 from tests.test_dashboard import chromium, dump_dom
@@ -455,3 +456,88 @@ def test_max_weights_bytes_makes_room_like_max_loaded_models(
     assert r.status_code == 503, r.text
     assert "--max-weights-bytes" in r.json()["error"]["message"], r.text
     assert states(url) == {"a": "loaded", "b": "failed", "c": "registered", "d": "loaded"}
+
+
+# ---- the launcher's memory admission (507) ----------------------------------------------
+def unloadable_weights_dir(path: Path, weights: int) -> Path:
+    """A folder whose safetensors header counts ``weights`` bytes of float32
+    (all admission reads) but that no runner can load: its config.json is not
+    JSON, so a runner fails before it allocates anything."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("not a config: admission reads only the weights' header")
+    n = weights // 4
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    return path
+
+
+def free_for_models(url: str) -> int:
+    health = httpx.get(f"{url}/health", timeout=30).json()
+    return health["admission"]["memory_free_for_models_bytes"]
+
+
+def steady_free_for_models(url: str) -> int:
+    """Free memory once two readings a second apart agree within 64 MiB (a
+    runner that just answered may still be returning memory), at most 20 s."""
+    last, deadline = free_for_models(url), time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = free_for_models(url)
+        if abs(now - last) < 64 << 20:
+            return now
+        last = now
+    return last
+
+
+def runner_pids(url: str, model: str) -> list[int]:
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    (pids,) = [m["runner_pids"] for m in info["scheduler"]["models"] if m["name"] == model]
+    return pids
+
+
+def private_bytes(pids: list[int]) -> int:
+    """The private dirty memory of ``pids`` (what their exit frees), from /proc."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Private_Dirty:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def register(url: str, source: Path, name: str) -> None:
+    body = {"source": str(source), "name": name, "load": "on_demand", "dtype": "float32"}
+    r = httpx.post(f"{url}/models", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_load_refused_for_memory_unloads_one_idle_model_and_retries(
+    serve: Callable[..., str], tmp_path: Path
+) -> None:
+    """The launcher refuses a load that does not fit free memory (507); an
+    on-demand load then unloads one idle on-demand model (reason ``memory``)
+    and asks again. ``c`` is made to need more than is free with ``b``
+    loaded and less than without it (its weights are counted from a header
+    alone, and it cannot load): the retry is admitted, so the answer is the
+    runner's failure, not the 507 a load without the retry would get."""
+    # ~1.1 GB of float32 weights: b's runner holds more than 2 GB, a margin far
+    # above what the rest of the machine moves in the second or two between
+    # reading the free memory and the launcher's checks.
+    big = make_tiny_model_dir(tmp_path / "big", seed=9, hidden=2048)
+    url = serve("")
+    register(url, big, "b")
+    assert complete(url, "b").status_code == 200
+    held = private_bytes(runner_pids(url, "b"))  # what b's exit gives back
+    assert held > 1 << 30, held
+    need = steady_free_for_models(url) + held // 2
+    weights = int((need - RUNNER_OVERHEAD_BYTES) / weight_copies("float32"))
+    register(url, unloadable_weights_dir(tmp_path / "c", weights), "c")
+
+    r = complete(url, "c")
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    why = (message, held >> 20, need >> 20)
+    assert "could not be loaded" in message and "not enough memory" not in message, why
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="memory") == 1
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "failed"}
+    assert complete(url, "a").status_code == 200
