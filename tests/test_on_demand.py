@@ -541,3 +541,51 @@ def test_a_load_refused_for_memory_unloads_one_idle_model_and_retries(
     assert metric(url, "radixmux_model_unloads_total", model="b", reason="memory") == 1
     assert states(url) == {"a": "loaded", "b": "registered", "c": "failed"}
     assert complete(url, "a").status_code == 200
+
+
+# ---- routes for a registered model that is not loaded ---------------------------------
+def test_routes_for_a_registered_model_load_it_or_say_it_is_not_loaded(
+    serve: Callable[..., str],
+) -> None:
+    """``/tokenize``, ``/detokenize`` and warm-ups load a registered model as a
+    completion does; model info, invalidate and reload need it loaded and
+    answer 409 ``model_not_loaded`` (never a 404: the model exists)."""
+    url = serve("bc")
+    for method, path, param in [
+        ("GET", "/get_model_info?model=b", "model"),
+        ("POST", "/models/b/invalidate", "model"),
+        ("POST", "/models/b/reload", "name"),
+    ]:
+        r = httpx.request(method, f"{url}{path}", json={} if method == "POST" else None)
+        assert r.status_code == 409, (path, r.text)
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_loaded", param), (path, error)
+        assert "'b' is registered but not loaded (state: registered)" in error["message"]
+    r = httpx.get(f"{url}/get_model_info?model=nope", timeout=30)
+    assert r.status_code == 404, r.text  # unknown stays unknown
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "registered"}
+
+    want = httpx.post(f"{url}/tokenize", json={"model": "a", "prompt": "Hello there"}).json()
+    r = httpx.post(f"{url}/tokenize", json={"model": "b", "prompt": "Hello there"}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want["tokens"]  # the tiny models share SmolLM2's tokenizer
+    assert r.json()["max_model_len"] == 2048  # the loaded model's, not the registry's 0
+    body = {"model": "c", "tokens": want["tokens"]}
+    r = httpx.post(f"{url}/detokenize", json=body, timeout=180)
+    assert r.status_code == 200 and "Hello there" in r.json()["prompt"], r.text
+    assert states(url) == {"a": "loaded", "b": "loaded", "c": "loaded"}
+    for m in "bc":
+        assert metric(url, "radixmux_model_loads_total", model=m, reason="on_demand") == 1
+
+    assert httpx.delete(f"{url}/models/b", timeout=120).status_code == 200
+    warm = {"model": "b", "prompts": ["Hello there, how are you today?"]}
+    r = httpx.post(f"{url}/cache/warmup", json=warm, timeout=180)
+    assert r.status_code == 200, r.text
+    assert states(url)["b"] == "loaded"
+    assert metric(url, "radixmux_model_loads_total", model="b", reason="on_demand") == 2
+    # Its prefix is cached now: a request for it finds it.
+    body = {"model": "b", "prompt": warm["prompts"][0], "max_tokens": 1}
+    done = httpx.post(f"{url}/v1/completions", json=body, timeout=180).json()
+    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, done
+    r = httpx.get(f"{url}/get_model_info?model=b", timeout=30)
+    assert r.status_code == 200 and r.json()["served_model_name"] == "b", r.text

@@ -25,9 +25,10 @@ unloads an idle on-demand model nobody asked for that long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -173,6 +174,35 @@ class OnDemand:
     @staticmethod
     def _release(entry: Registered) -> None:
         entry.claims -= 1
+
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str | None) -> AsyncIterator[protocol.ServedModel]:
+        """The model ``name`` (loaded first if registered), kept from automatic
+        unloads until the block ends: for routes whose work is no request in
+        flight (``/tokenize``, warm-ups), which an unload would not wait for."""
+        model = await self.model(name)
+        entry = self.registry.get(model.name)
+        if entry is None:  # not on demand: never unloaded automatically
+            yield model
+            return
+        entry.claims += 1  # no await since the load: the model is still there
+        try:
+            yield model
+        finally:
+            entry.claims -= 1
+
+    def check_loaded(self, name: str | None, param: str) -> None:
+        """For a route that needs ``name`` loaded and does not load it: a
+        registered model that is not loaded answers 409 ``model_not_loaded``
+        (a 404 would say it does not exist)."""
+        if name and name in self.registry and name not in self.served:
+            raise APIError(
+                409,
+                f"model '{name}' is registered but not loaded (state: {self.state(name)}); "
+                "a request for it (completion, chat, /generate, /tokenize, warm-up) loads it",
+                param,
+                "model_not_loaded",
+            )
 
     async def _load(self, entry: Registered) -> protocol.ServedModel:
         name = entry.arg.name

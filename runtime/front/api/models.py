@@ -62,6 +62,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     async def reload(request: Request) -> Response:
         req = await front.body(request, ReloadModelBody)
         name = request.path_params["name"]
+        front.on_demand.check_loaded(name, "name")  # nothing to reload: its next request loads it
         return json_response(await manager.reload(name, req, _timeout(request)))
 
     return [
