@@ -19,6 +19,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Models",
         (
             "--model",
+            "--models-file",
             "--dtype",
             "--device",
             "--chat-template",
@@ -90,6 +91,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--memory-reserve-bytes",
             "--drain-timeout",
             "--model-load-timeout",
+            "--max-loaded-models",
+            "--max-weights-bytes",
+            "--idle-unload-seconds",
         ),
     ),
 )

@@ -13,6 +13,7 @@ import msgspec
 
 from radixmux.common.allowed_names import check_flags as check_allowed_names
 from radixmux.common.kv_events_config import parse_kv_events_config
+from radixmux.common.model_entry import DTYPES, parse_model_arg, read_models_file
 from radixmux.memory.eviction import EVICTION_POLICIES
 from radixmux.memory.kv_disk_store import WRITE_POLICIES, check_settings
 from radixmux.protocol import ModelArg
@@ -21,70 +22,10 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")  # scheduler/
 # Decode attention: auto = the C++ kernel where it builds, else torch (gather + SDPA).
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
 KV_PARTITIONS = ("unified", "static")
-DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL = "smollm2"
 DEFAULT_KV_DISK_DIR = "~/.cache/radixmux/kv"
-
-
-MODEL_OPTIONS = ("name", "dtype", "priority", "replicas", "load", "keep_alive")
-# start: loaded when the server starts; on_demand: registered, loaded by its first request.
-LOAD_MODES = ("start", "on_demand")
-
-
-def parse_model_arg(text: str) -> ModelArg:
-    """One ``--model`` flag's value, checked."""
-    source, *opts = [p.strip() for p in text.split(",")]
-    if not source:
-        raise ValueError(f"--model {text!r}: empty model source")
-    fields: dict[str, str] = {}
-    for opt in opts:
-        key, sep, value = opt.partition("=")
-        if not sep or key not in MODEL_OPTIONS:
-            use = ", ".join(f"{k}=" for k in MODEL_OPTIONS)
-            raise ValueError(f"--model {text!r}: bad option {opt!r}; use {use}")
-        fields[key] = value
-    name = fields.get("name") or default_model_name(source)
-    check_model_name(name)
-    dtype = fields.get("dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"--model {text!r}: dtype must be one of {DTYPES}")
-    try:
-        priority = float(fields.get("priority", 1.0))
-        replicas = int(fields.get("replicas", 1))
-        keep_alive = float(fields["keep_alive"]) if "keep_alive" in fields else None
-    except ValueError:
-        raise ValueError(
-            f"--model {text!r}: priority and keep_alive must be numbers, replicas an int"
-        ) from None
-    if priority <= 0 or replicas < 1:
-        raise ValueError(f"--model {text!r}: priority must be > 0 and replicas >= 1")
-    load = fields.get("load", "start")
-    if load not in LOAD_MODES:
-        raise ValueError(f"--model {text!r}: load must be one of {LOAD_MODES}")
-    if keep_alive is not None and not keep_alive >= 0:
-        raise ValueError(f"--model {text!r}: keep_alive must be >= 0 seconds (0: never unload)")
-    on_demand = load == "on_demand"
-    if keep_alive is not None and not on_demand:
-        raise ValueError(f"--model {text!r}: keep_alive needs load=on_demand")
-    return ModelArg(source, name, dtype, priority, replicas, on_demand, keep_alive)
-
-
-def default_model_name(source: str) -> str:
-    """The served name of a source given none: its last path part, less ``.gguf``."""
-    stem = source.rstrip("/").rsplit("/", 1)[-1]
-    return stem[: -len(".gguf")] if stem.endswith(".gguf") else stem
-
-
-def check_model_name(name: str) -> None:
-    """Refuse a served name the runtime cannot carry: ``@`` marks a version
-    (``name@v2``) and ``#`` a replica (``name#0``) inside it."""
-    if not name or len(name) > 256:
-        raise ValueError("a model name must have 1 to 256 characters")
-    bad = sorted({c for c in name if c in "@#" or not c.isprintable() or c.isspace()})
-    if bad:
-        raise ValueError(f"model name {name!r} must not contain {''.join(bad)!r}")
 
 
 class ServerArgs(msgspec.Struct, kw_only=True):
@@ -141,6 +82,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0
     model_load_timeout: float = 900.0
     max_loaded_models: int = 0
+    max_weights_bytes: int = 0
     idle_unload_seconds: float = 0.0
     # Not a flag: the --model entries marked load=on_demand, split from
     # ``models`` (which every process loads at start) here.
@@ -207,14 +149,19 @@ class ServerArgs(msgspec.Struct, kw_only=True):
 
     def _split_on_demand(self) -> None:
         """Move the ``load=on_demand`` models out of ``models`` (loaded at start)."""
-        if self.max_loaded_models < 0 or not self.idle_unload_seconds >= 0:
-            raise ValueError("--max-loaded-models and --idle-unload-seconds must be >= 0")
+        if self.max_loaded_models < 0 or self.max_weights_bytes < 0:
+            raise ValueError("--max-loaded-models and --max-weights-bytes must be >= 0")
+        if not self.idle_unload_seconds >= 0:  # NaN too
+            raise ValueError("--idle-unload-seconds must be >= 0")
         self.on_demand_models += [m for m in self.models if m.on_demand]
         self.models = [m for m in self.models if not m.on_demand]
-        if not self.models:
-            if self.on_demand_models:
-                raise ValueError("at least one --model must load at start (not load=on_demand)")
+        if not self.models and not self.on_demand_models:
             self.models = [ModelArg(DEFAULT_MODEL, DEFAULT_MODEL)]
+        # Every model on demand is fine: the server starts with none loaded.
+        if self.on_demand_models and self.kv_partition == "static":
+            raise ValueError(
+                "load=on_demand needs --kv-partition unified (static shares are fixed at start)"
+            )
         names = [m.name for m in self.models + self.on_demand_models]
         if len(set(names)) != len(names):
             raise ValueError(f"served model names must be unique: {names}")
@@ -368,6 +315,13 @@ _FLAGS: list[tuple[str, type, str]] = [
         "the least recently used idle on-demand model",
     ),
     (
+        "max-weights-bytes",
+        int,
+        "most weight bytes the loaded models may hold, as their runners report them (0: no "
+        "limit); a load past it first unloads the least recently used idle on-demand models "
+        "(503 no_room when none can go)",
+    ),
+    (
         "idle-unload-seconds",
         float,
         "unload an on-demand model nobody asked for this long (0: never; per model: "
@@ -465,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"several (default: {DEFAULT_MODEL}); load=on_demand registers it, its first request "
         "loads it",
     )
+    parser.add_argument(
+        "--models-file",
+        metavar="PATH",
+        help="a JSON file of model entries, each with the fields of a --model flag: "
+        '{"models": [{"source": S, "name": N, "load": "on_demand", "keep_alive": 600, ...}]}; '
+        "served beside the --model flags (docs/http-api.md#models-on-demand)",
+    )
     for flag, typ, help_text in _FLAGS:
         default = getattr(defaults, flag.replace("-", "_"))
         parser.add_argument(f"--{flag}", type=typ, default=default, help=help_text)
@@ -500,6 +461,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     values = vars(ns)
     try:
         values["models"] = [parse_model_arg(m) for m in values.pop("model")]
+        if (path := values.pop("models_file")) is not None:
+            values["models"] += read_models_file(path)
         return ServerArgs(**values)
     except ValueError as exc:
         parser.error(str(exc))

@@ -68,6 +68,11 @@ class _Load:
     served: protocol.ServedModel | None = None
     table_version: int = 0
     sent_table_at: float = 0.0
+    resent_table_at: float = 0.0  # once a second at most: a busy subscriber is not flooded
+
+    @property
+    def last_sent(self) -> float:
+        return max(self.sent_table_at, self.resent_table_at)
 
 
 @dataclass
@@ -189,7 +194,8 @@ class ModelLifecycle:
                 continue
             if now - load.sent_table_at > TABLE_TIMEOUT_S:
                 self._fail(name, 500, "tokenizers not loaded in time (see the server log)")
-            elif now - load.sent_table_at > TABLE_RESEND_S and not self._table_applied(load):
+            elif now - load.last_sent > TABLE_RESEND_S and not self._table_applied(load):
+                load.resent_table_at = now
                 self._publish(resend=True)
         for name, unload in list(self.unloads.items()):
             if not unload.removed:

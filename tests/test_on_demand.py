@@ -5,8 +5,10 @@ after the timeout and not before, and a failing load answers every waiter."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,8 +19,11 @@ import httpx
 import pytest
 
 from bench.tiny_models import make_tiny_model_dir
+from radixmux.common.model_entry import parse_model_arg
+from radixmux.common.server_args import parse_args
+from radixmux.runtime.admission import RUNNER_OVERHEAD_BYTES, estimate, weight_copies
 from radixmux.runtime.client import Client
-from radixmux.runtime.client.engine import Engine
+from radixmux.runtime.client.engine import Engine, args_from_flags
 from tests.test_dashboard import chromium, dump_dom
 
 pytestmark = pytest.mark.timeout(600)
@@ -305,3 +310,282 @@ def test_a_manual_load_makes_room_like_an_on_demand_one(
     r = httpx.post(f"{url}/models", json={"source": str(folders["d"]), "name": "d"}, timeout=180)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_room", r.text
     assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}
+
+
+# ---- --models-file -------------------------------------------------------------------
+def write_models_file(path: Path, data: object) -> str:
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_models_file_entries_are_model_flags(tmp_path: Path) -> None:
+    (tmp_path / "weights" / "b").mkdir(parents=True)
+    path = write_models_file(
+        tmp_path / "models.json",
+        {
+            "models": [
+                {"source": "weights/b", "name": "b", "load": "on_demand", "keep_alive": 600},
+                {"source": "gemma3-270m", "dtype": "float32", "priority": 2, "replicas": 1},
+            ]
+        },
+    )
+    args = parse_args(["--model", "smollm2,name=a", "--models-file", path])
+    assert [(m.name, m.source, m.dtype, m.priority) for m in args.models] == [
+        ("a", "smollm2", None, 1.0),
+        ("gemma3-270m", "gemma3-270m", "float32", 2.0),
+    ]
+    (b,) = args.on_demand_models
+    # A relative source beside the file is taken from there; a short name stays one.
+    assert (b.name, b.source, b.on_demand, b.keep_alive) == (
+        "b",
+        str(tmp_path / "weights" / "b"),
+        True,
+        600.0,
+    )
+    # The same entry as a --model flag gives the same ModelArg: one checker.
+    flag = parse_model_arg(f"{b.source},name=b,load=on_demand,keep_alive=600")
+    assert flag == b
+    # A bare list works too, and the Python Engine's flags take the file.
+    listed = write_models_file(tmp_path / "list.json", [{"source": "smollm2", "name": "x"}])
+    assert [m.name for m in args_from_flags({"models_file": listed}).models] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (
+            [{"source": "s", "name": "m", "replicas": 2.5}],
+            "models[0] ('m'): replicas must be an int",
+        ),
+        ([{"name": "m"}], "models[0] ('m'): field 'source' is required"),
+        ([{"source": "s"}, {"source": "t", "sise": 1}], "models[1]: unknown field 'sise'"),
+        ([{"source": "s", "keep_alive": 5}], "models[0]: keep_alive needs load=on_demand"),
+        ([{"source": "s", "load": "lazy"}], "models[0]: load must be one of"),
+        ([{"source": "s", "priority": True}], "models[0]: field 'priority' must be a string"),
+        ([{"source": "s", "name": "a@2"}], "models[0] ('a@2'): name: model name 'a@2'"),
+        ({"model": []}, 'expected {"models": [entry, ...]} or a list of entries'),
+        ([{"source": "s", "name": "m"}, {"source": "t", "name": "m"}], "names must be unique"),
+    ],
+)
+def test_a_bad_models_file_names_the_entry_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: object, says: str
+) -> None:
+    path = write_models_file(tmp_path / "models.json", data)
+    with pytest.raises(SystemExit):
+        parse_args(["--models-file", path])
+    assert says in capsys.readouterr().err
+
+
+def test_an_unreadable_models_file_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.json").write_text("{models: []}")
+    for path, says in [("bad.json", "not JSON"), ("gone.json", "No such file")]:
+        with pytest.raises(SystemExit):
+            parse_args(["--models-file", str(tmp_path / path)])
+        assert f"--models-file {tmp_path / path}: {says}" in capsys.readouterr().err
+
+
+def test_every_model_on_demand_starts_with_none_loaded(
+    folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entries = [{"source": str(folders[n]), "name": n, "load": "on_demand"} for n in "bc"]
+    path = write_models_file(tmp_path / "models.json", {"models": entries})
+    eng = Engine(
+        models_file=path,
+        kv_cache_bytes=64 << 20,
+        kv_block_bytes=256 << 10,
+        dtype="float32",
+        model_load_timeout=120.0,
+        max_loaded_models=1,
+    )
+    url = f"http://127.0.0.1:{eng.args.port}"
+    try:
+        assert eng.launcher.served == [] and eng.models == ["b", "c"]
+        assert not [c for c in eng.launcher.children if c.runner_id is not None]
+        assert states(url) == {"b": "registered", "c": "registered"}
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["models"] == {}, health.text
+        info = httpx.get(f"{url}/get_model_info", timeout=30)
+        assert info.status_code == 409 and "no model is loaded" in info.text, info.text
+        assert set(lifecycle(url)) == {"b", "c"}  # the dashboard has nothing loaded to show
+
+        assert complete(url, "b").status_code == 200  # the first request loads it
+        assert states(url) == {"b": "loaded", "c": "registered"}
+        # --max-loaded-models 1: the one loaded model makes room although it is the last.
+        assert complete(url, "c").status_code == 200
+        assert states(url) == {"b": "registered", "c": "loaded"}
+        assert metric(url, "radixmux_model_unloads_total", model="b", reason="lru") == 1
+        (out,) = eng.generate("Hello there", {"max_new_tokens": 2}, model="b")  # over ZMQ
+        assert out.text and states(url) == {"b": "loaded", "c": "registered"}
+    finally:
+        eng.shutdown()
+    # The static partition's shares are fixed at start: nothing can load later.
+    with pytest.raises(SystemExit):
+        parse_args(["--models-file", path, "--kv-partition", "static"])
+    assert "load=on_demand needs --kv-partition unified" in capsys.readouterr().err
+
+
+def test_max_weights_bytes_makes_room_like_max_loaded_models(
+    serve: Callable[..., str], folders: dict[str, Path]
+) -> None:
+    """``--max-weights-bytes`` holding 2.5 tiny models: ``a`` (loaded at start)
+    and one more. A load past it unloads the LRU idle on-demand model (reason
+    ``weights``); with only models that never go automatically, 503 no_room."""
+    weights = estimate(str(folders["a"]), "float32", 1).weights_bytes
+    url = serve("bc", max_weights_bytes=weights * 5 // 2)
+    assert complete(url, "b").status_code == 200
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    held = {m["name"]: m["info"]["weight_bytes"] for m in info["served_models"]}
+    # What the runners report, which the budget counts, is what the files hold
+    # (give or take buffers such as the rotary frequencies).
+    assert held.keys() == {"a", "b"}, held
+    assert all(abs(w - weights) <= weights // 100 for w in held.values()), (held, weights)
+    assert complete(url, "c").status_code == 200
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "loaded"}
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="weights") == 1
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="lru") == 0
+
+    # A load that is not on demand makes room the same way ...
+    body = {"source": str(folders["d"]), "name": "d"}
+    r = httpx.post(f"{url}/models", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "registered", "d": "loaded"}
+    # ... and stays: a and d never go automatically, so b finds no room.
+    r = complete(url, "b")
+    assert r.status_code == 503, r.text
+    assert "--max-weights-bytes" in r.json()["error"]["message"], r.text
+    assert states(url) == {"a": "loaded", "b": "failed", "c": "registered", "d": "loaded"}
+
+
+# ---- the launcher's memory admission (507) ----------------------------------------------
+def unloadable_weights_dir(path: Path, weights: int) -> Path:
+    """A folder whose safetensors header counts ``weights`` bytes of float32
+    (all admission reads) but that no runner can load: its config.json is not
+    JSON, so a runner fails before it allocates anything."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("not a config: admission reads only the weights' header")
+    n = weights // 4
+    header = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    return path
+
+
+def free_for_models(url: str) -> int:
+    health = httpx.get(f"{url}/health", timeout=30).json()
+    return health["admission"]["memory_free_for_models_bytes"]
+
+
+def steady_free_for_models(url: str) -> int:
+    """Free memory once two readings a second apart agree within 64 MiB (a
+    runner that just answered may still be returning memory), at most 20 s."""
+    last, deadline = free_for_models(url), time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = free_for_models(url)
+        if abs(now - last) < 64 << 20:
+            return now
+        last = now
+    return last
+
+
+def runner_pids(url: str, model: str) -> list[int]:
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    (pids,) = [m["runner_pids"] for m in info["scheduler"]["models"] if m["name"] == model]
+    return pids
+
+
+def private_bytes(pids: list[int]) -> int:
+    """The private dirty memory of ``pids`` (what their exit frees), from /proc."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Private_Dirty:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def register(url: str, source: Path, name: str) -> None:
+    body = {"source": str(source), "name": name, "load": "on_demand", "dtype": "float32"}
+    r = httpx.post(f"{url}/models", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_load_refused_for_memory_unloads_one_idle_model_and_retries(
+    serve: Callable[..., str], tmp_path: Path
+) -> None:
+    """The launcher refuses a load that does not fit free memory (507); an
+    on-demand load then unloads one idle on-demand model (reason ``memory``)
+    and asks again. ``c`` is made to need more than is free with ``b``
+    loaded and less than without it (its weights are counted from a header
+    alone, and it cannot load): the retry is admitted, so the answer is the
+    runner's failure, not the 507 a load without the retry would get."""
+    # ~1.1 GB of float32 weights: b's runner holds more than 2 GB, a margin far
+    # above what the rest of the machine moves in the second or two between
+    # reading the free memory and the launcher's checks.
+    big = make_tiny_model_dir(tmp_path / "big", seed=9, hidden=2048)
+    url = serve("")
+    register(url, big, "b")
+    assert complete(url, "b").status_code == 200
+    held = private_bytes(runner_pids(url, "b"))  # what b's exit gives back
+    assert held > 1 << 30, held
+    need = steady_free_for_models(url) + held // 2
+    weights = int((need - RUNNER_OVERHEAD_BYTES) / weight_copies("float32"))
+    register(url, unloadable_weights_dir(tmp_path / "c", weights), "c")
+
+    r = complete(url, "c")
+    assert r.status_code == 503, r.text
+    message = r.json()["error"]["message"]
+    why = (message, held >> 20, need >> 20)
+    assert "could not be loaded" in message and "not enough memory" not in message, why
+    assert metric(url, "radixmux_model_unloads_total", model="b", reason="memory") == 1
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "failed"}
+    assert complete(url, "a").status_code == 200
+
+
+# ---- routes for a registered model that is not loaded ---------------------------------
+def test_routes_for_a_registered_model_load_it_or_say_it_is_not_loaded(
+    serve: Callable[..., str],
+) -> None:
+    """``/tokenize``, ``/detokenize`` and warm-ups load a registered model as a
+    completion does; model info, invalidate and reload need it loaded and
+    answer 409 ``model_not_loaded`` (never a 404: the model exists)."""
+    url = serve("bc")
+    for method, path, param in [
+        ("GET", "/get_model_info?model=b", "model"),
+        ("POST", "/models/b/invalidate", "model"),
+        ("POST", "/models/b/reload", "name"),
+    ]:
+        r = httpx.request(method, f"{url}{path}", json={} if method == "POST" else None)
+        assert r.status_code == 409, (path, r.text)
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_loaded", param), (path, error)
+        assert "'b' is registered but not loaded (state: registered)" in error["message"]
+    r = httpx.get(f"{url}/get_model_info?model=nope", timeout=30)
+    assert r.status_code == 404, r.text  # unknown stays unknown
+    assert states(url) == {"a": "loaded", "b": "registered", "c": "registered"}
+
+    want = httpx.post(f"{url}/tokenize", json={"model": "a", "prompt": "Hello there"}).json()
+    r = httpx.post(f"{url}/tokenize", json={"model": "b", "prompt": "Hello there"}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want["tokens"]  # the tiny models share SmolLM2's tokenizer
+    assert r.json()["max_model_len"] == 2048  # the loaded model's, not the registry's 0
+    body = {"model": "c", "tokens": want["tokens"]}
+    r = httpx.post(f"{url}/detokenize", json=body, timeout=180)
+    assert r.status_code == 200 and "Hello there" in r.json()["prompt"], r.text
+    assert states(url) == {"a": "loaded", "b": "loaded", "c": "loaded"}
+    for m in "bc":
+        assert metric(url, "radixmux_model_loads_total", model=m, reason="on_demand") == 1
+
+    assert httpx.delete(f"{url}/models/b", timeout=120).status_code == 200
+    warm = {"model": "b", "prompts": ["Hello there, how are you today?"]}
+    r = httpx.post(f"{url}/cache/warmup", json=warm, timeout=180)
+    assert r.status_code == 200, r.text
+    assert states(url)["b"] == "loaded"
+    assert metric(url, "radixmux_model_loads_total", model="b", reason="on_demand") == 2
+    # Its prefix is cached now: a request for it finds it.
+    body = {"model": "b", "prompt": warm["prompts"][0], "max_tokens": 1}
+    done = httpx.post(f"{url}/v1/completions", json=body, timeout=180).json()
+    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, done
+    r = httpx.get(f"{url}/get_model_info?model=b", timeout=30)
+    assert r.status_code == 200 and r.json()["served_model_name"] == "b", r.text

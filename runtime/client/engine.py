@@ -8,7 +8,7 @@
 It starts the same processes as ``launch.py`` (through :class:`Launcher`) and
 sends each prompt through the ZeroMQ client, concurrently, so the scheduler
 batches them. Flags are the ``ServerArgs`` field names; ``model`` takes
-``--model`` strings.
+``--model`` strings, ``models_file`` a ``--models-file`` path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixmux.common.server_args import ServerArgs, parse_model_arg
+from radixmux.common.model_entry import parse_model_arg, read_models_file
+from radixmux.common.server_args import ServerArgs
 from radixmux.protocol import ModelArg
 from radixmux.runtime.client.client import Client, Completion
 from radixmux.runtime.launcher import Launcher
@@ -33,6 +34,8 @@ def args_from_flags(flags: dict[str, Any]) -> ServerArgs:
     if isinstance(models, (str, ModelArg)):
         models = [models]
     flags["models"] = [m if isinstance(m, ModelArg) else parse_model_arg(m) for m in models]
+    if (path := flags.pop("models_file", None)) is not None:
+        flags["models"] += read_models_file(path)
     flags.setdefault("port", 0)  # a free port: the HTTP front runs too
     return ServerArgs(**flags)
 
@@ -47,7 +50,9 @@ class Engine:
         self.launcher = Launcher(args)
         self.launcher.start()
         self.args = self.launcher.args
+        # Loaded and on demand alike: a request for a registered model loads it.
         self.models = [m.name for m in self.launcher.served]
+        self.models += [m.name for m in self.args.on_demand_models]
         self._local = threading.local()
         self._clients: list[Client] = []
         self._lock = threading.Lock()

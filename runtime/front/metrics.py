@@ -110,7 +110,7 @@ class LoadMetrics:
         )
         self.unloads = Counter(
             "radixmux_model_unloads",
-            "Model unloads by reason (lru, idle, memory, manual)",
+            "Model unloads by reason (lru, weights, idle, memory, manual)",
             ["model", "reason"],
             registry=registry,
         )

@@ -25,9 +25,11 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Container
 
 from radixmux import protocol
-from radixmux.common.server_args import DTYPES, ServerArgs, check_model_name, default_model_name
+from radixmux.common.model_entry import DTYPES, check_model_name, default_model_name
+from radixmux.common.server_args import ServerArgs
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
 from radixmux.runtime.api_error import APIError
@@ -70,6 +72,9 @@ class ModelManager:
         self.args = args
         self.started = started  # the front's start, the cards' ``created``
         self.lock = asyncio.Lock()
+        # Names a request loads again (the on-demand registry): the last loaded
+        # model may be unloaded when it is one of them, the server still serves it.
+        self.registered: Container[str] = frozenset()
 
     async def load(self, body: LoadModelBody) -> ModelChange:
         name = body.name if body.name is not None else default_model_name(body.source)
@@ -122,8 +127,13 @@ class ModelManager:
         t0 = time.monotonic()
         async with self.lock:
             model = self._served(name)
-            if len(self.served) == 1:
-                raise APIError(409, "the last served model cannot be unloaded", "name")
+            if len(self.served) == 1 and name not in self.registered:
+                raise APIError(
+                    409,
+                    "the last served model cannot be unloaded (unless it is on demand: "
+                    "its next request loads it again)",
+                    "name",
+                )
             del self.served[name]  # stop admitting: the name is not served from here on
             aborted = await self._drain(model, timeout)
             freed = await self._unload(model)

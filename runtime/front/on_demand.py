@@ -12,7 +12,9 @@ Only on-demand models are ever unloaded automatically; models loaded at start
 load at run time (on demand or by ``POST /models``), with
 ``--max-loaded-models`` models loaded, the least recently used *idle*
 on-demand model is unloaded: idle means no request in flight or
-about to be submitted, and no pinned warm-up prefix. When only busy models
+about to be submitted, and no pinned warm-up prefix. ``--max-weights-bytes``
+makes room the same way: the weights the loaded models' runners reported
+plus the new model's (counted from its files) must fit. When only busy models
 could make room the load waits for one to turn idle (within
 ``--model-load-timeout``); when none ever could, it fails at once (503). A
 load the launcher refuses for memory (507) unloads one idle on-demand model
@@ -23,9 +25,10 @@ unloads an idle on-demand model nobody asked for that long.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,8 +36,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixmux import protocol
-from radixmux.common.server_args import ServerArgs, default_model_name
+from radixmux.common.model_entry import default_model_name
+from radixmux.common.server_args import ServerArgs
 from radixmux.protocol import ModelArg
+from radixmux.runtime import admission
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelCard, ModelChange, model_card
 from radixmux.runtime.front.api.common import resolve_model
@@ -71,6 +76,7 @@ class OnDemand:
         self.args: ServerArgs = manager.args
         now = time.monotonic()
         self.registry = {m.name: Registered(m, now) for m in manager.args.on_demand_models}
+        manager.registered = self.registry
         self.room = asyncio.Lock()  # one room-making load at a time
         # The instances with pinned warm-up prefixes (the scheduler knows them).
         self.pinned: Callable[[], Awaitable[set[str]]] | None = None
@@ -169,12 +175,41 @@ class OnDemand:
     def _release(entry: Registered) -> None:
         entry.claims -= 1
 
+    @contextlib.asynccontextmanager
+    async def hold(self, name: str | None) -> AsyncIterator[protocol.ServedModel]:
+        """The model ``name`` (loaded first if registered), kept from automatic
+        unloads until the block ends: for routes whose work is no request in
+        flight (``/tokenize``, warm-ups), which an unload would not wait for."""
+        model = await self.model(name)
+        entry = self.registry.get(model.name)
+        if entry is None:  # not on demand: never unloaded automatically
+            yield model
+            return
+        entry.claims += 1  # no await since the load: the model is still there
+        try:
+            yield model
+        finally:
+            entry.claims -= 1
+
+    def check_loaded(self, name: str | None, param: str) -> None:
+        """For a route that needs ``name`` loaded and does not load it: a
+        registered model that is not loaded answers 409 ``model_not_loaded``
+        (a 404 would say it does not exist)."""
+        if name and name in self.registry and name not in self.served:
+            raise APIError(
+                409,
+                f"model '{name}' is registered but not loaded (state: {self.state(name)}); "
+                "a request for it (completion, chat, /generate, /tokenize, warm-up) loads it",
+                param,
+                "model_not_loaded",
+            )
+
     async def _load(self, entry: Registered) -> protocol.ServedModel:
         name = entry.arg.name
         try:
             async with self.room:
                 deadline = time.monotonic() + self.args.model_load_timeout
-                await self._make_room(name, deadline)
+                await self._make_room(entry.arg, deadline)
                 try:
                     model = await self.manager.load_arg(entry.arg, "on_demand")
                 except APIError as exc:
@@ -197,41 +232,80 @@ class OnDemand:
             entry.load = None
 
     # ---- making room -----------------------------------------------------------------
-    async def load_with_room(self, name: str, load: Callable[[], Awaitable[T]]) -> T:
-        """A load that is not on demand (``POST /models``) counts against
-        ``--max-loaded-models`` too: room is made as for an on-demand load
+    async def load_with_room(self, arg: ModelArg, load: Callable[[], Awaitable[T]]) -> T:
+        """A load that is not on demand (``POST /models``; ``arg`` as asked,
+        source not resolved yet) counts against ``--max-loaded-models`` and
+        ``--max-weights-bytes`` too: room is made as for an on-demand load
         (least recently used idle on-demand model first; 503 ``no_room`` when
         none can go), and no on-demand load takes the room meanwhile."""
-        if name in self.served:  # the load answers 409: nothing to make room for
+        if arg.name in self.served:  # the load answers 409: nothing to make room for
             return await load()
         async with self.room:
-            await self._make_room(name, time.monotonic() + self.args.model_load_timeout)
+            await self._make_room(arg, time.monotonic() + self.args.model_load_timeout)
             return await load()
 
-    async def _make_room(self, loading: str, deadline: float) -> None:
-        """Unload LRU idle on-demand models until one more fits ``--max-loaded-models``."""
-        limit = self.args.max_loaded_models
-        while limit and len(self.served) >= limit:
-            if await self._unload_one(loading, "lru"):
+    async def _make_room(self, arg: ModelArg, deadline: float) -> None:
+        """Unload LRU idle on-demand models until ``arg`` fits ``--max-loaded-models``
+        and ``--max-weights-bytes``."""
+        loading = arg.name
+        weights = await self._weights(arg)
+        budget = self.args.max_weights_bytes
+        if budget and weights > budget:
+            raise APIError(
+                503,
+                f"model '{loading}' has {_mib(weights)} of weights, more than "
+                f"--max-weights-bytes {_mib(budget)} holds",
+                "model",
+                "no_room",
+            )
+        while (full := self._full(loading, weights)) is not None:
+            reason, why = full
+            if await self._unload_one(loading, reason):
                 continue
             if not self._candidates(loading):
                 raise APIError(
                     503,
-                    f"{len(self.served)} models are loaded (--max-loaded-models {limit}) and "
-                    "none can be unloaded: only idle on-demand models without pinned warm-ups "
-                    "are unloaded automatically",
+                    f"{why} and none can be unloaded: only idle on-demand models without "
+                    "pinned warm-ups are unloaded automatically",
                     "model",
                     "no_room",
                 )
             if time.monotonic() >= deadline:
-                raise APIError(
-                    503,
-                    f"{len(self.served)} models are loaded (--max-loaded-models {limit}) and "
-                    "none turned idle within --model-load-timeout",
-                    "model",
-                    "no_room",
-                )
+                why += " and none turned idle within --model-load-timeout"
+                raise APIError(503, why, "model", "no_room")
             await asyncio.sleep(ROOM_POLL_S)
+
+    def _full(self, loading: str, weights: int) -> tuple[str, str] | None:
+        """Why one more model of ``weights`` bytes does not fit now: (the unload
+        reason that makes room, what is full), or None when it fits."""
+        limit = self.args.max_loaded_models
+        if limit and len(self.served) >= limit:
+            return "lru", f"{len(self.served)} models are loaded (--max-loaded-models {limit})"
+        budget, held = self.args.max_weights_bytes, self.weight_bytes()
+        if budget and held + weights > budget:
+            return "weights", (
+                f"the loaded models hold {_mib(held)} of weights and '{loading}' needs "
+                f"{_mib(weights)} more (--max-weights-bytes {_mib(budget)})"
+            )
+        return None
+
+    def weight_bytes(self) -> int:
+        """Weight bytes the loaded models hold, as their runners reported them
+        (``ModelInfo.weight_bytes``, one copy per replica)."""
+        return sum(m.info.weight_bytes * m.replicas for m in self.served.values())
+
+    async def _weights(self, arg: ModelArg) -> int:
+        """``arg``'s weight bytes from its files, before it loads (0 without a
+        budget, or when its source cannot be read: its load then says why)."""
+        if not self.args.max_weights_bytes:
+            return 0
+        try:
+            resolved = await asyncio.to_thread(resolve_model_arg, arg, self.args.dtype)
+            dtype = resolved.dtype or self.args.dtype
+            need = await asyncio.to_thread(admission.estimate, resolved.source, dtype, 1)
+        except (LaunchError, OSError, ValueError):
+            return 0
+        return need.weights_bytes * arg.replicas
 
     def _candidates(self, loading: str) -> list[Registered]:
         """Loaded on-demand models that may be unloaded some time (busy or not)."""
@@ -316,3 +390,7 @@ class StateCollector(Collector):
             for state in STATES:
                 family.add_metric([name, state], 1.0 if state == now else 0.0)
         yield family
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"

@@ -13,7 +13,8 @@ import math
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixmux.common.server_args import default_model_name
+from radixmux.common.model_entry import default_model_name
+from radixmux.protocol import ModelArg
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.client.messages import LoadModelBody, ModelChange, ReloadModelBody
 from radixmux.runtime.front.api.common import json_response
@@ -49,7 +50,8 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
                 400, "load must be 'start' or 'on_demand' (keep_alive: only on demand)", "load"
             )
         name = req.name if req.name is not None else default_model_name(req.source)
-        return json_response(await front.on_demand.load_with_room(name, lambda: manager.load(req)))
+        arg = ModelArg(req.source, name, req.dtype, req.priority, req.replicas)
+        return json_response(await front.on_demand.load_with_room(arg, lambda: manager.load(req)))
 
     async def unload(request: Request) -> Response:
         name = request.path_params["name"]
@@ -60,6 +62,7 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
     async def reload(request: Request) -> Response:
         req = await front.body(request, ReloadModelBody)
         name = request.path_params["name"]
+        front.on_demand.check_loaded(name, "name")  # nothing to reload: its next request loads it
         return json_response(await manager.reload(name, req, _timeout(request)))
 
     return [

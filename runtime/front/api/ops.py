@@ -103,7 +103,9 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         return reply.stats
 
     async def model_info(request: Request) -> Response:
-        model = resolve_model(front.served, request.query_params.get("model") or _first())
+        name = request.query_params.get("model") or _first()
+        front.on_demand.check_loaded(name, "model")  # no layout before its load
+        model = resolve_model(front.served, name)
         info = model.info
         return json_response(
             {
@@ -124,6 +126,13 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         )
 
     def _first() -> str:
+        if not front.served:  # every model on demand, none asked for yet
+            raise APIError(
+                409,
+                "no model is loaded yet (every model is on demand): a request for one loads it",
+                "model",
+                "model_not_loaded",
+            )
         return next(iter(front.served))
 
     async def server_info(request: Request) -> Response:
@@ -155,7 +164,9 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
         return json_response({"ok": True, "message": reply.message or "Cache flushed."})
 
     async def invalidate(request: Request) -> Response:
-        model = resolve_model(front.served, request.path_params["name"])
+        name = request.path_params["name"]
+        front.on_demand.check_loaded(name, "model")  # its cache left memory with it
+        model = resolve_model(front.served, name)
         reply = await front.hub.control("invalidate", model.instance)
         if not reply.ok:
             raise APIError(400, f"model '{model.name}' not invalidated: {reply.message}")

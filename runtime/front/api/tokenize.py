@@ -14,7 +14,7 @@ from starlette.responses import Response
 from radixmux import protocol
 from radixmux.runtime.api_error import APIError
 from radixmux.runtime.chat_input import ChatMessageIn
-from radixmux.runtime.front.api.common import check_input_ids, json_response, resolve_model
+from radixmux.runtime.front.api.common import check_input_ids, json_response
 from radixmux.runtime.front.api.openai.chat import chat_messages
 from radixmux.runtime.front.hub import new_rid
 from radixmux.runtime.front.openapi import Endpoint, Handler
@@ -96,15 +96,15 @@ def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
 
     async def tokenize(request: Request) -> Response:
         req = await front.body(request, TokenizeBody)
-        model = resolve_model(front.served, req.model)
-        tokenize = tokenize_request(req, new_rid(), model, front.chat_template_flag)
-        reply = await front.hub.tokenizer_call(tokenize)
+        async with front.on_demand.hold(req.model) as model:  # a registered one loads
+            tokenize = tokenize_request(req, new_rid(), model, front.chat_template_flag)
+            reply = await front.hub.tokenizer_call(tokenize)
         return json_response(tokenize_response(reply, model))
 
     async def detokenize(request: Request) -> Response:
         req = await front.body(request, DetokenizeBody)
-        model = resolve_model(front.served, req.model)
-        reply = await front.hub.tokenizer_call(detokenize_request(req, new_rid(), model))
+        async with front.on_demand.hold(req.model) as model:
+            reply = await front.hub.tokenizer_call(detokenize_request(req, new_rid(), model))
         return json_response(DetokenizeResponse(reply.text or ""))
 
     return [

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from radixmux import protocol
 from radixmux.common.process import report
 from radixmux.runtime.api_error import APIError
-from radixmux.runtime.front.api.common import check_input_ids, json_response, resolve_model
+from radixmux.runtime.front.api.common import check_input_ids, json_response
 from radixmux.runtime.front.api.tokenize import TokenizeBody, tokenize_request
 from radixmux.runtime.front.hub import RequestHub, new_rid
 from radixmux.runtime.front.openapi import Endpoint, Handler
@@ -85,31 +85,32 @@ async def prefix_ids(
 
 
 async def warm(front: Front, body: WarmupBody, starting: bool = False) -> WarmupResponse:
-    """Run one warm-up to the end (APIError on a refusal or failure)."""
-    model = resolve_model(front.served, body.model)
-    ids = await prefix_ids(front.hub, body, model, front.chat_template_flag, starting)
-    msg = protocol.WarmupRequest(
-        new_rid(), model.instance, [protocol.pack_ids(t) for t in ids], body.pin
-    )
-    t0 = time.perf_counter()
-    reply = await front.hub.warmup(msg, WARMUP_TIMEOUT_S, starting)
-    if reply.status >= 400:
-        raise APIError(reply.status, reply.message, reply.param)
-    log.info(
-        "warm-up model=%s prefixes=%d cached=%s pin=%s in %.0f ms",
-        model.name,
-        len(ids),
-        [it.cached_tokens for it in reply.items],
-        body.pin,
-        (time.perf_counter() - t0) * 1000,
-    )
-    return WarmupResponse(
-        model.name,
-        body.pin,
-        sum(it.cached_tokens for it in reply.items),
-        sum(it.pinned_tokens for it in reply.items),
-        reply.items,
-    )
+    """Run one warm-up to the end (APIError on a refusal or failure); a
+    registered on-demand model is loaded first, and kept until it is done."""
+    async with front.on_demand.hold(body.model) as model:
+        ids = await prefix_ids(front.hub, body, model, front.chat_template_flag, starting)
+        msg = protocol.WarmupRequest(
+            new_rid(), model.instance, [protocol.pack_ids(t) for t in ids], body.pin
+        )
+        t0 = time.perf_counter()
+        reply = await front.hub.warmup(msg, WARMUP_TIMEOUT_S, starting)
+        if reply.status >= 400:
+            raise APIError(reply.status, reply.message, reply.param)
+        log.info(
+            "warm-up model=%s prefixes=%d cached=%s pin=%s in %.0f ms",
+            model.name,
+            len(ids),
+            [it.cached_tokens for it in reply.items],
+            body.pin,
+            (time.perf_counter() - t0) * 1000,
+        )
+        return WarmupResponse(
+            model.name,
+            body.pin,
+            sum(it.cached_tokens for it in reply.items),
+            sum(it.pinned_tokens for it in reply.items),
+            reply.items,
+        )
 
 
 def endpoints(front: Front) -> list[tuple[Endpoint, Handler]]:
