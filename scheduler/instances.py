@@ -16,7 +16,7 @@ from radixmux import protocol
 from radixmux.memory.radix_cache import ModelSpec
 from radixmux.protocol import ModelArg, RunnerId, runner_ids
 from radixmux.scheduler import request_life
-from radixmux.scheduler.layer_groups import join
+from radixmux.scheduler.layer_groups import join, recuts, register, restart_layers
 from radixmux.scheduler.models import (
     ModelState,
     PendingModel,
@@ -90,6 +90,7 @@ def _register(sched: Scheduler, pending: PendingModel) -> None:
         spec: ModelSpec = model_spec(add.model, info)
         kv = sched.kv
         if kv.share_layers:  # layer sharing: cut it where it shares the served models' layers
+            _recut_idle(sched, info.layer_keys)
             groups = join(sched.cache, kv.groups, spec, info)
             kv.groups[name] = groups
         else:
@@ -101,6 +102,44 @@ def _register(sched: Scheduler, pending: PendingModel) -> None:
         return
     log.info("model %s serving as %s (version %d)", name, add.served, add.version)
     sched.outbox.to_launcher(protocol.ModelAdded(name, served=served))
+
+
+def _recut_idle(sched: Scheduler, chain: list[str]) -> None:
+    """Cut served models again where a newcomer shares more of their layers
+    than their cuts allow (a base served alone, a fine-tune of it arriving),
+    if they are idle: their cached K/V, in the old layout, is dropped. A busy
+    one keeps its cuts and the newcomer shares what those allow."""
+    kv = sched.kv
+    for name, splits in recuts(kv.groups, chain).items():
+        model = sched.models.get(name)
+        if model is None or not _idle(sched, model):
+            log.info("model %s not cut again at layers %s: it is busy", name, list(splits))
+            continue
+        sched.warmups.pins.drop(name)
+        freed = kv.unregister(name)
+        kv.groups[name] = register(
+            sched.cache,
+            model_spec(model.arg, model.info),
+            model.info.layer_keys,
+            splits,
+            restart_layers(model.info),
+        )
+        log.info(
+            "model %s cut at layers %s to share them: %d cached tokens dropped",
+            name,
+            list(splits),
+            freed,
+        )
+
+
+def _idle(sched: Scheduler, model: ModelState) -> bool:
+    """No batch in flight and no request holding KV (its layout may change)."""
+    if model.name in sched.removing or any(r.inflight is not None for r in model.runners):
+        return False
+    return not any(
+        r.model == model.name and (r.handle is not None or r.lower or len(r.slots))
+        for r in sched.requests.values()
+    )
 
 
 def remove(sched: Scheduler, name: str) -> None:

@@ -16,7 +16,7 @@ each layer's K/V from its group's slots (``ForwardBatch.layer_splits``).
 Split points are chosen when models register: at start from every model
 given (for each pair, the depth to which their chains agree), at run time
 from the split points of the models already served (a registered model's
-layout is never re-cut while it holds K/V). A prefix counts as cached for a
+layout is cut again only while it is idle). A prefix counts as cached for a
 model (``kv_len``) where its own top group holds it. Where its lower groups
 hold more (a sibling ran the prompt), a runner that can restart its upper
 layers from stored hidden states (``ModelInfo.layer_restart``: each lower
@@ -75,6 +75,19 @@ def plan_splits(
             elif 0 < depth < len(mine):
                 splits[m].add(depth)
     return {m: tuple(sorted(s)) for m, s in splits.items()}
+
+
+def recuts(served: Mapping[str, ModelGroups], chain: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """Served models a newcomer (``chain``) agrees with deeper than where
+    they are cut, with the split points they would need to share with it."""
+    out = {}
+    for model, groups in served.items():
+        if len(groups.chain) != len(chain):
+            continue
+        depth = shared_depth(groups.chain, chain)
+        if 0 < depth < len(chain) and depth not in groups.splits:
+            out[model] = tuple(sorted({*groups.splits, depth}))
+    return out
 
 
 def group_name(model: str, start: int, end: int) -> str:

@@ -301,12 +301,12 @@ def test_a_model_unloaded_while_a_sibling_shares_its_lower_layers() -> None:
 
 def test_a_fine_tune_added_at_run_time_shares_at_the_served_cuts() -> None:
     h = harness(restart=True)
-    h.request("r1", model="a", prompt=41, max_tokens=2)
-    h.run_until_idle("a#0")
+    h.request("r1", model="a", prompt=41, max_tokens=2)  # a is busy while e arrives
     h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
     h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
-    # e agrees with a on 3 layers, but a is cut at 2: e is cut there too.
-    assert h.sched.kv.groups["e"].splits == (2,)
+    # e agrees with a on 3 layers, but busy a is cut at 2: e is cut there too.
+    assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == (2,)
+    h.run_until_idle("a#0")
     assert lower_group(h, "e").pool == lower_group(h, "a").pool
     h.request("r2", model="e", prompt=41, max_tokens=2)
     batch = h.inflight("e#0")
@@ -334,6 +334,35 @@ def test_a_pin_holds_the_prefix_in_every_layer_group() -> None:
     h.send(protocol.WarmupRequest("u", "b", [prefix], pin=False))
     h.run_until_idle("b#0")
     assert not h.sched.warmups.pins.by_key
+    h.assert_clean()
+
+
+def test_an_idle_base_is_cut_again_for_a_fine_tune_that_arrives() -> None:
+    h = harness(models=("a", "c"), restart=True)  # a alone: nothing to share, not cut
+    assert h.sched.kv.groups["a"].splits == ()
+    h.request("r1", model="a", prompt=41, max_tokens=2)
+    h.run_until_idle("a#0")
+    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
+    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    # e agrees with a on 3 layers and a was idle: both are cut there now.
+    assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == (3,)
+    assert lower_group(h, "e").pool == lower_group(h, "a").pool
+    h.request("r2", model="e", prompt=41, max_tokens=2)
+    h.run_until_idle("e#0")
+    h.request("r3", model="a", prompt=41, max_tokens=2)  # a's old cache was dropped...
+    batch = h.inflight("a#0")
+    assert batch is not None and batch.seqs[0].lower_starts == [40]  # ...e's lower layers serve
+    h.run_until_idle("a#0")
+    h.assert_clean()
+
+
+def test_a_busy_base_keeps_its_cuts() -> None:
+    h = harness(models=("a", "c"), restart=True)
+    h.request("r1", model="a", prompt=41, max_tokens=8)  # in flight while e arrives
+    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
+    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == ()
+    h.run_until_idle("a#0")
     h.assert_clean()
 
 
