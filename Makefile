@@ -45,9 +45,17 @@ serve: setup
 cluster: setup
 	$(PY) -m deploy.cluster $(CLUSTER_ARGS)
 
+# Two pytest-xdist workers where there are two cores or more (none on one:
+# -n 0 runs in-process). Not -n auto: a server test starts five or more
+# processes (launcher, scheduler, tokenizer, detokenizer, runners) that take
+# every core they get, and each worker loads its own models; the suite's long
+# tests (the soak, which runs alone) bound the gain of more workers anyway.
+# loadfile keeps a file on one worker, so its module fixtures start once.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -ge 2 ] && echo 2 || echo 0)
+
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m bench.bench_radix

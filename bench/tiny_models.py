@@ -7,6 +7,7 @@ chat templates, detokenizer, runners) runs for real in seconds.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -52,8 +53,23 @@ def make_tiny_model_dir(
         made = Path(_PRISTINE[0].name) / str(len(_MADE))
         _make(made, *key)
         _MADE[key] = made
-    shutil.copytree(_MADE[key], path, dirs_exist_ok=True)
+    _copy_into_place(_MADE[key], path)
     return path
+
+
+def _copy_into_place(made: Path, path: Path) -> None:
+    # A shared folder (the soak's, under the model cache) may be made by two
+    # processes at once: each copies beside it and renames, so a reader never
+    # sees half a folder; the loser of the rename drops its copy.
+    staging = path.with_name(f".{path.name}.staging-{os.getpid()}")
+    shutil.copytree(made, staging, dirs_exist_ok=True)
+    try:
+        os.rename(staging, path)  # onto nothing or an empty folder: atomic
+    except OSError:  # ``path`` holds files: the other maker's folder, or the caller's own
+        if not (path / "model.safetensors").exists():
+            shutil.copytree(staging, path, dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _make(path: Path, seed: int, chat_template: bool, layers: int, hidden: int, context: int):

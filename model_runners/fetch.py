@@ -5,7 +5,8 @@ files. transformers can load GGUF directly but de-quantises every tensor on
 each load (15-35 s); converting once to config + safetensors + tokenizer makes
 later loads take about a second. The conversion is idempotent: a folder that
 already holds a complete conversion (marked by ``radixmux-fetch.json``) is
-reused as is.
+reused as is. Processes fetching the same model at once take turns on a lock
+file beside the folder: one converts, the others wait and reuse its folder.
 
 Run ``python -m radixmux.model_runners.fetch smollm2`` (or ``gemma3-270m``).
 """
@@ -13,6 +14,8 @@ Run ``python -m radixmux.model_runners.fetch smollm2`` (or ``gemma3-270m``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -22,6 +25,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from radixmux.common import file_lock
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 MARKER = "radixmux-fetch.json"
 
@@ -113,20 +122,43 @@ def locate_gguf(name: str, scratch: Path) -> Path:
 def fetch(name: str, progress: bool = True) -> Path:
     """Convert the embedded model ``name`` into a HF folder; return the folder.
 
-    Idempotent: returns at once when the conversion already exists.
+    Idempotent: returns at once when the conversion already exists. Safe
+    across processes: one converts while the others wait on a lock beside the
+    folder, then find the finished folder; a reader never sees a half folder
+    (the conversion is renamed into place whole).
     """
     if name not in EMBEDDED:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(sorted(EMBEDDED))}")
     target = model_dir(name)
     if is_fetched(name):
         return target
-    import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     steps = tqdm(total=4, desc=f"fetch {name}", disable=not progress, unit="step")
+    try:
+        waiting = functools.partial(
+            steps.set_postfix_str, "waiting for another process converting it"
+        )
+        with file_lock.held(target.with_name(f".{name}.lock"), on_wait=waiting):
+            if not is_fetched(name):  # else another process converted it while we waited
+                _convert(name, target, steps)
+            steps.update(steps.total - steps.n)
+    finally:
+        steps.close()
+    return target
+
+
+def _convert(name: str, target: Path, steps: tqdm) -> None:
+    """GGUF to a staging folder beside ``target``, renamed into place (lock held)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # What a killed conversion left behind: only the lock holder converts, so
+    # nothing else can be using these.
+    for pattern in (f".{name}.staging-*", f".{name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
     staging = target.with_name(f".{name}.staging-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     t0 = time.perf_counter()
     try:
         steps.set_postfix_str("locating GGUF")
@@ -150,15 +182,21 @@ def fetch(name: str, progress: bool = True) -> Path:
                 {"name": name, "source": gguf.name, "seconds": round(time.perf_counter() - t0, 1)}
             )
         )
-        shutil.rmtree(target, ignore_errors=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Rename last, so an interrupted fetch never leaves a half folder behind.
-        os.replace(staging, target)
-        steps.update()
+        _rename_into_place(staging, target)
     finally:
-        steps.close()
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _rename_into_place(staging: Path, target: Path) -> None:
+    # An incomplete folder already there (no marker: made by hand or by an
+    # older version) is renamed aside first, so ``target`` goes from that
+    # folder to the whole conversion in one rename, never through a half one.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _drop_gguf_quantizer(model: object) -> None:

@@ -8,9 +8,10 @@ chunks causally over their cached prefix, also in place. It is compiled with
 the machine's compiler on first use (10-30 s here, logged) into
 ``$RADIXMUX_CACHE/kernels`` (default ``~/.cache/radixmux/kernels``), keyed by
 the source, torch's version and this CPU's instruction set, so later starts
-load it in milliseconds. Where it cannot be built (no compiler, no headers)
-:func:`load` says why once and the runner falls back to gather + SDPA, which
-gives the same results.
+load it in milliseconds; processes starting together on a fresh cache take
+turns on a lock file there, so one compiles and the others load its library.
+Where it cannot be built (no compiler, no headers) :func:`load` says why once
+and the runner falls back to gather + SDPA, which gives the same results.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from radixmux.common import file_lock
 
 log = logging.getLogger("radixmux.kernels")
 
@@ -85,9 +88,10 @@ alone, in any batch, in any chunk, over a cached or a fresh prefix. It needs
 def _build(target: Path, library: Path) -> None:
     """Compile into a private directory, then move the library into place.
 
-    No lock is shared between processes: two runners starting together each
-    build (a few seconds of duplicated work), and one killed mid-build leaves
-    only its own scratch directory, never a lock that would stall the others.
+    The caller holds the build lock (:func:`load`); the private directory and
+    the rename still keep a reader that does not take it (an older version)
+    from ever loading half a library, and one killed mid-build leaves only its
+    own scratch directory (its lock goes with it).
     """
     from torch.utils import cpp_extension
 
@@ -111,6 +115,10 @@ def _build(target: Path, library: Path) -> None:
     log.info("paged decode kernel built in %.1f s", time.perf_counter() - t0)
 
 
+def _log_waiting() -> None:
+    log.info("waiting for another process compiling the paged decode kernel")
+
+
 def load() -> bool:
     """Build (first time) and load the kernel; False, with the reason logged, if impossible."""
     with _lock:
@@ -119,10 +127,17 @@ def load() -> bool:
         try:
             target = build_dir()
             library = target / f"{NAME}.so"
-            if library.exists():
+            built = False
+            if not library.exists():
+                # Runners (or test workers) starting together on a fresh cache:
+                # one compiles, the others wait for its library instead of
+                # each spending the 10-30 s of CPU on the same build.
+                with file_lock.held(target / ".build.lock", on_wait=_log_waiting):
+                    if not library.exists():
+                        _build(target, library)  # compiling also loads it
+                        built = True
+            if not built:
                 torch.ops.load_library(str(library))
-            else:
-                _build(target, library)  # compiling also loads it
             _state["ok"] = True
         except Exception as exc:  # any build failure means: use the torch path
             log.warning("paged decode kernel unavailable (%s); using gather + SDPA", exc)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from alone_turns import AloneTurns
 
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
@@ -220,6 +221,10 @@ def real_models():
 
 def pytest_configure(config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config.addinivalue_line(
+        "markers", "alone: no other test runs beside it under pytest-xdist (alone_turns.py)"
+    )
+    config.pluginmanager.register(AloneTurns(), "radixmux-alone-turns")
 
 
 @contextlib.contextmanager

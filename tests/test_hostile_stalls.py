@@ -620,6 +620,7 @@ def filed_requests(url: str) -> list[Hostile]:
     ]
 
 
+@pytest.mark.alone  # a latency ratio: another test's load would land in one side of it
 def test_a_small_request_is_not_stalled_by_hostile_ones(server: str, real_tokenizer) -> None:
     """Model ``b``'s small request beside the worst requests model ``a`` accepts
     (and the shapes the issue filed, which it refuses): within 3x of idle."""

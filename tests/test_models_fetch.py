@@ -35,6 +35,65 @@ def test_fetch_is_idempotent(real_models):
     assert (fetch.model_dir("smollm2") / "chat_template.jinja").is_file()
 
 
+# Each child: announce it is ready (imports done), wait for the go file, fetch,
+# then report the weights file's inode (a second conversion would replace it).
+FETCH_CHILD = """
+import sys, time
+from pathlib import Path
+from radixmux.model_runners import fetch
+print("ready", flush=True)
+go = Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.01)
+folder = fetch.fetch("smollm2", progress=True)
+print((folder / "model.safetensors").stat().st_ino, fetch.is_fetched("smollm2"), flush=True)
+"""
+
+
+def test_concurrent_fetches_convert_once(tmp_path):
+    # Two processes fetch the same model into a fresh cache at the same moment:
+    # one converts, the other waits on the lock and gets that same folder. The
+    # cache holds what a crash leaves (a folder without the marker, a killed
+    # conversion's staging folder): replaced and removed.
+    cache, go = tmp_path / "cache", tmp_path / "go"
+    (cache / "smollm2").mkdir(parents=True)
+    (cache / "smollm2" / "config.json").write_text("{half")
+    (cache / ".smollm2.staging-999999").mkdir()
+    env = {**os.environ, "RADIXMUX_CACHE": str(cache)}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", FETCH_CHILD, str(go)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        go.touch()
+        results = [child.communicate(timeout=300) for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    for child, (_, err) in zip(children, results, strict=True):
+        assert child.returncode == 0, err[-3000:]
+    inodes = {out.split()[0] for out, _ in results}
+    assert [out.split()[1] for out, _ in results] == ["True", "True"]
+    assert len(inodes) == 1, "converted twice: the second replaced the first's folder"
+    folder = cache / "smollm2"
+    assert str((folder / "model.safetensors").stat().st_ino) in inodes
+    for name in ("config.json", "tokenizer.json", fetch.MARKER):
+        assert (folder / name).is_file(), name
+    assert (folder / "config.json").read_text().startswith("{\n")
+    # They overlapped (the test is not vacuous): one waited for the other, with
+    # the reason on its progress line.
+    assert sum("waiting for another process" in err for _, err in results) == 1
+    assert sorted(p.name for p in cache.iterdir()) == [".smollm2.lock", "smollm2"]
+
+
 def test_cli_unknown_name_is_a_clear_error():
     proc = subprocess.run(
         [sys.executable, "-m", "radixmux.model_runners.fetch", "llama-9000"],

@@ -156,6 +156,9 @@ def test_children_die_with_a_launcher_killed_during_start(tiny: Path, base: Path
         reap(kids)
 
 
+# Alone: a dead launcher's arena sits in the shared /dev/shm, which any other
+# test's launcher start sweeps (remove_stale_arenas) before this one looks.
+@pytest.mark.alone
 @pytest.mark.timeout(300)
 def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Path) -> None:
     # Every process runs its own signal handling by now: the death of the
@@ -183,6 +186,9 @@ def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Pat
         reap(kids)
 
 
+# Alone: a dead launcher's arena sits in the shared /dev/shm, which any other
+# test's launcher start sweeps (remove_stale_arenas) before this one looks.
+@pytest.mark.alone
 @pytest.mark.timeout(600)
 def test_a_start_removes_only_what_dead_launchers_left(tiny: Path, base: Path) -> None:
     shm = Path(default_arena_dir())
