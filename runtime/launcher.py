@@ -50,7 +50,7 @@ from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
 from radixmux.runtime.model_lifecycle import ModelLifecycle
 from radixmux.runtime.model_sources import LaunchError, resolve_models
-from radixmux.runtime.warmup_file import load_warmup_file
+from radixmux.runtime.warmup_file import SERVING_NAME, STARTUP_NAME, load_warmup_file
 
 if TYPE_CHECKING:
     from radixmux.model_runners.runner_process import RunnerConfig
@@ -196,8 +196,12 @@ class Launcher:
         self._wait_ready(names, READY_TIMEOUT_S)
         self.lifecycle = ModelLifecycle(self, self.served)
         self._to_front.send(protocol.encode(protocol.ServerReady()))
-        if args.warmup is not None:  # the front runs them, then reports "warmup" ready
-            self._wait_ready(["warmup"], WARMUP_READY_TIMEOUT_S)
+        # The front reports back once it serves (after --warmup FILE's lines,
+        # if any): a request sent when start() returns is never told "starting".
+        if args.warmup is not None:
+            self._wait_ready([STARTUP_NAME], WARMUP_READY_TIMEOUT_S)
+        else:
+            self._wait_ready([SERVING_NAME], READY_TIMEOUT_S)
         self._started = True
         log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
 

@@ -21,6 +21,8 @@ MAX_PREFIXES = 64  # per warm-up body, as for a batch of prompts
 FORMS = ("prompts", "messages", "token_ids")
 # The name under which the front reports start-up warm-ups to the launcher.
 STARTUP_NAME = "warmup"
+# ... and, without them, that it has taken ServerReady in and serves.
+SERVING_NAME = "serving"
 
 
 class WarmupBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

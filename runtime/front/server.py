@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket as pysocket
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 import uvloop
@@ -25,6 +26,7 @@ from radixmux.runtime.front.api import warmup
 from radixmux.runtime.front.app import build_app
 from radixmux.runtime.front.state import Front
 from radixmux.runtime.front.zmq_server import ClientServer
+from radixmux.runtime.warmup_file import SERVING_NAME
 
 log = logging.getLogger("radixmux.front")
 
@@ -52,11 +54,25 @@ def _listen(host: str, port: int) -> pysocket.socket:
     return sock
 
 
+def _report_serving(zctx: zmq.Context, ctx: ProcessContext) -> Callable[[], Awaitable[bool]]:
+    """The hook run once every process is ready: tell the launcher the front
+    now serves, so its start returns only when a first request is answered
+    (not with 503 "starting" while the front has yet to read ServerReady)."""
+
+    async def run() -> bool:
+        report(zctx, ctx.endpoints, protocol.ProcessReady(SERVING_NAME, os.getpid()))
+        return True
+
+    return run
+
+
 async def serve(ctx: ProcessContext, zctx: zmq.Context) -> int:
     front = Front(ctx, zctx)
     clients = ClientServer(zctx, front)
     if ctx.args.warmup is not None:  # run before /health turns 200
         front.hub.before_ready = warmup.at_start(front, zctx)
+    else:
+        front.hub.before_ready = _report_serving(zctx, ctx)
     sock = _listen(ctx.args.host, ctx.args.port)
     config = uvicorn.Config(
         build_app(front),
