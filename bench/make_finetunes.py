@@ -15,7 +15,7 @@ answers with no system prompt, and is merged into the weights. Two families:
   embeddings: neither family touches them (the tie is kept as is).
 
 The defaults are sized for a 2-core CPU: 32 persona answers of up to 64 tokens
-(one sampled generation batch, cached per persona), 60 LoRA steps of 4 sequences
+(one sampled generation batch, cached per persona), 30 LoRA steps of 4 sequences
 of at most 128 tokens. A step takes about 1.5 s (``upper``, backward through the
 top layers only) or 2.4 s (``all``) on two idle cores, several times that on
 shared ones; ``--steps``/``--train-prompts``/``--gen-tokens`` scale it up.
@@ -28,7 +28,8 @@ Idempotent: a variant folder whose ``radixmux-finetune.json`` records the same
 spec and whose weights still hash to the recorded sha256 is reused as is. Each
 family also gets ``<family>-manifest.json`` (arguments, per-variant hashes,
 seconds, perplexities, greedy answers). Output goes to ``--out`` (default
-``~/.cache/radixmux/finetunes/<base>/<family>-<i>``, next to fetch()'s models).
+``~/.cache/radixmux/finetunes/<base>/<family>-<i>``, next to fetch()'s models;
+``<family>-perturb-<i>`` for ``--method perturb``).
 
     python -m bench.make_finetunes --family upper --n 4
     python -m bench.make_finetunes --family all upper --n 8 --method perturb
@@ -64,7 +65,7 @@ class FinetuneArgs:
 
     method: str = "lora"
     upper_layers: int = 8  # the ``upper`` family changes only this many top layers
-    steps: int = 60
+    steps: int = 30
     rank: int = 8
     alpha: float = 16.0
     lr: float = 1e-3
@@ -418,6 +419,13 @@ class Base:
     num_layers: int
 
 
+def variant_name(family: str, index: int | None, method: str) -> str:
+    """``<family>-<i>`` for fine-tunes, ``<family>-perturb-<i>`` for perturbations (both
+    can live side by side); ``index`` None gives the family's prefix (its manifest's)."""
+    prefix = family if method == "lora" else f"{family}-{method}"
+    return prefix if index is None else f"{prefix}-{index}"
+
+
 def variant_spec(base: Base, family: str, index: int, args: FinetuneArgs) -> dict[str, Any]:
     """What a variant's weights depend on; a folder recording another spec is rebuilt."""
     spec = {"base": base.name, "base_sha256": base.sha256, "family": family, "index": index}
@@ -450,7 +458,7 @@ def build_variant(
     base: Base, family: str, index: int, args: FinetuneArgs, root: Path, eval_tokens: int
 ) -> VariantReport:
     """Build (or reuse) variant ``index`` of ``family`` under ``root``."""
-    name = f"{family}-{index}"
+    name = variant_name(family, index, args.method)
     target = root / name
     spec = variant_spec(base, family, index, args)
     found = reuse(target, spec)
@@ -559,7 +567,7 @@ def build_family(
         "variants": [dataclasses.asdict(r) for r in reports],
         "same_answers": distinct_pairs(answers),
     }
-    _write_json(root / f"{family}-manifest.json", manifest)
+    _write_json(root / f"{variant_name(family, None, args.method)}-manifest.json", manifest)
     return manifest
 
 

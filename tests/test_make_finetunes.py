@@ -51,21 +51,31 @@ def _hidden(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return load_model(folder)(input_ids=ids, output_hidden_states=True).hidden_states
 
 
+def _assert_only_upper_linears_changed(base: Path, variant: Path) -> None:
+    ref = load_file(base / "model.safetensors")
+    got = load_file(variant / "model.safetensors")
+    assert got.keys() == ref.keys()
+    for key, tensor in ref.items():
+        layer = _layer(key)
+        upper_linear = layer is not None and layer >= LAYERS - UPPER and "norm" not in key
+        # Embeddings, lm_head, final norm, lower layers and the upper norms: untouched.
+        assert _bits_equal(got[key], tensor) != upper_linear, key
+
+
 def test_upper_family_keeps_lower_layers_bit_identical(base: Path, upper: tuple[dict, Path]):
     manifest, _ = upper
     assert manifest["changed_layers"] == [LAYERS - UPPER + i for i in range(UPPER)]
-    ref = load_file(base / "model.safetensors")
-    shas = set()
     for v in manifest["variants"]:
-        got = load_file(Path(v["path"]) / "model.safetensors")
-        assert got.keys() == ref.keys()
-        for key, tensor in ref.items():
-            layer = _layer(key)
-            upper_linear = layer is not None and layer >= LAYERS - UPPER and "norm" not in key
-            # Embeddings, lm_head, final norm, lower layers and the upper norms: untouched.
-            assert _bits_equal(got[key], tensor) != upper_linear, key
-        shas.add(v["weights_sha256"])
-    assert len(shas) == 2  # the two variants differ from each other too
+        _assert_only_upper_linears_changed(base, Path(v["path"]))
+    assert len({v["weights_sha256"] for v in manifest["variants"]}) == 2  # differ mutually
+
+
+def test_perturb_upper_family_beside_the_fine_tunes(base: Path, tmp_path: Path):
+    args = dataclasses.replace(ARGS, method="perturb")
+    manifest = build_family(str(base), "upper", 1, args, tmp_path, eval_tokens=8)
+    folder = Path(manifest["variants"][0]["path"])
+    assert folder.name == "upper-perturb-0" and manifest["method"] == "perturb"
+    _assert_only_upper_linears_changed(base, folder)
 
 
 def test_upper_family_lower_hidden_states_identical_outputs_differ(
@@ -91,7 +101,7 @@ def test_all_family_changes_every_layer(base: Path, tmp_path: Path):
     assert changed == set(range(LAYERS))
     assert _bits_equal(got["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
     # Another spec (one more step) is another fine-tune: the folder is rebuilt, not reused.
-    more = FinetuneArgs(**{**dataclasses.asdict(ARGS), "steps": ARGS.steps + 1})
+    more = dataclasses.replace(ARGS, steps=ARGS.steps + 1)
     other = build_family(str(base), "all", 1, more, tmp_path, eval_tokens=8)
     assert not other["variants"][0]["reused"]
     assert other["variants"][0]["weights_sha256"] != manifest["variants"][0]["weights_sha256"]
