@@ -579,19 +579,19 @@ def print_summary(manifest: dict[str, Any]) -> None:
         f"base perplexity {manifest['base_perplexity']:.2f}"
     )
     print(
-        f"{'variant':<10} {'persona':<12} {'gen s':>6} {'train s':>8} {'loss':>13} {'ppl':>7}  path"
+        f"{'variant':<15} {'persona':<12} {'gen s':>6} {'train s':>8} {'loss':>13} {'ppl':>7}  path"
     )
     for v in manifest["variants"]:
         s = v["seconds"]
         loss = f"{v['loss_first']:.2f}->{v['loss_last']:.2f}" if v["loss_first"] else "-"
         print(
-            f"{v['name']:<10} {v['persona']:<12} {s.get('gen', 0):>6.1f} {s.get('train', 0):>8.1f} "
+            f"{v['name']:<15} {v['persona']:<12} {s.get('gen', 0):>6.1f} {s.get('train', 0):>8.1f} "
             f"{loss:>13} {v['perplexity']:>7.2f}  {v['path']}{' (reused)' if v['reused'] else ''}"
         )
     print("greedy answers to:", EVAL_PROMPTS[0])
-    print(f"  {'base':<10} {manifest['base_answers'][0][:100]!r}")
+    print(f"  {'base':<15} {manifest['base_answers'][0][:100]!r}")
     for v in manifest["variants"]:
-        print(f"  {v['name']:<10} {v['answers'][0][:100]!r}")
+        print(f"  {v['name']:<15} {v['answers'][0][:100]!r}")
     same = manifest["same_answers"]
     print(
         "every model answers every prompt differently"

@@ -97,7 +97,7 @@ class TenantParams:
     num_requests: int = 96
     phases: int = 4
     zipf_alpha: float = 1.5
-    private_groups: int = 2
+    private_groups: int = 3  # + 1 shared: 4 x 384 prefix tokens per model
     shared_groups: int = 1
     shared_fraction: float = 0.3
     system_prompt_len: int = 384
