@@ -41,8 +41,10 @@ from bench.workloads import (
     MultiTurnParams,
     Session,
     ShiftParams,
+    TenantParams,
     generated_shared_prefix,
     multi_model_shift,
+    multi_tenant,
     multi_turn,
     resolve_tokenizer,
     vocabulary_words,
@@ -81,6 +83,7 @@ class BenchConfig:
     gsp: GSPParams = field(default_factory=GSPParams)
     multi_turn: MultiTurnParams = field(default_factory=MultiTurnParams)
     shift: ShiftParams = field(default_factory=ShiftParams)
+    tenant: TenantParams = field(default_factory=TenantParams)
     warmup_requests: int = 0
     timeout_s: float = 600.0
     api_key: str | None = None
@@ -204,6 +207,11 @@ def build_sessions(config: BenchConfig, words: Sequence[str]) -> list[Session]:
         if config.num_prompts is not None:
             p = dataclasses.replace(p, num_requests=config.num_prompts)
         return multi_model_shift(words, config.models[:2], p, config.seed)
+    elif config.workload == "multi-tenant":
+        t = config.tenant
+        if config.num_prompts is not None:
+            t = dataclasses.replace(t, num_requests=config.num_prompts)
+        return multi_tenant(words, config.models, t, config.seed)
     else:
         raise ValueError(f"workload must be one of {WORKLOADS}, not {config.workload!r}")
     return sessions if config.num_prompts is None else sessions[: config.num_prompts]

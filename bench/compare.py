@@ -20,7 +20,12 @@ Modes:
      with half of mode 2's KV bytes and one core, on mode 2's workload
      (target: radixmux's throughput higher at the same total KV memory);
   6. multi-turn chat: radixmux with and without the cache, and vLLM (no target
-     in the issue; shown for the record; not in --all).
+     in the issue; shown for the record; not in --all);
+  7. many tenants: ``--tenants N`` models (e.g. fine-tunes from
+     ``bench/make_finetunes.py``) on the multi-tenant workload (per-model and
+     shared system prompts, the hot model moving phase by phase), ``--kv-partition
+     unified`` vs ``static`` on one fixed arena well below the working set
+     (issue 34's target: unified >= 1.3x static throughput; not in --all).
 
 Writes one JSON with every configuration and a PNG (throughput and latency per
 configuration) under ``bench/results/``, and prints the tables.
@@ -55,7 +60,7 @@ from bench.bench_serving import (
 )
 from bench.server_process import ServerFailed, ServerProcess, free_port
 from bench.verdicts import verdict_line, verdict_of
-from bench.workloads import GSPParams, MultiTurnParams, ShiftParams
+from bench.workloads import GSPParams, MultiTurnParams, ShiftParams, TenantParams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,6 +81,11 @@ class Sizes:
     # plus its running requests fit in it, but not in half of it.
     shift_kv_tokens: int
     warmup: int
+    # Mode 7: its arena (tokens of the first model) stays fixed whatever the
+    # number of tenants, so more tenants means more contention.
+    tenant: TenantParams = field(default_factory=TenantParams)
+    tenant_concurrency: int = 8
+    tenant_kv_tokens: int = 3584
 
 
 FULL = Sizes(
@@ -93,6 +103,9 @@ QUICK = Sizes(
     multi_turn=MultiTurnParams(2, 2, 1, 32, 8, 4),
     shift_kv_tokens=2048,
     warmup=1,
+    tenant=TenantParams(24, 2, 1.5, 2, 1, 0.3, 96, 8, 4),
+    tenant_concurrency=4,
+    tenant_kv_tokens=1024,
 )
 
 
@@ -259,8 +272,8 @@ def cache_vs_no_cache(
     return on
 
 
-def shift_kv_bytes(setup: Setup) -> int:
-    """Mode 2's arena: ``shift_kv_tokens`` of the first model, from its config."""
+def shift_kv_bytes(setup: Setup, tokens: int | None = None) -> int:
+    """Mode 2's arena: ``shift_kv_tokens`` (or ``tokens``) of the first model, from its config."""
     from radixmux.model_runners.fetch import fetch
 
     src = Path(setup.sources[0])
@@ -274,7 +287,7 @@ def shift_kv_bytes(setup: Setup) -> int:
     per_token = (
         c["num_hidden_layers"] * 2 * kv_heads * head_dim * (2 if setup.dtype == "bfloat16" else 4)
     )
-    return setup.sizes.shift_kv_tokens * per_token
+    return (setup.sizes.shift_kv_tokens if tokens is None else tokens) * per_token
 
 
 def shift_config(setup: Setup) -> BenchConfig:
@@ -326,6 +339,50 @@ def mode_partition(setup: Setup) -> ModeReport:
             "unified hit rate > static",
             f"{_hit(uni.result)} vs {_hit(sta.result)}",
             None if hu is None or hs is None else _verdict(hu > hs, uni.result, sta.result),
+        )
+    )
+    return rep
+
+
+def tenant_config(setup: Setup, n: int) -> BenchConfig:
+    """Mode 7: the multi-tenant workload over the first ``n`` models."""
+    return BenchConfig(
+        base_url="",
+        models=[setup.served_name(i) for i in range(n)],
+        workload="multi-tenant",
+        tokenizer=setup.sources[0],
+        concurrency=setup.sizes.tenant_concurrency,
+        seed=setup.seed,
+        tenant=setup.sizes.tenant,
+        warmup_requests=n * setup.sizes.warmup,
+        progress=setup.progress,
+    )
+
+
+def mode_tenants(setup: Setup, n: int) -> ModeReport:
+    """Mode 7: ``n`` tenants' models, one unified arena vs ``n`` fixed shares of it."""
+    rep = ModeReport(7, f"--kv-partition unified vs static, {n} tenants (multi-tenant)")
+    if len(setup.sources) < n:
+        need = f"needs {n} models, got {len(setup.sources)}"
+        rep.targets.append(Target(7, "unified >= 1.3x static", need, None))
+        return rep
+    kv = shift_kv_bytes(setup, setup.sizes.tenant_kv_tokens)
+    cfg = tenant_config(setup, n)
+    base = shift_server_flags(kv)
+    uni = run_radixmux(setup, f"unified x{n}", n, [*base, "--kv-partition", "unified"], cfg)
+    sta = run_radixmux(setup, f"static x{n}", n, [*base, "--kv-partition", "static"], cfg)
+    rep.configs += [uni, sta]
+    name = f"unified >= 1.3x static throughput at {n} models"
+    rep.targets.append(_ratio_target(7, name, uni, sta, 1.3, f"arena {kv / 2**20:.0f} MiB"))
+    u99 = uni.result.ttft_ms.p99 if uni.result else None
+    s99 = sta.result.ttft_ms.p99 if sta.result else None
+    rep.targets.append(
+        Target(
+            7,
+            f"unified TTFT p99 < static at {n} models",
+            f"{u99 or math.nan:.0f} vs {s99 or math.nan:.0f} ms; hit "
+            f"{_hit(uni.result)} vs {_hit(sta.result)}",
+            None if u99 is None or s99 is None else _verdict(u99 < s99, uni.result, sta.result),
         )
     )
     return rep
@@ -632,7 +689,7 @@ def earlier(reports: Sequence[ModeReport], mode: int, label: str) -> ConfigResul
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=range(1, 7), default=None)
+    p.add_argument("--modes", "--mode", nargs="+", type=int, choices=range(1, 8), default=None)
     p.add_argument("--all", action="store_true", help="modes 1 2 3 4 5")
     p.add_argument("--quick", action="store_true", help="tiny workloads (the smoke test)")
     p.add_argument(
@@ -643,6 +700,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="model sources: the first for modes 1, 3, 4; both for modes 2 and 5 "
         "(short names or HF folders, e.g. tiny test models)",
     )
+    p.add_argument("--tenants", type=int, default=4, help="mode 7: serve the first N of --models")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument(
         "--server-args", default="", help="extra flags for every radixmux server, one string"
@@ -689,6 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         5: lambda: mode_two_servers(setup, earlier(reports, 2, "unified"), *load_peers()),
         6: lambda: mode_multi_turn(setup, *load_peers(), args.peer_kv_bytes, args.peers),
+        7: lambda: mode_tenants(setup, args.tenants),
     }
     for m in modes:
         reports.append(runners[m]())
@@ -696,6 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": modes,
         "quick": args.quick,
         "models": list(args.models),
+        "tenants": args.tenants,
         "dtype": args.dtype,
         "server_args": args.server_args,
         "sizes": dataclasses.asdict(setup.sizes),

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-WORKLOADS = ("generated-shared-prefix", "multi-turn", "multi-model-shift")
+WORKLOADS = ("generated-shared-prefix", "multi-turn", "multi-model-shift", "multi-tenant")
 _WORD = re.compile(r"[a-z]{3,9}")
 # GPT-2 style byte-level BPE marks a leading space with 'Ġ', SentencePiece with '▁'.
 _SPACE_MARKS = ("Ġ", "▁")
@@ -77,6 +77,29 @@ class ShiftParams:
     num_requests: int = 48
     shares: tuple[float, ...] = (0.8, 0.2)
     groups_per_model: int = 4
+    system_prompt_len: int = 384
+    question_len: int = 32
+    output_len: int = 16
+
+
+@dataclass(frozen=True)
+class TenantParams:
+    """N models (fine-tunes of one base, one per tenant) whose popularity moves phase by phase.
+
+    In phase k each request picks its model by zipf rank, the ranking rotated so the
+    hottest model moves by ``n / phases`` models per phase (every model is the hottest
+    once when ``phases == n``). Each model has ``private_groups`` system prompts of its
+    own; with probability ``shared_fraction`` a request instead uses one of
+    ``shared_groups`` system prompts that every model receives (the same text: a
+    common preamble, whose lower-layer KV fine-tunes with frozen lower layers can share).
+    """
+
+    num_requests: int = 96
+    phases: int = 4
+    zipf_alpha: float = 1.5
+    private_groups: int = 3  # + 1 shared: 4 x 384 prefix tokens per model
+    shared_groups: int = 1
+    shared_fraction: float = 0.3
     system_prompt_len: int = 384
     question_len: int = 32
     output_len: int = 16
@@ -211,6 +234,40 @@ def multi_model_shift(
             g = order.randrange(p.groups_per_model)
             turn = (src.text(p.question_len),)
             sessions.append(Session(model, systems[model][g], turn, p.output_len, g, phase))
+    return sessions
+
+
+def multi_tenant(
+    words: Sequence[str], models: Sequence[str], p: TenantParams, seed: int = 0
+) -> list[Session]:
+    """Requests to ``models`` with per-model and shared system prompts and a rotating hot model.
+
+    Deterministic for one seed. Group ids: ``0..private_groups-1`` a model's own
+    prompts, ``private_groups + j`` shared prompt ``j``.
+    """
+    n = len(models)
+    if n < 2 or p.phases < 1:
+        raise ValueError(f"multi-tenant needs two models or more and a phase, got {list(models)}")
+    src = WordSource(words, random.Random(seed))
+    shared = [src.text(p.system_prompt_len) for _ in range(p.shared_groups)]
+    private = {m: [src.text(p.system_prompt_len) for _ in range(p.private_groups)] for m in models}
+    pick = random.Random(seed + 1)
+    ranked = zipf_weights(n, p.zipf_alpha)
+    sessions: list[Session] = []
+    for phase in range(p.phases):
+        hot = phase * n // p.phases
+        weights = [ranked[(i - hot) % n] for i in range(n)]
+        size = p.num_requests // p.phases + (1 if phase < p.num_requests % p.phases else 0)
+        for _ in range(size):
+            model = models[pick.choices(range(n), weights)[0]]
+            if shared and pick.random() < p.shared_fraction:
+                g = pick.randrange(len(shared))
+                system, group = shared[g], p.private_groups + g
+            else:
+                group = pick.randrange(p.private_groups)
+                system = private[model][group]
+            turn = (src.text(p.question_len),)
+            sessions.append(Session(model, system, turn, p.output_len, group, phase))
     return sessions
 
 

@@ -9,6 +9,7 @@ without starting more servers (each start costs tens of seconds on 2 cores).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -32,8 +33,10 @@ from bench.workloads import (
     GSPParams,
     MultiTurnParams,
     ShiftParams,
+    TenantParams,
     generated_shared_prefix,
     multi_model_shift,
+    multi_tenant,
     vocabulary_words,
     zipf_weights,
 )
@@ -209,6 +212,26 @@ def test_workloads_are_deterministic_and_shaped(models: dict[str, Path]) -> None
     assert len({s.system for s in shift if s.model == "x"}) <= 2
 
 
+def test_multi_tenant_rotates_the_hot_model_and_shares_prompts(models: dict[str, Path]) -> None:
+    words = vocabulary_words(str(models["a"]))
+    names = ["t0", "t1", "t2", "t3"]
+    p = TenantParams(200, 4, 1.5, 2, 1, 0.3, 8, 4, 2)
+    load = multi_tenant(words, names, p, seed=5)
+    assert load == multi_tenant(words, names, p, seed=5) and len(load) == 200
+    for phase in range(4):
+        sent = [s.model for s in load if s.phase == phase]
+        counts = {m: sent.count(m) for m in names}
+        # The hottest model moves one tenant per phase.
+        assert max(counts, key=counts.__getitem__) == names[phase], counts
+    shared = {s.system for s in load if s.group == p.private_groups}
+    assert len(shared) == 1
+    assert {s.model for s in load if s.group == p.private_groups} == set(names)
+    for m in names:
+        own = {s.system for s in load if s.model == m and s.group < p.private_groups}
+        assert len(own) == 2 and not own & shared
+    assert len({s.system for s in load}) == 4 * 2 + 1
+
+
 def test_completion_prompt_resends_history() -> None:
     text = completion_prompt("sys", ["q1", "q2"], ["r1"])
     assert text == "sys\n\nUser: q1\nAssistant:r1\n\nUser: q2\nAssistant:"
@@ -300,3 +323,22 @@ def test_targets_json_and_plot(tmp_path: Path) -> None:
         assert key in cfg
     png = compare.plot([rep], tmp_path / "c.png")
     assert png is not None and png.stat().st_size > 1000
+
+
+@pytest.mark.timeout(360)  # two servers start one after the other, on shared cores
+def test_compare_mode_tenants_runs_unified_and_static(tmp_path: Path) -> None:
+    folders = [make_tiny_model_dir(tmp_path / f"t{i}", seed=30 + i) for i in range(2)]
+    setup = compare.Setup(
+        tuple(map(str, folders)), "float32", compare.QUICK, 0, tmp_path / "logs", progress=False
+    )
+    rep = compare.mode_tenants(setup, 2)
+    assert [c.label for c in rep.configs] == ["unified x2", "static x2"]
+    for c in rep.configs:
+        r = c.result
+        assert r is not None and r.errors == 0, c.unavailable or r.error_samples
+        assert r.completed == compare.QUICK.tenant.num_requests
+        assert set(r.per_model) == {"t0", "t1"}
+    # Both ran cleanly, so each target got a verdict (PASS or MISS), not n/a.
+    assert [t.passed is not None for t in rep.targets] == [True, True]
+    short = compare.mode_tenants(dataclasses.replace(setup, sources=setup.sources[:1]), 2)
+    assert short.targets[0].measured == "needs 2 models, got 1" and not short.configs
