@@ -154,18 +154,33 @@ class LeanStack:
     ) -> torch.Tensor:
         """Logits ``[1, len(keep), vocab]`` of the packed batch ``input_ids [1, T]``
         at positions ``keep``, as ``model(..., logits_to_keep=keep).logits``."""
+        h = self.embed(input_ids)
+        cos, sin = self.rotary_emb(h, position_ids=position_ids)
+        x = torch.ops.radixmux.rms_norm(h, *self.layers[0].in_norm)
+        norms = [lay.in_norm for lay in self.layers[1:]] + [self.final_norm]
+        _, x = self._layers(self.layers, norms, h, x, cos, sin)
+        return self.lm_head(x[:, keep])
+
+    def _layers(
+        self,
+        layers: list[_Layer],
+        next_norms: list[tuple[torch.Tensor, float, bool]],
+        h: torch.Tensor,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``layers`` over the rows of ``h`` (the residual stream) and ``x``
+        (its normed input to the first of them); returns both after the last,
+        ``x`` normed with its ``next_norms`` entry."""
         # Each residual add and the norm after it are one kernel (the same
         # roundings as the add's bfloat16 result then the norm); x is always
         # the normed input of the next part, h the residual stream.
         add_rms = torch.ops.radixmux.add_rms_norm
         act_and_mul = torch.ops.radixmux.act_and_mul
         attend = paged_attention.paged_attention_forward
-        h = self.embed(input_ids)
-        cos, sin = self.rotary_emb(h, position_ids=position_ids)
         tokens = h.shape[1]
-        x = torch.ops.radixmux.rms_norm(h, *self.layers[0].in_norm)
-        next_norms = [lay.in_norm for lay in self.layers[1:]] + [self.final_norm]
-        for lay, next_norm in zip(self.layers, next_norms, strict=True):
+        for lay, next_norm in zip(layers, next_norms, strict=True):
             shape = (1, tokens, -1, lay.head_dim)
             q = lay.q(x).view(shape).transpose(1, 2)
             k = lay.k(x).view(shape).transpose(1, 2)
@@ -174,7 +189,7 @@ class LeanStack:
             o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
             h, x = add_rms(h, lay.o(o.reshape(1, tokens, -1).contiguous()), *lay.post_norm)
             h, x = add_rms(h, lay.down(act_and_mul(lay.gate_up(x), *lay.act)), *next_norm)
-        return self.lm_head(x[:, keep])
+        return h, x
 
     def run_groups(
         self,
@@ -189,10 +204,7 @@ class LeanStack:
         lower group stores the hidden states it hands on. The kernels and
         their order per row are the loop's own, so a row computed here is
         bit-identical to the same row through ``__call__``."""
-        add_rms = torch.ops.radixmux.add_rms_norm
         rms_norm = torch.ops.radixmux.rms_norm
-        act_and_mul = torch.ops.radixmux.act_and_mul
-        attend = paged_attention.paged_attention_forward
         first = passes[0].rows
         ids = input_ids if first is None else input_ids[:, first]
         h0 = self.embed(ids)
@@ -213,20 +225,14 @@ class LeanStack:
                 h[0, rows] = stored
                 x[0, rows] = rms_norm(stored[None], *self.layers[gp.start].in_norm)[0]
             sel = slice(None) if gp.rows is None else gp.rows
-            hg, xg = h[:, sel], x[:, sel]
-            cos, sin = cos_all[:, sel], sin_all[:, sel]
-            n = hg.shape[1]
-            for lay, next_norm in zip(
-                self.layers[gp.start : gp.end], norms[gp.start : gp.end], strict=True
-            ):
-                shape = (1, n, -1, lay.head_dim)
-                q = lay.q(xg).view(shape).transpose(1, 2)
-                k = lay.k(xg).view(shape).transpose(1, 2)
-                v = lay.v(xg).view(shape).transpose(1, 2)
-                q, k = self.rotary(q, k, cos, sin)
-                o, _ = attend(lay.attn, q, k, v, None, dropout=0.0, scaling=lay.scaling)
-                hg, xg = add_rms(hg, lay.o(o.reshape(1, n, -1).contiguous()), *lay.post_norm)
-                hg, xg = add_rms(hg, lay.down(act_and_mul(lay.gate_up(xg), *lay.act)), *next_norm)
+            hg, xg = self._layers(
+                self.layers[gp.start : gp.end],
+                norms[gp.start : gp.end],
+                h[:, sel],
+                x[:, sel],
+                cos_all[:, sel],
+                sin_all[:, sel],
+            )
             h[:, sel], x[:, sel] = hg, xg
             if gp.save is not None:
                 store, layer, addr = gp.save

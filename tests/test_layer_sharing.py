@@ -246,6 +246,21 @@ def test_invalidating_a_model_drops_its_lower_groups_too() -> None:
     h.assert_clean()
 
 
+def add_e(h: Harness) -> None:
+    """Fine-tune e (agreeing with a on 3 layers) loaded at run time."""
+    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
+    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+
+
+def partial_hit_then_clean(h: Harness, model: str) -> None:
+    """``model`` asks for the 41-token prompt another model ran: a partial hit."""
+    h.request(f"{model}-partial", model=model, prompt=41, max_tokens=2)
+    batch = h.inflight(f"{model}#0")
+    assert batch is not None and batch.seqs[0].lower_starts == [40]
+    h.run_until_idle(f"{model}#0")
+    h.assert_clean()
+
+
 def new_tokens(batch: protocol.ForwardBatch) -> int:
     return len(protocol.unpack_ids(batch.seqs[0].new_tokens))
 
@@ -292,27 +307,18 @@ def test_a_model_unloaded_while_a_sibling_shares_its_lower_layers() -> None:
     assert "a" not in h.sched.models and "a#layers0-2" not in h.sched.cache.models
     # The shared layers stay cached for b (their generation is b's too).
     assert lower_group(h, "b").cached_tokens >= 40
-    h.request("r2", model="b", prompt=41, max_tokens=2)
-    batch = h.inflight("b#0")
-    assert batch is not None and batch.seqs[0].lower_starts == [40]
-    h.run_until_idle("b#0")
-    h.assert_clean()
+    partial_hit_then_clean(h, "b")
 
 
 def test_a_fine_tune_added_at_run_time_shares_at_the_served_cuts() -> None:
     h = harness(restart=True)
     h.request("r1", model="a", prompt=41, max_tokens=2)  # a is busy while e arrives
-    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
-    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    add_e(h)
     # e agrees with a on 3 layers, but busy a is cut at 2: e is cut there too.
     assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == (2,)
     h.run_until_idle("a#0")
     assert lower_group(h, "e").pool == lower_group(h, "a").pool
-    h.request("r2", model="e", prompt=41, max_tokens=2)
-    batch = h.inflight("e#0")
-    assert batch is not None and batch.seqs[0].lower_starts == [40]
-    h.run_until_idle("e#0")
-    h.assert_clean()
+    partial_hit_then_clean(h, "e")
 
 
 def test_a_pin_holds_the_prefix_in_every_layer_group() -> None:
@@ -342,25 +348,19 @@ def test_an_idle_base_is_cut_again_for_a_fine_tune_that_arrives() -> None:
     assert h.sched.kv.groups["a"].splits == ()
     h.request("r1", model="a", prompt=41, max_tokens=2)
     h.run_until_idle("a#0")
-    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
-    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    add_e(h)
     # e agrees with a on 3 layers and a was idle: both are cut there now.
     assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == (3,)
     assert lower_group(h, "e").pool == lower_group(h, "a").pool
     h.request("r2", model="e", prompt=41, max_tokens=2)
     h.run_until_idle("e#0")
-    h.request("r3", model="a", prompt=41, max_tokens=2)  # a's old cache was dropped...
-    batch = h.inflight("a#0")
-    assert batch is not None and batch.seqs[0].lower_starts == [40]  # ...e's lower layers serve
-    h.run_until_idle("a#0")
-    h.assert_clean()
+    partial_hit_then_clean(h, "a")  # a's old cache was dropped: e's lower layers serve
 
 
 def test_a_busy_base_keeps_its_cuts() -> None:
     h = harness(models=("a", "c"), restart=True)
     h.request("r1", model="a", prompt=41, max_tokens=8)  # in flight while e arrives
-    h.send(protocol.AddModel(ModelArg("/models/e", "e"), served="e"))
-    h.reply("e#0", protocol.Ready(info("e", restart=True), NO_PID, 0.1, 1))
+    add_e(h)
     assert h.sched.kv.groups["a"].splits == h.sched.kv.groups["e"].splits == ()
     h.run_until_idle("a#0")
     h.assert_clean()

@@ -511,6 +511,8 @@ def register(url: str, source: Path, name: str) -> None:
     assert r.status_code == 200, r.text
 
 
+# Free memory decides it, to a few hundred MB: another test's servers would move it.
+@pytest.mark.alone
 def test_a_load_refused_for_memory_unloads_one_idle_model_and_retries(
     serve: Callable[..., str], tmp_path: Path
 ) -> None:
