@@ -211,7 +211,7 @@ def check(sched: Scheduler) -> None:
     tracked = set(map(id, sched.requests.values()))
     assert all(id(r) in tracked for r in running), "a runner runs an untracked request"
     disk = sched.disk
-    loading = [ld.req for ld in disk.loading.values()] if disk else []
+    loading = disk.loading_requests() if disk else []
     for req in sched.requests.values():
         if req.runner is None and req not in loading:
             assert req.handle is None and not len(req.slots) and not req.lower, (

@@ -95,7 +95,7 @@ def check_stalls(sched: Scheduler) -> None:
     now = time.monotonic()
     if now - sched.disk_progress_at <= limit:
         return
-    loads = [ld.req for ld in disk.loading.values() if now - ld.t0 > limit]
+    loads = disk.loading_requests(started_before=now - limit)
     held = [(rid, h) for rid, h in sched.held.items() if now - h.since > limit]
     if not loads and not held:
         return

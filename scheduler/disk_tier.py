@@ -310,15 +310,22 @@ class DiskTier:
             *self._through_locks.values(),
             *(
                 h
-                for req in self._loading_reqs()
+                for req in self.loading_requests()
                 for h in (req.handle, *(p.handle for p in req.lower))
                 if h
             ),
         ]
 
-    def _loading_reqs(self) -> list[Req]:
-        """Requests with a load in flight, each once (a load may be several jobs)."""
-        return list({id(ld.loading.req): ld.loading.req for ld in self.loading.values()}.values())
+    def loading_requests(self, started_before: float | None = None) -> list[Req]:
+        """Requests with a load in flight, each once (a load may be several
+        jobs); with ``started_before`` (``time.monotonic()``), only loads
+        started before then."""
+        loads = {
+            id(ld.loading.req): ld.loading.req
+            for ld in self.loading.values()
+            if started_before is None or ld.loading.t0 < started_before
+        }
+        return list(loads.values())
 
     # ---- loading ---------------------------------------------------------------------
     def plan_load(self, req: Req) -> LoadPlan | str | None:

@@ -171,7 +171,7 @@ def remove(sched: Scheduler, name: str) -> None:
 def finish_removals(sched: Scheduler) -> None:
     """Remove each instance being removed that nothing writes KV for any more."""
     disk = sched.disk
-    loading = {ld.req.model for ld in disk.loading.values()} if disk else set()
+    loading = {req.model for req in disk.loading_requests()} if disk else set()
     for name in list(sched.removing):
         model = sched.models[name]
         if name in loading or any(r.up and r.inflight is not None for r in model.runners):
