@@ -260,36 +260,35 @@ class ModelRunner:
             starts = [s.start_pos if top or not s.lower_starts else s.lower_starts[g] for s in seqs]
             batch = self._group_batch(store, slots, starts, groups)
             batches.append(batch)
-            rows = np.concatenate(
-                [np.arange(row0[i] + st - s.start_pos, row0[i + 1]) for i, (s, st) in
-                 enumerate(zip(seqs, starts, strict=True))]
-            )  # fmt: skip
-            fill = None
-            if g and any(b > st for b, st in zip(below, starts, strict=True)):
-                # Rows this group computes that the group below held already.
-                held = [np.arange(st, max(b, st)) for b, st in zip(below, starts, strict=True)]
-                lower = stores[g - 1]
-                fill = (
-                    lower,
-                    bounds[g] - bounds[g - 1],
-                    lower.address(self._t(np.concatenate(
-                        [seqs[i].lower_slots[g - 1][p] for i, p in enumerate(held)]
-                    ))),
-                    self._t(np.concatenate(
-                        [row0[i] + p - s.start_pos for i, (s, p) in
-                         enumerate(zip(seqs, held, strict=True))]
-                    )),
+            # Only the lean loop runs groups on their own rows (transformers'
+            # forward runs every row through every layer): no passes otherwise.
+            if self.hidden_layers:
+                rows = np.concatenate(
+                    [np.arange(row0[i] + st - s.start_pos, row0[i + 1]) for i, (s, st) in
+                     enumerate(zip(seqs, starts, strict=True))]
                 )  # fmt: skip
-            save = None if top else (store, bounds[g + 1] - bounds[g], batch.write_addr)
-            all_rows = len(rows) == len(input_ids)
-            passes.append(
-                GroupPass(bounds[g], bounds[g + 1], None if all_rows else self._t(rows), fill, save)
-            )
+                fill = None
+                if g and any(b > st for b, st in zip(below, starts, strict=True)):
+                    # Rows this group computes that the group below held already.
+                    held = [np.arange(st, max(b, st)) for b, st in zip(below, starts, strict=True)]
+                    lower = stores[g - 1]
+                    fill = (
+                        lower,
+                        bounds[g] - bounds[g - 1],
+                        lower.address(self._t(np.concatenate(
+                            [seqs[i].lower_slots[g - 1][p] for i, p in enumerate(held)]
+                        ))),
+                        self._t(np.concatenate(
+                            [row0[i] + p - s.start_pos for i, (s, p) in
+                             enumerate(zip(seqs, held, strict=True))]
+                        )),
+                    )  # fmt: skip
+                save = None if top else (store, bounds[g + 1] - bounds[g], batch.write_addr)
+                subset = None if len(rows) == len(input_ids) else self._t(rows)
+                passes.append(GroupPass(bounds[g], bounds[g + 1], subset, fill, save))
             below = starts
         routed = LayerGroups(tuple(bounds[:-1]), tuple(batches))
-        if not self.hidden_layers:  # no stored hidden states: transformers' forward will do
-            return routed, input_ids, torch.from_numpy(positions), None
-        return routed, input_ids, torch.from_numpy(positions), passes
+        return routed, input_ids, torch.from_numpy(positions), passes or None
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         """Batch metadata as int64 where the arena is (cpu today, cuda later)."""

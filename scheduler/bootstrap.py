@@ -107,11 +107,11 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
     live in the arena)."""
     allocator = KVAllocator(arena.num_blocks, arena.block_bytes, args.page_size)
     cache = RadixCache(allocator, eviction_policy=args.eviction_policy)
-    specs = [model_spec(arg, roll.infos[runner_ids(arg)[0]]) for arg in args.models]
+    infos = {arg.name: roll.infos[runner_ids(arg)[0]] for arg in args.models}
+    specs = [model_spec(arg, infos[arg.name]) for arg in args.models]
     if args.kv_partition == "static":
         share = arena.total_bytes // len({s.pool for s in specs})
         specs = [fixed_share(s, share, arena.block_bytes) for s in specs]
-    infos = {arg.name: roll.infos[runner_ids(arg)[0]] for arg in args.models}
     chains = {}
     if not args.disable_layer_sharing and args.kv_partition == "unified":
         chains = {name: info.layer_keys for name, info in infos.items()}
