@@ -331,14 +331,20 @@ def test_compare_mode_tenants_runs_unified_and_static(tmp_path: Path) -> None:
     setup = compare.Setup(
         tuple(map(str, folders)), "float32", compare.QUICK, 0, tmp_path / "logs", progress=False
     )
-    rep = compare.mode_tenants(setup, 2)
-    assert [c.label for c in rep.configs] == ["unified x2", "static x2"]
-    for c in rep.configs:
+    # The peer arm without a peer module records why, and its targets are n/a.
+    rep = compare.mode_tenants(
+        setup, 2, None, "no peers here", peer_kinds=("vllm",), sharing_arm=False
+    )
+    labels = [c.label for c in rep.configs]
+    assert labels == ["unified x2", "static x2", "vllm x2 (KV and cores split)"]
+    assert rep.configs[2].unavailable == "no peers here"
+    for c in rep.configs[:2]:
         r = c.result
         assert r is not None and r.errors == 0, c.unavailable or r.error_samples
         assert r.completed == compare.QUICK.tenant.num_requests
         assert set(r.per_model) == {"t0", "t1"}
-    # Both ran cleanly, so each target got a verdict (PASS or MISS), not n/a.
-    assert [t.passed is not None for t in rep.targets] == [True, True]
+    # Both ran cleanly, so each target against static got a verdict (PASS or
+    # MISS); the absent peer's two are n/a.
+    assert [t.passed is not None for t in rep.targets] == [True, True, False, False]
     short = compare.mode_tenants(dataclasses.replace(setup, sources=setup.sources[:1]), 2)
     assert short.targets[0].measured == "needs 2 models, got 1" and not short.configs
