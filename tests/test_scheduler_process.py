@@ -247,6 +247,9 @@ def test_fair_share_keeps_a_flooded_arena_open_to_the_other_model(
     # them. Model b sends one request after a's flood. Without fair share a's
     # runner (dispatched first) takes every slot that frees up and b waits for
     # a's whole queue; with it, a (over its half while b waits) stops admitting.
+    # b finishes 10th without fair share; a few of a's may still finish first
+    # (admitted in the steps before b's request reached the scheduler on a busy
+    # machine, or beside b once it runs), hence the slack.
     models = [ModelArg(str(tiny_dirs["a"]), "a"), ModelArg(str(tiny_dirs["b"]), "b")]
     flags = {"kv_cache_bytes": 12 * 4096, "kv_block_bytes": 4096, "schedule_conservativeness": 0}
     with start_runtime(models, **flags) as rt:
@@ -260,7 +263,7 @@ def test_fair_share_keeps_a_flooded_arena_open_to_the_other_model(
                 assert o.error is None, o.error
                 if o.finish_reason:
                     order.append(o.rid)
-        assert order.index(late) <= 4, order.index(late)
+        assert order.index(late) <= 6, order.index(late)
         assert set(order) == {*flood, late}
 
 
