@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 class ServerFailed(RuntimeError):
     """A server exited or never became healthy."""
 
@@ -37,15 +43,29 @@ class ServerProcess:
     then stops the server in order (``stop``).
     """
 
-    def __init__(self, cmd: list[str], port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int,
+        log_path: Path,
+        host: str = "127.0.0.1",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``host``: where this machine reaches the server (its bound address);
+        ``env``: variables set for it on top of this process's environment."""
         self.cmd = cmd
         self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = http_url(host, port)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
 
     @property

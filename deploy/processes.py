@@ -43,7 +43,7 @@ class Cluster:
     def _spawn(self, i: int) -> ServerProcess:
         spec = self.specs[i]
         log = self.log_dir / f"instance-{i}.{self.restarts[i]}.log"
-        self.instances[i] = ServerProcess(spec.command(), spec.port, log)
+        self.instances[i] = ServerProcess(spec.command(), spec.port, log, host=spec.reach_host)
         return self.instances[i]
 
     def start(self, timeout: float = START_TIMEOUT_S) -> str:

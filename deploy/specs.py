@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.server_process import free_port
+from bench.server_process import free_port, http_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,10 @@ FAILOVER_FLAGS = (
 )  # fmt: skip
 
 
+# Bind addresses that mean every interface: the instance is reached on loopback here.
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
 @dataclass(frozen=True)
 class InstanceSpec:
     """One local radixmux server: its models, address and own state folder."""
@@ -39,8 +45,14 @@ class InstanceSpec:
     extra_args: tuple[str, ...] = ()
 
     @property
+    def reach_host(self) -> str:
+        """The address this host reaches the instance at: its --host, or loopback
+        when that is a wildcard (every interface)."""
+        return "127.0.0.1" if self.host in WILDCARDS else self.host
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return http_url(self.reach_host, self.port)
 
     def command(self) -> list[str]:
         """``launch.py`` with this instance's port, models and disk-tier folder.
@@ -90,3 +102,46 @@ class RouterSpec:
         if self.api_key:  # sent to the workers as 'Authorization: Bearer KEY'
             cmd += ["--api-key", self.api_key]
         return cmd + list(self.extra_args)
+
+
+def kv_events_config(
+    endpoint: str, replay_endpoint: str, buffer_steps: int = 10_000, topic: str = ""
+) -> str:
+    """An instance's ``--kv-events-config`` (vLLM's JSON): a ZMQ publisher at
+    ``endpoint`` and its replay socket at ``replay_endpoint``.
+
+    vLLM's rule decides bind or connect: a wildcard (``tcp://*:5557``) or
+    ``ipc://`` endpoint is bound and the router connects to it; a named address
+    is connected to. The replay socket is always bound. The default topic,
+    empty, is vLLM's and what vllm-router reads.
+    """
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
+        "buffer_steps": buffer_steps,
+        "topic": topic,
+    }
+    return json.dumps(config)
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where a router reads one worker's KV events: the stream and its replay socket."""
+
+    worker_url: str
+    endpoint: str  # e.g. tcp://10.0.0.5:5557, as the router's host reaches it
+    replay_endpoint: str
+
+
+def router_event_flags(
+    sources: Sequence[EventSource], block_size: int, model: str
+) -> tuple[str, ...]:
+    """vllm-router's flags for its ``kv_aware`` policy: each worker's event stream
+    and replay socket, the page size the instances hash by, the served model."""
+    flags: list[str] = []
+    for s in sources:
+        flags += ["--kv-event-source", f"{s.worker_url}={s.endpoint}"]
+        flags += ["--kv-event-replay-source", f"{s.worker_url}={s.replay_endpoint}"]
+    return (*flags, "--kv-event-block-size", str(block_size), "--kv-event-model", model)

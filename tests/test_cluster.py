@@ -17,7 +17,6 @@ import itertools
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +25,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cluster_harness import TINY_ARGS, recipe, served
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_process import ServerProcess, free_port
 from bench.tiny_models import make_tiny_model_dir
-from deploy.probes import metric_sum
 from deploy.router_admin import RouterAdmin
 
 pytestmark = [
@@ -48,11 +47,6 @@ CLIENTS = 4
 # and a restarting instance then takes twice as long to start.
 PACE_S = 0.1
 TOKENS = 24
-READY = "radixmux cluster: router"  # the recipe's line once everything serves
-TINY_ARGS = [
-    "--kv-cache-bytes", "16777216", "--kv-block-bytes", "65536",
-    "--runner-threads", "1", "--dtype", "float32",
-]  # fmt: skip
 
 
 def free_port_pair() -> int:
@@ -104,11 +98,6 @@ class RunningCluster:
                 admin.add(url, timeout=RESTART_S)  # listed and healthy: a no-op
         finally:
             admin.close()
-
-
-def served(url: str) -> int:
-    """Requests an instance has finished since it started (its ``/metrics``)."""
-    return int(metric_sum(url, ("radixmux_requests_total",)))
 
 
 def wait_served(url: str, more_than: int, timeout: float) -> None:
@@ -195,26 +184,6 @@ class Load:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("cluster") / "tiny", seed=37)
-
-
-def recipe(args: list[str], port: int, state: Path, timeout: float) -> ServerProcess:
-    """``python -m deploy.cluster`` with the router on ``port``, once it says it
-    is ready (the router answers ``/health`` before the recipe has added every
-    worker to it)."""
-    cmd = [sys.executable, "-m", "deploy.cluster", "--port", str(port)]
-    cmd += ["--state-dir", str(state), *args]
-    proc = ServerProcess(cmd, port, state / "recipe.log")
-    try:
-        proc.wait_healthy(timeout)
-        deadline = time.monotonic() + timeout
-        while READY not in proc.log_path.read_text(errors="replace"):
-            if proc.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the recipe never got ready: {proc.log_tail()}")
-            time.sleep(0.2)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
 
 
 @pytest.fixture(scope="module")

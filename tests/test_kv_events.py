@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import pickle
-import re
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +24,11 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from cluster_harness import credited_prefix_tokens, kv_aware_router
 
-from bench.server_process import ServerProcess, free_port
+from bench.server_process import free_port
 from bench.tiny_models import make_tiny_model_dir
+from deploy.specs import EventSource, kv_events_config
 from radixmux.common.kv_events_config import KVEventsConfig, parse_kv_events_config
 from radixmux.common.server_args import ServerArgs
 from radixmux.memory.allocator import KVAllocator
@@ -168,14 +167,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     beta = make_tiny_model_dir(root / "beta", seed=42)
     # tcp://*: vLLM's rule binds an endpoint with a wildcard (routers connect to it).
     pub_port, replay_port = free_port(), free_port()
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
-        "buffer_steps": 1000,
-        "topic": TOPIC,
-    }
+    config = kv_events_config(
+        f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", buffer_steps=1000, topic=TOPIC
+    )
     engine = Engine(
         model=[f"{alpha},name=alpha", f"{beta},name=beta"],
         kv_cache_bytes=16 << 20,
@@ -183,7 +177,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         page_size=PAGE,
         runner_threads=1,
         dtype="float32",
-        kv_events_config=json.dumps(config),
+        kv_events_config=config,
         # The disk tier saving each insert at once: its chunks are STORAGE events.
         kv_disk_bytes=64 << 20,
         kv_disk_dir=str(root / "disk"),
@@ -374,57 +368,21 @@ def test_capacity_eviction_and_unload_are_recorded_per_page() -> None:
     )
 
 
-def test_vllm_router_kv_aware_credits_the_published_prefix(
-    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_vllm_router_kv_aware_credits_the_published_prefix(server: Server, tmp_path: Path) -> None:
     """vllm-router's ``kv_aware`` policy, fed by this stream, credits a repeated
     prompt's cached pages: it rebuilt its index from our BlockStored events."""
     if importlib.util.find_spec("vllm_router") is None:
         pytest.skip("vllm-router is not installed (pip install -e '.[dev]')")
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        server.url,
-        "--policy",
-        "kv_aware",
-        "--kv-event-source",
-        f"{server.url}={server.endpoint}",
-        "--kv-event-replay-source",
-        f"{server.url}={server.replay}",
-        "--kv-event-block-size",
-        str(PAGE),
-        "--kv-event-model",
-        "alpha",
-        "--log-level",
-        "debug",
-        "--prometheus-port",
-        str(free_port()),
-    ]
+    source = EventSource(server.url, server.endpoint, server.replay)
     log = tmp_path / "router.log"
-    # The router tokenizes each prompt itself (offline: from the model's folder).
-    monkeypatch.setenv("VLLM_ROUTER_TOKENIZER", str(server.alpha))
-    monkeypatch.setenv("NO_COLOR", "1")
-    proc = ServerProcess(cmd, port, log)
-    try:
-        proc.wait_healthy(60.0)
+    with kv_aware_router([source], PAGE, "alpha", server.alpha, log) as router:
         body = {"model": "alpha", "prompt": "the cached prefix " * 12, "max_tokens": 1}
         for _ in range(2):
-            r = httpx.post(f"{proc.base_url}/v1/completions", json=body, timeout=60)
+            r = httpx.post(f"{router.base_url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             time.sleep(0.5)  # the store's event reaches the router before the repeat
-        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # its colours
-        decisions = re.findall(r"credited_prefix_tokens=(\d+)", text)
-        credited = [int(n) for n in decisions]
-        assert len(credited) >= 2 and credited[0] == 0 and credited[-1] > 0, credited
-    finally:
-        proc.stop()
+        credited = credited_prefix_tokens(log)
+    assert len(credited) >= 2 and credited[0] == 0 and credited[-1] > 0, credited
 
 
 def test_the_config_is_vllms_json_and_a_wrong_one_is_named() -> None:
@@ -433,6 +391,10 @@ def test_the_config_is_vllms_json_and_a_wrong_one_is_named() -> None:
     null = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}')
     assert not null.enabled
     assert not parse_kv_events_config("{}").enabled
+    # What the cluster recipe's benchmarks and tests give an instance.
+    ours = parse_kv_events_config(kv_events_config("tcp://*:6000", "tcp://10.0.0.2:6001"))
+    assert ours.enabled and ours.topic == "" and ours.endpoint == "tcp://*:6000"
+    assert ours.replay_endpoint == "tcp://10.0.0.2:6001"
     with pytest.raises(ValueError, match="enable_kv_cache_event"):
         ServerArgs(kv_events_config='{"enable_kv_cache_event": true}')
     with pytest.raises(ValueError, match="hwm"):
