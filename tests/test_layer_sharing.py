@@ -302,8 +302,9 @@ def test_a_partial_hit_under_chunked_prefill() -> None:
     while (batch := h.inflight("b#0")) is not None:
         starts.append((new_tokens(batch), batch.seqs[0].lower_starts))
         h.step("b#0")
-    # Chunks of 8 of b's own layers; the shared layers skip to position 40.
-    assert starts[:5] == [(8, [40])] * 5
+    # Chunks of 8 of b's own layers; the shared layers compute none of them
+    # (they start at each chunk's end: position 40 is past it).
+    assert starts[:5] == [(8, [8 * (i + 1)]) for i in range(5)]
     assert starts[5] == (1, [])  # the prompt's last token: every group computes it
     h.assert_clean()
 
