@@ -202,6 +202,7 @@ def test_a_fine_tune_answers_a_spilled_sibling_prompt_as_alone(
     disk = info["disk"]
     # The only load is the fine-tune's: the shared layers' chunks the base spilled.
     assert disk["loads"] == 1 and disk["chunks_loaded"] > 0
+    assert "ft" not in disk["tokens_loaded"]  # none of its own layers were on disk
     [ft_lower] = [g for g in info["layer_groups"] if g["model"] == "ft" and g["start"] == 0]
     assert ft_lower["tokens_reused"] > 64  # a partial hit: only its own layers computed
     assert info["invariants"] in (None, "ok")
