@@ -215,10 +215,15 @@ class LeanStack:
         x = torch.empty_like(h)
         rows0 = slice(None) if first is None else first
         h[:, rows0] = h0
-        x[:, rows0] = rms_norm(h0, *self.layers[0].in_norm)
+        if h0.shape[1]:
+            x[:, rows0] = rms_norm(h0, *self.layers[0].in_norm)
         cos_all, sin_all = self.rotary_emb(h, position_ids=position_ids)
         norms = [lay.in_norm for lay in self.layers[1:]] + [self.final_norm]
         for gp in passes:
+            if gp.rows is not None and not len(gp.rows):
+                # A chunk of a partial hit that ends before where this group
+                # starts: the group above takes every row from its stored states.
+                continue
             if gp.fill is not None:
                 store, layer, addr, rows = gp.fill
                 stored = store.read_hidden(layer, addr, h.shape[-1]).to(h.dtype)

@@ -88,7 +88,7 @@ class ScheduledBatch:
                     new_tokens=req.token_slice(start, end).tobytes(),
                     slots=req.slots[:end].astype(np.int32).tobytes(),
                     lower_slots=[p.slots[:end].astype(np.int32).tobytes() for p in req.lower],
-                    lower_starts=_lower_starts(req),
+                    lower_starts=_lower_starts(req, end),
                     sample=end == req.num_tokens,
                     params=wire.params,
                     output_ids=req.packed_output_ids() if wire.sends_output else b"",
@@ -101,10 +101,13 @@ class ScheduledBatch:
         return ForwardBatch(self.batch_id, seqs, threads, self.prefix_groups, layer_splits or [])
 
 
-def _lower_starts(req: Req) -> list[int]:
+def _lower_starts(req: Req, end: int) -> list[int]:
     """Where each lower layer group of a partial hit starts computing (it holds
-    the tokens before); empty when every group starts at ``kv_len``."""
-    starts = [max(req.kv_len, p.handle.length) for p in req.lower]
+    the tokens before), within the chunk computed up to ``end`` (a chunk that
+    ends before it computes none of that group's rows: the group above takes
+    them all from its stored hidden states); empty when every group starts at
+    ``kv_len``."""
+    starts = [min(max(req.kv_len, p.handle.length), end) for p in req.lower]
     return starts if any(s > req.kv_len for s in starts) else []
 
 

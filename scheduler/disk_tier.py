@@ -85,18 +85,21 @@ class _Namespace:
 @dataclass(frozen=True)
 class GroupLoad:
     """A lower layer group's part of a load (scheduler/layer_groups.py): its
-    chunks from ``start``, which is past the top group's when it holds more."""
+    chunks for positions ``[start, end)``, where it holds the prompt up to
+    ``start`` (past the top group's when it holds more)."""
 
     index: int  # which of ``Req.lower``
     chunks: list[ChunkRef]
     start: int
     skip: int  # tokens of its first chunk already in memory
+    end: int
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     """Chunks a request can load: positions ``[start, end)`` after its memory
-    match (its own layers'), and what each lower layer group loads with them."""
+    match (its own layers'; none when only lower groups load), and what each
+    lower layer group loads with them."""
 
     chunks: list[ChunkRef]
     start: int
@@ -108,16 +111,28 @@ class LoadPlan:
     def tokens(self) -> int:
         return self.end - self.start
 
+    def lower_ends(self, groups: int) -> list[int]:
+        """Per lower group of the request (``groups`` of them), how far it
+        holds the prompt once loaded (0: it loads nothing)."""
+        ends = [0] * groups
+        for g in self.lower:
+            ends[g.index] = g.end
+        return ends
+
 
 @dataclass
 class _Loading:
     """One request's load: its jobs (one per layer group that loads) end
-    before it does, and it covers as far as the shortest of them got."""
+    before it does. ``ends`` holds, per layer group (the lower ones in
+    ``Req.lower``'s order, then the top one), how far it holds the prompt
+    once its job is done (what was planned, cut where a job stopped short)."""
 
     req: Req
     t0: float
     jobs: int
-    end: int
+    start: int  # the request's kv_len when the load began
+    ends: list[int]
+    bad: str | None = None  # why a job stopped at a bad chunk
 
 
 @dataclass
@@ -127,7 +142,13 @@ class _Load:
     loading: _Loading
     chunks: list[ChunkRef]
     start: int
-    top: bool  # the request's own layers (what counts as its tokens loaded)
+    group: int  # index into ``_Loading.ends``
+
+
+def _group_starts(req: Req) -> list[int]:
+    """Where each layer group of ``req`` holds its prompt up to (its lower
+    groups in ``Req.lower``'s order, then its own): a load starts there."""
+    return [*(max(req.kv_len, p.handle.length) for p in req.lower), req.kv_len]
 
 
 class DiskTier:
@@ -328,12 +349,20 @@ class DiskTier:
         return list(loads.values())
 
     # ---- loading ---------------------------------------------------------------------
-    def plan_load(self, req: Req) -> LoadPlan | str | None:
+    def plan_load(self, req: Req, partial: bool = False) -> LoadPlan | str | None:
         """What of ``req``'s prompt past its memory match (``req.kv_len``) is on
         disk: a plan, ``"wait"`` when another request is loading those chunks
-        right now, or None (load nothing). A model cut into layer groups loads
-        as far as every group has the chunks (each from where it holds the
-        prompt up to)."""
+        right now, or None (load nothing).
+
+        A model cut into layer groups loads each group from where it holds
+        the prompt. With ``partial`` (its runner restarts the upper layers
+        from a lower group's stored hidden states, ``ModelGroups.restart``)
+        each lower group loads as far as it has chunks on disk and the top
+        group as far as every group will then hold the prompt: where a
+        sibling's prompt was spilled, the lower groups come back alone and
+        the request is a partial hit (only its own layers computed).
+        Otherwise every group loads as far as every group has the chunks
+        (the lookup would cut a lower group back to that anyway)."""
         if self.disabled:
             return None
         c = self.chunk
@@ -341,29 +370,35 @@ class DiskTier:
         if req.kv_len // c >= limit:
             return None
         names = [*(p.name for p in req.lower), req.model]
-        starts = [*(max(req.kv_len, p.handle.length) for p in req.lower), req.kv_len]
+        starts = _group_starts(req)
         runs: list[list[ChunkRef]] = []
-        end = limit
+        reach: list[int] = []  # per group: how far it would hold the prompt after its run
         for name, start in zip(names, starts, strict=True):
-            first = start // c
-            run = self._run(name, req, first, limit)
+            run = self._run(name, req, start // c, limit)
             if run == "wait":
                 return "wait"
             assert not isinstance(run, str)
             runs.append(run)
-            if first < limit:
-                end = min(end, first + len(run))
-        end_pos = end * c
-        if end_pos - req.kv_len < self.min_load_tokens:
+            reach.append(max(start, (start // c + len(run)) * c))
+        # Every group holds the prompt this far after the load (whole chunks).
+        common = min(reach) // c * c
+        if partial:
+            ends = [*reach[:-1], max(req.kv_len, common)]
+        else:
+            ends = [max(start, common) for start in starts]
+        if max(e - s for e, s in zip(ends, starts, strict=True)) < self.min_load_tokens:
             return None
-        *lower_runs, top_run = runs
-        lower = [
-            GroupLoad(i, run[: end - start // c], start, start - start // c * c)
-            for i, (run, start) in enumerate(zip(lower_runs, starts, strict=False))
-            if start < end_pos
+        parts = [
+            (run[: end // c - start // c], start, start - start // c * c, end)
+            for run, start, end in zip(runs, starts, ends, strict=True)
         ]
-        first = req.kv_len // c
-        return LoadPlan(top_run[: end - first], req.kv_len, end_pos, req.kv_len - first * c, lower)
+        *lower_parts, (top_chunks, start, skip, end) = parts
+        lower = [
+            GroupLoad(i, chunks, start, skip, end)
+            for i, (chunks, start, skip, end) in enumerate(lower_parts)
+            if end > start
+        ]
+        return LoadPlan(top_chunks, start, end, skip, lower)
 
     def _run(self, name: str, req: Req, first: int, limit: int) -> list[ChunkRef] | str:
         """The chunks of ``req``'s prompt in ``name``'s namespace from chunk
@@ -384,31 +419,36 @@ class DiskTier:
         return run
 
     def start_load(self, req: Req, plan: LoadPlan) -> None:
-        """Fill ``req.slots[plan.start:plan.end]`` (already reserved), and each
-        lower layer group's slots from its start, from disk."""
-        loading = _Loading(req, time.monotonic(), 1 + len(plan.lower), plan.end)
-        parts = [(req.model, req.slots, plan.chunks, plan.start, plan.skip, True)]
+        """Fill ``req.slots[plan.start:plan.end]`` and each loading lower
+        layer group's slots over its own positions (all reserved) from disk:
+        one I/O job per group that loads."""
+        top = len(req.lower)
+        starts = _group_starts(req)
+        loading = _Loading(req, time.monotonic(), 0, req.kv_len, starts)
+        parts = [(top, req.model, req.slots, plan.chunks, plan.start, plan.end, plan.skip)]
         for g in plan.lower:
             part = req.lower[g.index]
-            parts.append((part.name, part.slots, g.chunks, g.start, g.skip, False))
-        for name, slots, chunks, start, skip, top in parts:
+            parts.append((g.index, part.name, part.slots, g.chunks, g.start, g.end, g.skip))
+        for group, name, slots, chunks, start, end, skip in parts:
+            if end <= start:
+                continue
             space = self._space(self.cache.pool_of(name))
-            job = LoadJob(
-                space.view, slots[start : plan.end], chunks, space.ns, self.chunk, skip=skip
-            )
+            job = LoadJob(space.view, slots[start:end], chunks, space.ns, self.chunk, skip=skip)
             self._loading_keys.update(ch.key for ch in chunks)
             for ch in chunks:
                 self.store.touch(ch.key)
             self.chunks_loaded += len(chunks)
             self.chunks_shared += sum(ch.key not in self.store for ch in chunks)
-            self.loading[self.transfer.submit(job)] = _Load(loading, chunks, start, top)
+            loading.jobs += 1
+            loading.ends[group] = end
+            self.loading[self.transfer.submit(job)] = _Load(loading, chunks, start, group)
         log.info(
             "rid=%s loading %d tokens (%d-%d) from disk%s",
             req.rid,
             plan.tokens,
             plan.start,
             plan.end,
-            f" in {1 + len(plan.lower)} layer groups" if plan.lower else "",
+            "".join(f", {req.lower[g.index].name} {g.start}-{g.end}" for g in plan.lower),
         )
 
     def is_loading(self, req: Req) -> bool:
@@ -472,34 +512,46 @@ class DiskTier:
                 self._loading_keys[ch.key] -= 1
                 if not self._loading_keys[ch.key]:
                     del self._loading_keys[ch.key]
+            self.bytes_read += result.nbytes
             loading = load.loading
-            loading.end = min(loading.end, load.start + result.tokens)
+            loading.ends[load.group] = min(loading.ends[load.group], load.start + result.tokens)
+            if result.bad and loading.bad is None:
+                loading.bad = result.bad[0][1]
             loading.jobs -= 1
-            if load.top:
-                self._count_load(loading.req, result, time.monotonic() - loading.t0)
-            else:
-                self.bytes_read += result.nbytes
             if loading.jobs:
                 return None
-            # Every group holds the prompt up to the shortest load's end (at
-            # least where the request's own layers started).
-            loading.req.kv_len = max(loading.req.kv_len, loading.end)
-            return loading.req
+            return self._loaded(loading)
         return None
 
-    def _count_load(self, req: Req, result: JobResult, seconds: float) -> None:
+    def _loaded(self, loading: _Loading) -> Req:
+        """Every job of a load ended: the request holds the prompt in its own
+        layers as far as every group got (a lower group may hold more: a
+        partial hit), and each lower group as far as its own job got."""
+        req = loading.req
+        *lower, _ = loading.ends
+        req.kv_len = max(req.kv_len, min(loading.ends))
+        for part, end in zip(req.lower, lower, strict=True):
+            part.loaded = end
+        seconds = time.monotonic() - loading.t0
+        own = req.kv_len - loading.start  # tokens of its own layers that came from disk
         self.loads += 1
-        self.bytes_read += result.nbytes
-        self.tokens_loaded[req.model] += result.tokens
+        if own:  # a load of lower groups alone brought none of its own layers
+            self.tokens_loaded[req.model] += own
         self.load_seconds += seconds
         self._latencies.append(seconds)
         log.info(
-            "rid=%s loaded %d tokens from disk in %.1f ms%s",
+            "rid=%s loaded %d tokens from disk in %.1f ms%s%s",
             req.rid,
-            result.tokens,
+            own,
             seconds * 1e3,
-            f" (stopped at a bad chunk: {result.bad[0][1]})" if result.bad else "",
+            "".join(
+                f", {p.name} to {end}"
+                for p, end in zip(req.lower, lower, strict=True)
+                if end > req.kv_len
+            ),
+            f" (stopped at a bad chunk: {loading.bad})" if loading.bad else "",
         )
+        return req
 
     def turn_off(self, why: str) -> None:
         """Stop all new disk I/O (the scheduler saw the disk hang). Blocks a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -112,11 +113,12 @@ class KVManager:
         next round), ``"no room"``, or None (nothing worth loading)."""
         if self.disk is None or req.wants_prompt_logprobs:
             return None
-        plan = self.disk.plan_load(req)
+        groups = self.groups.get(req.model)
+        plan = self.disk.plan_load(req, partial=groups is not None and groups.restart)
         if plan is None or plan == "wait":
             return plan
         assert not isinstance(plan, str)
-        if not self.reserve(req, plan.tokens):
+        if not self.reserve(req, plan.tokens, plan.lower_ends(len(req.lower))):
             return "no room"
         self.disk.start_load(req, plan)
         return "loading"
@@ -156,14 +158,16 @@ class KVManager:
         allocator = self.cache.allocator
         return min(allocator.capacity_slots(self.cache.pool_of(n)) for n in self.group_names(model))
 
-    def reserve(self, req: Req, n: int) -> bool:
+    def reserve(self, req: Req, n: int, lower_ends: Sequence[int] = ()) -> bool:
         """Make room for ``n`` more tokens of KV (in every layer group of its
-        model); False, holding nothing new, when there is none."""
+        model; lower group ``i`` up to ``lower_ends[i]`` at least, where a
+        disk load fills it further); False, holding nothing new, when there is none."""
+        ends = [*lower_ends, *[0] * (len(req.lower) - len(lower_ends)), 0]
         parts = [*((p.name, p.slots) for p in req.lower), (req.model, req.slots)]
         got: list[tuple[str, np.ndarray]] = []
-        for name, slots in parts:
+        for (name, slots), end in zip(parts, ends, strict=True):
             # A lower group of a partial hit may already hold these tokens.
-            need = max(0, req.kv_len + n - len(slots))
+            need = max(0, req.kv_len + n - len(slots), end - len(slots))
             pool = self.cache.pool_of(name)
             new = self.cache.allocator.alloc(pool, need) if need else slots[:0]
             if new is None and self.cache.evict_for(name, need):
@@ -221,14 +225,23 @@ class KVManager:
         those tokens."""
         tokens = req.tokens[:aligned]
         for part in req.lower:
-            if aligned > part.handle.length:  # else it held them already (a partial hit)
-                self.cache.insert(part.name, tokens, part.slots[:aligned], prefix=part.handle)
+            upto = self._held(part, aligned)
+            if upto > part.handle.length:  # else it held them already (a partial hit)
+                self.cache.insert(
+                    part.name, req.tokens[:upto], part.slots[:upto], prefix=part.handle
+                )
                 if self.disk is not None:
-                    self.disk.inserted(part.name, tokens)
+                    self.disk.inserted(part.name, req.tokens[:upto])
         self.cache.insert(req.model, tokens, req.slots[:aligned], prefix=req.handle)
         if self.disk is not None:
             self.disk.inserted(req.model, tokens)
         return tokens
+
+    def _held(self, part: LowerKV, aligned: int) -> int:
+        """How far (whole pages) a lower group's slots hold the prompt for the
+        tree: as far as the request's own layers (``aligned``), or further
+        where a disk load filled the group past them."""
+        return max(aligned, part.loaded - part.loaded % self.page)
 
     def release(self, req: Req, keep: bool) -> None:
         """Give back the request's KV: insert computed pages into the cache when
@@ -240,7 +253,7 @@ class KVManager:
             self._insert(req, aligned)
             allocator.free(self.cache.pool_of(req.model), req.slots[aligned:])
             for part in req.lower:
-                kept = max(aligned, part.handle.length)  # the tree's up to its handle
+                kept = max(self._held(part, aligned), part.handle.length)  # the tree's now
                 allocator.free(self.cache.pool_of(part.name), part.slots[kept:])
         else:
             allocator.free(self.cache.pool_of(req.model), req.owned_slots)

@@ -39,6 +39,10 @@ class LowerKV:
     handle: CacheHandle
     slots: np.ndarray
     found: int = 0  # tokens the group held at lookup (more than it could use: recomputed)
+    # How far a finished disk load filled its slots (0: no load): the group
+    # may hold more of the prompt than the request's own layers (a partial
+    # hit from disk); set only until the release that caches it.
+    loaded: int = 0
 
     @property
     def owned_slots(self) -> np.ndarray:

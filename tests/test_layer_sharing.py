@@ -23,7 +23,7 @@ from test_scheduler_unit import Harness, RecordingOutbox
 from bench.tiny_models import make_tiny_model_dir
 from radixmux import protocol
 from radixmux.common.server_args import ServerArgs
-from radixmux.memory.arena import ArenaSpec
+from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec
 from radixmux.model_runners.fingerprint import layer_chain
@@ -154,14 +154,23 @@ def info(name: str, restart: bool = False) -> protocol.ModelInfo:
 
 
 def harness(
-    models: tuple[str, ...] = ("a", "b", "c"), blocks: int = 32, restart: bool = False, **flags
+    models: tuple[str, ...] = ("a", "b", "c"),
+    blocks: int = 32,
+    restart: bool = False,
+    arena_dir: Path | None = None,
+    **flags,
 ) -> Harness:
+    """A scheduler over fake runners of ``models`` (``info``'s layer chains);
+    with ``arena_dir`` a real arena file there (a disk tier reads and writes it)."""
     args = ServerArgs(
         models=[ModelArg(f"/models/{m}", m) for m in models],
         page_size=4,
         **flags,
     )
-    arena = ArenaSpec("/nonexistent-arena", blocks, BLOCK_BYTES)
+    if arena_dir is None:
+        arena = ArenaSpec("/nonexistent-arena", blocks, BLOCK_BYTES)
+    else:
+        arena = KVArena.create(blocks, BLOCK_BYTES, directory=str(arena_dir)).spec
     roll = RollCall({rid for m in args.models for rid in runner_ids(m)})
     for rid in sorted(roll.expected):
         name = str(RunnerId.parse(rid).model)
@@ -293,8 +302,9 @@ def test_a_partial_hit_under_chunked_prefill() -> None:
     while (batch := h.inflight("b#0")) is not None:
         starts.append((new_tokens(batch), batch.seqs[0].lower_starts))
         h.step("b#0")
-    # Chunks of 8 of b's own layers; the shared layers skip to position 40.
-    assert starts[:5] == [(8, [40])] * 5
+    # Chunks of 8 of b's own layers; the shared layers compute none of them
+    # (they start at each chunk's end: position 40 is past it).
+    assert starts[:5] == [(8, [8 * (i + 1)]) for i in range(5)]
     assert starts[5] == (1, [])  # the prompt's last token: every group computes it
     h.assert_clean()
 
@@ -375,8 +385,15 @@ PROMPTS = [
 
 
 def serve_and_ask(
-    models: dict[str, Path], share: bool, prompts: list[str] = PROMPTS, **flags: object
+    models: dict[str, Path],
+    share: bool,
+    prompts: list[str] = PROMPTS,
+    asks: list[tuple[str, str]] | None = None,
+    **flags: object,
 ) -> tuple[dict[str, list[str]], dict]:
+    """Serve ``models`` in one server, ask greedily (each of ``prompts`` of
+    every model in turn, or the ``asks``: (model, prompt) in that order), and
+    return each model's answers with the scheduler's info and metrics."""
     engine = Engine(
         model=[f"{path},name={name}" for name, path in models.items()],
         kv_cache_bytes=flags.pop("kv_cache_bytes", 16 << 20),
@@ -390,12 +407,11 @@ def serve_and_ask(
     try:
         url = f"http://127.0.0.1:{engine.args.port}"
         texts: dict[str, list[str]] = {name: [] for name in models}
-        for prompt in prompts:
-            for name in models:
-                body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-                r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-                assert r.status_code == 200, r.text
-                texts[name].append(r.json()["choices"][0]["text"])
+        for name, prompt in asks or [(n, p) for p in prompts for n in models]:
+            body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts[name].append(r.json()["choices"][0]["text"])
         info = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
         info["metrics"] = httpx.get(f"{url}/metrics", timeout=30).text
         return texts, info
