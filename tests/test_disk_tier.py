@@ -179,9 +179,10 @@ def test_a_full_disk_turns_the_tier_off_and_serving_goes_on(model, recomputed, t
 
 
 REAL = ["smollm2,dtype=float32", "gemma3-270m,name=gemma,dtype=float32"]
+# Two ~270-token prompts per model: four together are twice what the arena holds.
 REAL_PROMPTS = [
     f"Chapter {i}. " + "The river ran past the mill and the old town, " * 24 + f"and on day {i}"
-    for i in range(4)
+    for i in range(2)
 ]
 
 
@@ -224,9 +225,10 @@ def test_real_models_same_greedy_from_memory_disk_recompute_and_restart(tmp_path
         assert real_rounds(url, rounds=1) == computed
         sched = scheduler(url)
     loaded = sched["disk"]["tokens_loaded"]
-    assert loaded["smollm2"] > 3 * 200 and loaded["gemma"] > 3 * 200
+    n = len(REAL_PROMPTS)
+    assert loaded["smollm2"] > n * 200 and loaded["gemma"] > n * 200  # every prompt's prefix
     assert sched["disk"]["chunks_dropped"] == 0
-    assert sched["prompt_tokens_computed"] < 8 * 100  # only the prompts' tails
+    assert sched["prompt_tokens_computed"] < 2 * n * 100  # only the prompts' tails
 
 
 # ---- the tier's rules, in-process over a real arena and real files ----------------------

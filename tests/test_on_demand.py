@@ -131,8 +131,10 @@ def test_max_loaded_models_under_alternating_traffic(
             most[0] = max(most[0], loaded)
             time.sleep(0.02)
 
+    # Twice round: with room for two of the three, the opposite orders keep
+    # asking for the one unloaded (three rounds repeated the same swaps).
     def client(order: str) -> list[int]:
-        return [complete(url, m).status_code for m in order * 3]
+        return [complete(url, m).status_code for m in order * 2]
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -140,7 +142,7 @@ def test_max_loaded_models_under_alternating_traffic(
         codes = [c for got in pool.map(client, ["bcd", "dcb"]) for c in got]
     done.set()
     watcher.join()
-    assert codes == [200] * 18, codes
+    assert codes == [200] * 12, codes
     assert most[0] == 3
     lru = sum(metric(url, "radixmux_model_unloads_total", model=m, reason="lru") for m in "bcd")
     assert lru >= 2

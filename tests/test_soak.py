@@ -1,10 +1,10 @@
-"""The soak and chaos harness (``python -m bench.soak``) for 90 seconds on tiny
+"""The soak and chaos harness (``python -m bench.soak``) for 60 seconds on tiny
 models, with its hostile clients (``--hostile``).
 
 The real two-model server runs as a subprocess on a small arena under the
 harness's whole mixed load (shared prefixes, multi-turn chats, abandoned
 streams, bursts that outgrow the arena, disconnects during tokenization, bad
-input, invalidations and flushes); 45 seconds in, model ``a``'s runner is
+input, invalidations and flushes); 30 seconds in, model ``a``'s runner is
 SIGKILLed (one kill, so ``b``'s runner lives through the memory check from the
 halfway point to the end). Beside that load run the hostile clients (lists at
 and past every bound, slow and stalled readers, model changes under streams
@@ -45,7 +45,7 @@ from bench.soak.records import Outage, ProcessSeries, RequestRecord, RunState
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Start (~40 s), the hostile clients alone (~40 s), 90 s of load, end phase,
+# Start (~40 s), the hostile clients alone (~40 s), 60 s of load, end phase,
 # a restart on the same disk store, stop; slow when the machine is shared.
 RUN_TIMEOUT_S = 1500
 
@@ -64,14 +64,16 @@ HOSTILE_CHECKS = (
 TIMED_CHECKS = frozenset({"hostile_stall_ratio"})
 
 
-# Its memory check judges growth over 45 seconds: another test's load beside it
+# Its memory check judges growth over 30 seconds: another test's load beside it
 # slows the warm-up into that window.
 @pytest.mark.alone
 def test_short_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "1.5", "--tiny"]
+    # A minute of load: every client, a model-change cycle, bursts and cache
+    # ops come round more than once in it (the 30-minute bench run is the long one).
+    cmd = [sys.executable, "-m", "bench.soak", "--minutes", "1", "--tiny"]
     proc = subprocess.run(
-        [*cmd, "--hostile", "--kill-every", "45", "--out", str(out)],
+        [*cmd, "--hostile", "--kill-every", "30", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -81,7 +83,7 @@ def test_short_soak_passes_every_check(tmp_path: Path) -> None:
     assert out.exists(), tail
     data = json.loads(out.read_text())
 
-    # The stall ratio is a speed figure: on a shared 2-core machine a 90-second
+    # The stall ratio is a speed figure: on a shared 2-core machine a 60-second
     # tiny run measures the neighbours; the 30-minute bench run judges it. Here
     # only that it was measured (its probes answered) is asserted.
     failed = [

@@ -49,6 +49,6 @@ It writes ``bench/results/soak.json`` (checks, summaries, every request),
 kill markers) and ``soak-server.log``, and exits 1 when a check fails.
 
     .venv/bin/python -m bench.soak --minutes 30                # the README run (real models)
-    .venv/bin/python -m bench.soak --minutes 1.5 --tiny        # what tests/test_soak.py runs
+    .venv/bin/python -m bench.soak --minutes 1 --tiny          # what tests/test_soak.py runs
     .venv/bin/python -m bench.soak --minutes 30 --hostile      # with hostile clients
 """
