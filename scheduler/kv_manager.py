@@ -193,9 +193,49 @@ class KVManager:
             and all(p.handle.generation_id == self.cache.generation_of(p.name) for p in req.lower)
         )
 
+    def hold_scheduled(self, reqs: Sequence[Req], chunks: Sequence[int]) -> None:
+        """Report the prompt pages a batch is about to compute as stored, now.
+
+        vLLM caches a block, and publishes its KV event, when it allocates the
+        block for the step that computes it; the tree holds a page only once it
+        is computed, a prefill later. A KV-event router that hears of a prompt
+        that late spreads the prompt's other requests meanwhile (docs/cluster.md).
+        The hold is one more holder of those pages to the publisher (which counts
+        holders per block): ``cache_progress`` and ``release`` drop it after the
+        tree's own insert, so a computed page is published once, and a page never
+        computed (an abort, a failed batch) is published removed.
+        """
+        log = self.cache.events
+        if log is None or not self.use_cache:
+            return
+        for req, n in zip(reqs, chunks, strict=True):
+            if n < 2 or req.handle is None:
+                continue  # decodes: published when the finished request is inserted
+            start = req.handle.length
+            end = req.kv_len + n
+            end -= end % self.page
+            if end <= start:
+                continue
+            hold = (np.asarray(req.tokens[:end], dtype=np.int32).tobytes(), start)
+            log.add("stored", (req.model,), *hold)
+            self._drop_hold(req)  # after the new one: pages in both never flicker
+            req.event_hold = hold
+
+    def _drop_hold(self, req: Req) -> None:
+        """End ``req``'s hold (``hold_scheduled``); call after the tree's insert."""
+        if req.event_hold is not None and self.cache.events is not None:
+            self.cache.events.add("removed", (req.model,), *req.event_hold)
+        req.event_hold = None
+
     def cache_progress(self, req: Req) -> None:
         """Insert the request's computed whole pages, so others can hit them now
         (in-batch prefix sharing, chunked prefill); it keeps using the tree's slots."""
+        try:
+            self._cache_progress(req)
+        finally:
+            self._drop_hold(req)
+
+    def _cache_progress(self, req: Req) -> None:
         if not self.cacheable(req):
             return
         assert req.handle is not None
@@ -259,6 +299,7 @@ class KVManager:
             allocator.free(self.cache.pool_of(req.model), req.owned_slots)
             for part in req.lower:
                 allocator.free(self.cache.pool_of(part.name), part.owned_slots)
+        self._drop_hold(req)
         if req.handle is not None:
             self.cache.unlock(req.handle)
         for part in req.lower:

@@ -75,6 +75,10 @@ class Req:
     # Its model's lower layer groups, when the model shares lower layers with
     # another (empty otherwise): ``slots``/``handle`` are its top group's.
     lower: list[LowerKV] = field(default_factory=list)
+    # Prompt pages (tokens, first page's position) reported stored to KV-event
+    # subscribers when scheduled, before the tree holds them
+    # (``KVManager.hold_scheduled``); None when none are.
+    event_hold: tuple[bytes, int] | None = None
     kv_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admitted_once: bool = False

@@ -272,6 +272,7 @@ class Scheduler:
                         continue
                     self.version += 1
                     runner.inflight = batch
+                    self.kv.hold_scheduled(batch.reqs, batch.chunks)
                     if disk_holds.overwrites_pending_save(self, batch):
                         # Not sent, so not timed as the runner's (check_timeouts).
                         self.held[runner.runner_id] = HeldBatch(batch, time.monotonic())

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 from alone_turns import AloneTurns
-from xdist_order import LongestFirst
 
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
@@ -226,7 +225,6 @@ def pytest_configure(config) -> None:
         "markers", "alone: no other test runs beside it under pytest-xdist (alone_turns.py)"
     )
     config.pluginmanager.register(AloneTurns(), "radixmux-alone-turns")
-    config.pluginmanager.register(LongestFirst(), "radixmux-longest-first")
 
 
 @contextlib.contextmanager

@@ -35,8 +35,14 @@ from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 from radixmux.memory.radix_cache import ModelSpec, RadixCache
 from radixmux.memory.tree_events import TreeEventLog
+from radixmux.protocol import SamplingParams
 from radixmux.runtime.client.engine import Engine
-from radixmux.scheduler.kv_events import KVEventPublisher
+from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits
+from radixmux.scheduler.kv_event_format import BlockHasher, BlockRemoved, BlockStored
+from radixmux.scheduler.kv_events import EventTranslator, KVEventPublisher, _Round
+from radixmux.scheduler.kv_manager import KVManager
+from radixmux.scheduler.request import Req
+from radixmux.scheduler.runners import RunnerState
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -366,6 +372,47 @@ def test_capacity_eviction_and_unload_are_recorded_per_page() -> None:
         ("b",),
         stored[1].tokens,
     )
+
+
+def test_a_scheduled_prompt_is_published_before_it_is_computed() -> None:
+    """Pages a batch is about to compute are reported stored when it is
+    scheduled (vLLM publishes at allocation), once: the tree's insert after the
+    step adds no second BlockStored; pages never computed (an abort) are then
+    reported removed, and the computed ones only when the tree drops them."""
+    cache = RadixCache(KVAllocator(64, 4096, PAGE))
+    cache.events = TreeEventLog()
+    cache.register_model(ModelSpec("a", "g", "pool-a", KVLayout(1, 1, 1)))
+    kv = KVManager(cache)
+    limits = BatchLimits("fcfs", 512, 64, 0.0, 0, 0.0)
+    builder = BatchBuilder(kv, limits)
+    translator = EventTranslator(BlockHasher(PAGE), lambda m: m.encode())
+
+    def published() -> list[Any]:
+        return translator.translate(_Round(0.0, cache.events.drain(), {})).get(b"a", [])
+
+    def req(rid: str, first: int) -> Req:
+        ids = np.arange(first, first + 3 * PAGE + 1, dtype=np.int32)
+        return Req(rid, "a", ids, SamplingParams(max_new_tokens=2), [], True, 0.0)
+
+    done, aborted = req("done", 100), req("aborted", 200)
+    batch = builder.schedule_next_batch(RunnerState("a#0", "a", state="up"), [done, aborted])
+    assert batch is not None and batch.chunks == [3 * PAGE + 1] * 2
+    kv.hold_scheduled(batch.reqs, batch.chunks)
+    early = published()
+    assert [type(e) for e in early] == [BlockStored, BlockStored]
+    assert [e.token_ids for e in early] == [list(range(100, 112)), list(range(200, 212))]
+    # The runner computed the batch; the aborted request's result is dropped.
+    done.kv_len += batch.chunks[0]
+    kv.cache_progress(done)
+    kv.release(aborted, keep=False)
+    (gone,) = published()
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == early[1].block_hashes
+    done.output_ids.append(7)
+    kv.release(done, keep=True)
+    assert published() == []  # the tree holds what the hold did: nothing new to say
+    assert cache.evict(num_tokens=64) > 0
+    removed = [h for e in published() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert set(early[0].block_hashes) <= set(removed)
 
 
 def test_vllm_router_kv_aware_credits_the_published_prefix(server: Server, tmp_path: Path) -> None:

@@ -223,7 +223,12 @@ def test_reload_never_mixes_versions_on_real_models() -> None:
     try:
         old = text(greedy(url, "m"))
         traffic = Traffic(url, "m", clients=2)
-        time.sleep(2.0)
+        # The old version answers some of the traffic before the reload (a fixed
+        # pause was too short on a busy machine: every answer came from the new).
+        deadline = time.monotonic() + 120
+        while not traffic.results and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert traffic.results, "no answer from the old version within 120 s"
         r = httpx.post(f"{url}/models/m/reload", json={"source": "gemma3-270m"}, timeout=600)
         assert r.status_code == 200, r.text
         assert r.json()["model"]["architecture"].startswith("Gemma3")
