@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -265,6 +266,9 @@ def measure(
 
 
 def main() -> None:
+    # A SIGTERM unwinds like Ctrl-C, through the code that stops the instances
+    # and the router; by default it would leave them running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model",
