@@ -16,16 +16,8 @@ the arena's block geometry). A file is written under a temporary name and
 renamed, so a crash leaves no half file under a real name; a reader still
 checks everything and drops a file that disagrees.
 
-The store owns only what it made. The directory is marked at creation
-(``radixmux-kv-store``, with the layout's version); a non-empty directory
-without the mark is refused (``NotAStore``), unless every entry in it is one a
-store of the unmarked earlier layout makes, which is adopted. Inside, its
-files live in ``v<FORMAT_VERSION>/<namespace dir>/<key>.kv``; the start-up
-scan, a flush and eviction delete only regular files with a chunk's (or a
-chunk's temporary's) name in a directory with a namespace's name, and leave
-everything else in place. No symbolic link under the directory is followed:
-every level is opened with ``O_NOFOLLOW`` relative to its parent's
-descriptor, and scans look with ``lstat``.
+The store owns only what it made, and follows no link under its directory:
+how it claims, locks and opens that directory is ``kv_disk_dir``.
 
 ``DiskKVStore`` is the index (which keys exist, their sizes, recency) and is
 owned by one thread, the scheduler's loop; reading and writing the files is
@@ -55,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -71,13 +62,28 @@ from typing import BinaryIO
 
 import xxhash
 
+from radixmux.memory.kv_disk_dir import (
+    CHUNK_NAME,
+    CHUNK_TEMPORARY,
+    FORMAT_VERSION,
+    LINK_ERRNOS,
+    NS_DIR,
+    READ_FLAGS,
+    REFUSE_HINT,
+    NotAStore,
+    claim_directory,
+    create_temporary,
+    expect_file_or_nothing,
+    lock_directory,
+    open_dir,
+    our_names,
+    share_lock,
+    temporary_name,
+)
 from radixmux.memory.layout import KVLayout
 
 log = logging.getLogger("radixmux.scheduler")
 
-FORMAT_VERSION = 1
-# The directory layout the mark names: lock, mark, v<FORMAT_VERSION>/<ns>/<key>.kv.
-STORE_VERSION = 1
 # write_back: save KV when it is evicted; write_through: as soon as it is cached.
 WRITE_POLICIES = ("write_back", "write_through")
 MAGIC = b"RMXKVCHK"
@@ -85,38 +91,17 @@ MAGIC = b"RMXKVCHK"
 # XXH3-64: 15x faster than CRC-32 here, so checking a load costs well under 1 ms.
 _HEADER = struct.Struct("<8sIIQQI32s")
 SUFFIX = ".kv"
-LOCK_NAME = "radixmux.lock"
-MARK_NAME = "radixmux-kv-store"
-_MARK_TEXT = re.compile(rb"radixmux-kv-store (\d+)\n")
 # Disk errors that mean "this directory cannot take more": the tier turns off.
 FATAL_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM}
 
-# The names the store makes; nothing else is ever deleted.
-_NS_DIR = re.compile(r"[0-9a-f]{16}")
-_CHUNK = re.compile(r"[0-9a-f]{64}\.kv")
-# A temporary: "<name>.<random hex>.tmp" (before the random names: "<name>.<pid>.tmp").
-_CHUNK_TEMPORARY = re.compile(r"[0-9a-f]{64}\.kv\.[0-9a-f]+\.tmp")
-_MARK_TEMPORARY = re.compile(r"radixmux-kv-store\.[0-9a-f]+\.tmp")
 # A shared store's list of the chunks an instance that stopped leaves to the next
 # (``.tmp``: being written, or claimed), and one line of it.
 _HANDOVER = re.compile(r"handover\.[0-9a-f]{16}\.(list|tmp)")
 _HANDOVER_LINE = re.compile(rb"([0-9a-f]{16})/([0-9a-f]{64})")
 
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
-# O_NONBLOCK: a FIFO planted under a chunk's name must not hang the I/O thread
-# in open(); a regular file ignores it.
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW
-# O_EXCL: a name that exists (a link there included) is never opened.
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
-_LINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR)  # O_NOFOLLOW met a link, or not a directory
-_REFUSE_HINT = "point --kv-disk-dir at an empty or new directory"
 # A temporary this old in a shared store is no write in progress (a chunk takes
 # milliseconds): a crashed instance left it.
 STALE_TEMPORARY_SECONDS = 600.0
-# How long a shared store waits for an instance that holds the directory alone
-# while it scans it at start (a scan lists files: well under this).
-SHARED_LOCK_WAIT_SECONDS = 10.0
 
 
 def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None:
@@ -130,20 +115,6 @@ def check_settings(chunk_tokens: int, page_size: int, write_policy: str) -> None
         raise ValueError(
             f"--kv-disk-write-policy {write_policy!r}: choose one of {list(WRITE_POLICIES)}"
         )
-
-
-class StoreRefused(RuntimeError):
-    """The directory cannot be this server's store: a start-up error, not a tier
-    quietly off (the message names the directory and what to do)."""
-
-
-class StoreLocked(StoreRefused):
-    """Another live server uses this directory."""
-
-
-class NotAStore(StoreRefused):
-    """The directory holds things radixmux did not make (or a link where the
-    store's own parts should be)."""
 
 
 def namespace(pool: str, layout: KVLayout, chunk_tokens: int) -> bytes:
@@ -228,7 +199,7 @@ class StoreFiles:
     def _namespace(self, ns_dir: str, create: bool = False) -> Iterator[int]:
         """A namespace directory's descriptor (made first with ``create``)."""
         try:
-            fd = _open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
+            fd = open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
         except FileNotFoundError:
             if not create:
                 raise
@@ -236,7 +207,7 @@ class StoreFiles:
             # after the save was queued.
             with contextlib.suppress(FileExistsError):
                 os.mkdir(ns_dir, 0o700, dir_fd=self.fd)
-            fd = _open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
+            fd = open_dir(self.fd, ns_dir, os.path.join(self.root, ns_dir))
         try:
             yield fd
         finally:
@@ -260,7 +231,7 @@ class StoreFiles:
             MAGIC, FORMAT_VERSION, n_tokens, payload.nbytes, checksum(payload), len(ns), ref.key
         )
         with self._namespace(ref.ns_dir, create=True) as d:
-            fd, tmp = _create_temporary(d, ref.name, self.path(ref))
+            fd, tmp = create_temporary(d, ref.name, self.path(ref))
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(header)
@@ -280,7 +251,7 @@ class StoreFiles:
                     # resolves no link in it: a link there would itself be replaced,
                     # its target never touched. Such a link is not ours, so it is
                     # left alone: the chunk is not saved.
-                    _expect_file_or_nothing(d, ref.name, self.path(ref))
+                    expect_file_or_nothing(d, ref.name, self.path(ref))
                     os.replace(tmp, ref.name, src_dir_fd=d, dst_dir_fd=d)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -298,11 +269,11 @@ class StoreFiles:
         across restarts)."""
         try:
             with self._namespace(ref.ns_dir) as d:
-                fd = os.open(ref.name, _READ_FLAGS, dir_fd=d)
+                fd = os.open(ref.name, READ_FLAGS, dir_fd=d)
         except FileNotFoundError:
             return "file missing"
         except OSError as exc:
-            if exc.errno in _LINK_ERRNOS:
+            if exc.errno in LINK_ERRNOS:
                 return "a symbolic link or not a file (not followed)"
             return f"unreadable: {exc}"
         try:
@@ -328,7 +299,7 @@ class StoreFiles:
         except FileNotFoundError:
             return False
         except OSError as exc:
-            if exc.errno in _LINK_ERRNOS:  # the namespace directory is a link: not ours
+            if exc.errno in LINK_ERRNOS:  # the namespace directory is a link: not ours
                 return False
             raise
 
@@ -338,10 +309,10 @@ class StoreFiles:
         name that cannot go is left. Returns how many files went."""
         removed = 0
         for entry in os.scandir(self.fd):
-            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+            if not (NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 continue
             with contextlib.suppress(OSError), self._namespace(entry.name) as d:
-                for name in _ours(d):
+                for name in our_names(d):
                     with contextlib.suppress(OSError):
                         os.unlink(name, dir_fd=d)
                         removed += 1
@@ -360,22 +331,22 @@ class StoreFiles:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.name, dir_fd=self.fd)
                 continue
-            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+            if not (NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 out.leave(entry.name)
                 continue
             try:
-                d = _open_dir(self.fd, entry.name, os.path.join(self.root, entry.name))
+                d = open_dir(self.fd, entry.name, os.path.join(self.root, entry.name))
             except OSError:  # replaced by a link since the listing
                 out.leave(entry.name)
                 continue
             try:
                 for e in os.scandir(d):
                     regular = e.is_file(follow_symlinks=False)
-                    if regular and _CHUNK.fullmatch(e.name):
+                    if regular and CHUNK_NAME.fullmatch(e.name):
                         st = e.stat(follow_symlinks=False)
                         ref = ChunkRef(bytes.fromhex(e.name[: -len(SUFFIX)]), entry.name)
                         out.found.append((st.st_mtime, ref, st.st_size))
-                    elif regular and _CHUNK_TEMPORARY.fullmatch(e.name):
+                    elif regular and CHUNK_TEMPORARY.fullmatch(e.name):
                         cutoff = temporaries_older_than
                         if cutoff is not None and e.stat(follow_symlinks=False).st_mtime >= cutoff:
                             continue
@@ -392,7 +363,7 @@ class StoreFiles:
         """Leave these chunks (a shared store's own, at its stop) to the next
         instance that starts: a list written under a temporary name, then renamed."""
         text = b"".join(f"{r.ns_dir}/{r.key.hex()}\n".encode() for r in refs)
-        fd, tmp = _create_temporary(self.fd, "handover", self.root)
+        fd, tmp = create_temporary(self.fd, "handover", self.root)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(text)
@@ -415,13 +386,13 @@ class StoreFiles:
                 and entry.is_file(follow_symlinks=False)
             ):
                 continue
-            claimed = _temporary_name("handover")
+            claimed = temporary_name("handover")
             try:
                 os.rename(entry.name, claimed, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             except FileNotFoundError:  # another instance took it
                 continue
             try:
-                with os.fdopen(os.open(claimed, _READ_FLAGS, dir_fd=self.fd), "rb") as f:
+                with os.fdopen(os.open(claimed, READ_FLAGS, dir_fd=self.fd), "rb") as f:
                     text = f.read()
             except OSError:
                 text = b""
@@ -481,23 +452,23 @@ class DiskKVStore:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         top = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            _claim(top, self.directory)
-            self._lock_fd, self.alone = _lock_directory(top, self.directory, shared)
+            claim_directory(top, self.directory)
+            self._lock_fd, self.alone = lock_directory(top, self.directory, shared)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(os.path.basename(self.root), 0o700, dir_fd=top)
             try:
-                fd = _open_dir(top, os.path.basename(self.root), self.root)
+                fd = open_dir(top, os.path.basename(self.root), self.root)
             except OSError as exc:
-                if exc.errno in _LINK_ERRNOS:
+                if exc.errno in LINK_ERRNOS:
                     raise NotAStore(
                         f"{self.root} is a symbolic link or not a directory, and radixmux "
-                        f"follows no link in its store: remove it, or {_REFUSE_HINT}"
+                        f"follows no link in its store: remove it, or {REFUSE_HINT}"
                     ) from None
                 raise
             self.files = StoreFiles(fd, self.root, shared)
             self.dropped_at_start = self._scan()
             if shared and self.alone:
-                _share_lock(self._lock_fd, self.directory)
+                share_lock(self._lock_fd, self.directory)
         except BaseException:
             self.close()
             raise
@@ -609,57 +580,6 @@ class DiskKVStore:
             self._lock_fd = None
 
 
-def _open_dir(parent: int, name: str, path: str) -> int:
-    """``name`` under ``parent`` as a directory descriptor, never through a link
-    (OSError ELOOP/ENOTDIR when it is one, or not a directory)."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent)
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise OSError(
-                exc.errno, "a symbolic link or not a directory (not followed)", path
-            ) from None
-        raise
-
-
-def _ours(dir_fd: int) -> list[str]:
-    """The names in a namespace directory the store made: regular files named
-    as a chunk or a chunk's temporary."""
-    return [
-        e.name
-        for e in os.scandir(dir_fd)
-        if e.is_file(follow_symlinks=False)
-        and (_CHUNK.fullmatch(e.name) or _CHUNK_TEMPORARY.fullmatch(e.name))
-    ]
-
-
-def _temporary_name(name: str) -> str:
-    """A name no one can guess ahead, so no one can plant anything under it."""
-    return f"{name}.{secrets.token_hex(8)}.tmp"
-
-
-def _create_temporary(dir_fd: int, name: str, path: str) -> tuple[int, str]:
-    """A new file beside ``name``, made with O_EXCL (a name taken, by anything
-    at all, is passed over, never opened); returns its descriptor and name."""
-    for _ in range(8):
-        tmp = _temporary_name(name)
-        try:
-            return os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dir_fd), tmp
-        except FileExistsError:
-            continue
-    raise OSError(errno.EEXIST, "no free temporary name", path)
-
-
-def _expect_file_or_nothing(dir_fd: int, name: str, path: str) -> None:
-    """Raise unless ``name`` is absent or a regular file (one the rename may replace)."""
-    try:
-        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise OSError(errno.EEXIST, "a link or another non-file is in the way (left alone)", path)
-
-
 def _read_into(f: BinaryIO, key: bytes, ns: bytes, n_tokens: int, out: memoryview) -> str | None:
     """Check an open chunk file against what the index expects and read its
     payload into ``out``; None when sound, else why not."""
@@ -679,163 +599,3 @@ def _read_into(f: BinaryIO, key: bytes, ns: bytes, n_tokens: int, out: memoryvie
     if checksum(out) != digest:
         return "checksum mismatch"
     return None
-
-
-# ---- claiming the directory ------------------------------------------------------------
-def _claim(top: int, directory: str) -> None:
-    """Make sure ``directory`` (open as ``top``) is a store: marked, or empty
-    or holding only what an unmarked store of the earlier layout makes (then
-    marked now). Raises NotAStore otherwise."""
-    version = _read_mark(top, directory)
-    if version is not None:
-        if version != STORE_VERSION:
-            raise NotAStore(
-                f"--kv-disk-dir {directory} is a store of another radixmux version "
-                f"(layout {version}; this one reads layout {STORE_VERSION}): "
-                f"run that version on it, or {_REFUSE_HINT}"
-            )
-        return
-    names = sorted(os.listdir(top))
-    if names and not _made_by_a_store(top, names):
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise NotAStore(
-            f"--kv-disk-dir {directory} is not empty ({len(names)} entries: {shown}) and is "
-            f"not a radixmux KV store (it has no {MARK_NAME} mark). The disk tier deletes "
-            f"files in its directory, so it takes only one it made: {_REFUSE_HINT}"
-        )
-    _write_mark(top, directory)
-    if names:
-        log.info("disk store %s: an unmarked store of the earlier layout, adopted", directory)
-
-
-def _read_mark(top: int, directory: str) -> int | None:
-    """The store layout version the mark names; None when there is no mark."""
-    path = os.path.join(directory, MARK_NAME)
-    try:
-        fd = os.open(MARK_NAME, _READ_FLAGS, dir_fd=top)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise NotAStore(
-                f"{path} is a symbolic link, not a store's mark: {_REFUSE_HINT}"
-            ) from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        text = f.read(64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    match = _MARK_TEXT.fullmatch(text)
-    if match is None:
-        raise NotAStore(f"{path} is not a mark radixmux wrote: {_REFUSE_HINT}")
-    return int(match.group(1))
-
-
-def _write_mark(top: int, directory: str) -> None:
-    """Write the mark atomically (and durably: a mark lost to a crash would
-    leave a store its next start refuses)."""
-    path = os.path.join(directory, MARK_NAME)
-    fd, tmp = _create_temporary(top, MARK_NAME, path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"%s %d\n" % (MARK_NAME.encode(), STORE_VERSION))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, MARK_NAME, src_dir_fd=top, dst_dir_fd=top)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=top)
-        raise
-    with contextlib.suppress(OSError):  # some filesystems cannot sync a directory
-        os.fsync(top)
-
-
-def _made_by_a_store(top: int, names: list[str]) -> bool:
-    """Whether every entry is one an unmarked store (the layout before the mark)
-    makes: its lock, a mark's temporary, and ``v1`` holding only namespace
-    directories of chunk files and their temporaries, none of them a link."""
-    for name in names:
-        mode = os.stat(name, dir_fd=top, follow_symlinks=False).st_mode
-        if name == LOCK_NAME or _MARK_TEMPORARY.fullmatch(name):
-            if not stat.S_ISREG(mode):
-                return False
-        elif name != f"v{FORMAT_VERSION}" or not stat.S_ISDIR(mode):
-            return False
-    if f"v{FORMAT_VERSION}" not in names:
-        return True
-    root = _open_dir(top, f"v{FORMAT_VERSION}", "")
-    try:
-        for entry in os.scandir(root):
-            if not (_NS_DIR.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
-                return False
-            d = _open_dir(root, entry.name, "")
-            try:
-                if len(_ours(d)) != len(os.listdir(d)):
-                    return False
-            finally:
-                os.close(d)
-    finally:
-        os.close(root)
-    return True
-
-
-def _lock_directory(top: int, directory: str, shared: bool) -> tuple[int, bool]:
-    """Lock the store: exclusively, or (``shared``) exclusively when no other
-    instance holds it, else shared. Returns the lock's descriptor and whether
-    this server holds the directory alone."""
-    path = os.path.join(directory, LOCK_NAME)
-    try:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
-        fd = os.open(LOCK_NAME, flags, 0o600, dir_fd=top)
-    except OSError as exc:
-        if exc.errno in _LINK_ERRNOS:
-            raise NotAStore(
-                f"{path} is a symbolic link, not a store's lock: {_REFUSE_HINT}"
-            ) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotAStore(f"{path} is not a regular file, not a store's lock: {_REFUSE_HINT}")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        if shared and _wait_shared(fd):
-            return fd, False
-        other = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        hint = (
-            "it runs without --kv-disk-shared (give this server its own directory)"
-            if shared
-            else "give each server its own directory, or --kv-disk-shared to every one of them"
-        )
-        raise StoreLocked(
-            f"--kv-disk-dir {directory} is in use by another radixmux server (pid {other}); " + hint
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    return fd, True
-
-
-def _wait_shared(fd: int) -> bool:
-    """Take the lock shared, waiting while a sharing instance scans the directory
-    alone at its start; False when it stays held (a server not sharing it)."""
-    deadline = time.monotonic() + SHARED_LOCK_WAIT_SECONDS
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
-
-def _share_lock(fd: int, directory: str) -> None:
-    """Turn the exclusive lock held over the start-up scan into a shared one.
-    flock(2) converts by release and retake: a server not sharing that took
-    the directory in between wins it, and this one stops."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise StoreLocked(
-            f"--kv-disk-dir {directory} was taken by a radixmux server without "
-            "--kv-disk-shared while this one started"
-        ) from None

@@ -21,7 +21,8 @@ from radixmux.common.process import ProcessContext
 from radixmux.common.server_args import ServerArgs
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.arena import ArenaSpec, KVArena
-from radixmux.memory.kv_disk_store import DiskKVStore, StoreRefused
+from radixmux.memory.kv_disk_dir import StoreRefused
+from radixmux.memory.kv_disk_store import DiskKVStore
 from radixmux.memory.radix_cache import RadixCache
 from radixmux.protocol import runner_ids
 from radixmux.scheduler.batch_builder import BatchBuilder, BatchLimits

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from bench.tiny_models import make_tiny_model_dir
+from radixmux.memory.kv_disk_dir import StoreLocked
 from radixmux.memory.kv_disk_store import (
     STALE_TEMPORARY_SECONDS,
     ChunkRef,
     DiskKVStore,
-    StoreLocked,
     namespace_dir,
 )
 from radixmux.runtime.launcher import LaunchError
@@ -282,11 +282,11 @@ def test_the_cluster_recipe_gives_sharing_instances_one_folder(tmp_path) -> None
 
 def test_a_sharing_store_is_refused_beside_one_that_does_not_share(tmp_path, monkeypatch) -> None:
     from radixmux.common.server_args import ServerArgs
-    from radixmux.memory import kv_disk_store
+    from radixmux.memory import kv_disk_dir
 
     with pytest.raises(ValueError, match=r"--kv-disk-shared\) needs --kv-disk-bytes"):
         ServerArgs(kv_disk_shared=True)
-    monkeypatch.setattr(kv_disk_store, "SHARED_LOCK_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(kv_disk_dir, "SHARED_LOCK_WAIT_SECONDS", 0.2)
     alone = DiskKVStore(str(tmp_path), 1 << 20)
     try:
         with pytest.raises(StoreLocked, match="runs without --kv-disk-shared"):

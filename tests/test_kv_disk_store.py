@@ -40,18 +40,20 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixmux.memory import kv_disk_store
+from radixmux.memory import kv_disk_dir
 from radixmux.memory.arena import KVArena
-from radixmux.memory.kv_disk_store import (
+from radixmux.memory.kv_disk_dir import (
     FORMAT_VERSION,
     LOCK_NAME,
-    MAGIC,
     MARK_NAME,
-    SUFFIX,
-    DiskKVStore,
     NotAStore,
     StoreLocked,
     StoreRefused,
+)
+from radixmux.memory.kv_disk_store import (
+    MAGIC,
+    SUFFIX,
+    DiskKVStore,
     checksum,
     chunk_keys,
     namespace,
@@ -944,11 +946,9 @@ def test_temporaries_are_fresh_names_made_with_o_excl(tmp_path, monkeypatch) -> 
         planted = ns / f"{a.name}.{'0' * 16}.tmp"
         for link in (predictable, planted):
             link.symlink_to(outside)
-        fresh = kv_disk_store._temporary_name
+        fresh = kv_disk_dir.temporary_name
         names = iter([planted.name, planted.name])
-        monkeypatch.setattr(
-            kv_disk_store, "_temporary_name", lambda n: next(names, None) or fresh(n)
-        )
+        monkeypatch.setattr(kv_disk_dir, "temporary_name", lambda n: next(names, None) or fresh(n))
         payload = _payload(CHUNK, 5)
         store.files.write(a, NS, CHUNK, payload)
         out = np.zeros(payload.nbytes, dtype=np.uint8)
@@ -959,7 +959,7 @@ def test_temporaries_are_fresh_names_made_with_o_excl(tmp_path, monkeypatch) -> 
         assert all(os.readlink(p) == str(outside) for p in (predictable, planted))
 
         # Every name taken: the write fails and leaves nothing of its own.
-        monkeypatch.setattr(kv_disk_store, "_temporary_name", lambda n: planted.name)
+        monkeypatch.setattr(kv_disk_dir, "temporary_name", lambda n: planted.name)
         (b,) = _refs(1, first_token=40)
         with pytest.raises(OSError, match="no free temporary name"):
             store.files.write(b, NS, CHUNK, payload)
@@ -1003,7 +1003,7 @@ def test_an_empty_directory_is_taken_and_marked(tmp_path) -> None:
     store = DiskKVStore(str(tmp_path), 1 << 20)  # exists, empty
     store.close()
     mark = (tmp_path / MARK_NAME).read_bytes()
-    assert mark == f"{MARK_NAME} {kv_disk_store.STORE_VERSION}\n".encode()
+    assert mark == f"{MARK_NAME} {kv_disk_dir.STORE_VERSION}\n".encode()
     assert sorted(os.listdir(tmp_path)) == sorted([LOCK_NAME, MARK_NAME, "v1"])
     # Marked: anything else put in it later does not make it refused.
     (tmp_path / "notes.txt").write_bytes(b"mine")
