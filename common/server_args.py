@@ -22,6 +22,13 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")  # scheduler/
 # Decode attention: auto = the C++ kernel where it builds, else torch (gather + SDPA).
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
 KV_PARTITIONS = ("unified", "static")
+# --kv-cache-dtype (vLLM's and SGLang's names): the arena's K/V dtype, None for
+# the model's own.
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+}
 DEVICES = ("cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL = "smollm2"
@@ -59,6 +66,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     device: str = "cpu"
     attention_backend: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     log_level: str = "info"
     chat_template: str | None = None
     max_request_bytes: int = 1 << 20
@@ -95,6 +103,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         _one_of("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("kv_partition", self.kv_partition, KV_PARTITIONS)
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("device", self.device, DEVICES)
         if self.device != "cpu":
@@ -235,6 +244,14 @@ _FLAGS: list[tuple[str, type, str]] = [
         str,
         f"model and KV dtype {DTYPES}; auto: bfloat16 where the CPU has native bfloat16, "
         "else float32 (per model: --model ...,dtype=)",
+    ),
+    (
+        "kv-cache-dtype",
+        str,
+        f"{tuple(KV_CACHE_DTYPES)}: auto stores K/V in the model's dtype; fp8 (= fp8_e4m3) "
+        "in float8 e4m3, half of bfloat16's bytes, so the arena holds twice the tokens, "
+        "at a measured accuracy and decode cost (docs/kernels.md#float8-kv-cache); "
+        "turns layer sharing off",
     ),
     ("log-level", str, "debug, info, warning, error"),
     ("chat-template", str, "Jinja chat template file for models that have none"),

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# float8_e4m3fn: the --kv-cache-dtype fp8 arena (K/V only; models compute in their own dtype).
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 class KVLayout(msgspec.Struct, frozen=True):

@@ -84,13 +84,15 @@ def check_deterministic(
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """One attention configuration of a model: heads, head size, window, K/V dtype."""
+    """One attention configuration of a model: heads, head size, window, the
+    queries' dtype and the K/V's (``kv_dtype``, default the same)."""
 
     heads: int
     kv_heads: int
     head_dim: int
     window: int | None
     dtype: torch.dtype
+    kv_dtype: torch.dtype | None = None
 
 
 # A probe context crossing the kernel's 128-key tile alignment more than once.
@@ -105,8 +107,9 @@ def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str |
     slots; milliseconds."""
     n, d = PROBE_CONTEXT, shape.head_dim
     gen = torch.Generator().manual_seed(1)
-    k = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(shape.dtype)
-    v = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(shape.dtype)
+    kv_dtype = shape.kv_dtype or shape.dtype
+    k = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(kv_dtype)
+    v = torch.randn(n + 16, shape.kv_heads * d, generator=gen).to(kv_dtype)
     addr = torch.randperm(n + 16, generator=gen)[:n]
     q = torch.randn(n, shape.heads, d, generator=gen).to(shape.dtype)
     scale, window = d**-0.5, shape.window

@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import torch
 
+# Largest float8 e4m3 magnitude (--kv-cache-dtype fp8).
+FP8_MAX = 448.0
+
 
 class KVStore:
     """Slot-addressed access to one model's view of the arena."""
 
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv
+        # A float8 arena: K/V are rounded when stored, so attention must read
+        # them back from it (never the unrounded values in hand).
+        self.quantized = kv.dtype == torch.float8_e4m3fn
         blocks, layers, _, spb, heads, dim = kv.shape
+        # Per layer, what a stored K (V) value is multiplied by to give the
+        # model's value (kv_scales.py: float8 arenas; 1.0 otherwise).
+        self.k_scale = [1.0] * layers
+        self.v_scale = [1.0] * layers
         self.slots_per_block = spb
         self.num_slots = blocks * spb
         self.row = heads * dim
@@ -60,8 +70,16 @@ class KVStore:
     def write(self, layer: int, addr: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at the 1-D addresses ``addr``."""
         kc, vc = self._views[layer]
-        k = k.reshape(-1, self.row).to(kc.dtype)
-        v = v.reshape(-1, self.row).to(vc.dtype)
+        k = k.reshape(-1, self.row)
+        v = v.reshape(-1, self.row)
+        if self.quantized:
+            # float8 e4m3 has no infinity: out-of-range values saturate. torch
+            # copies float8 by index only as bytes.
+            k = (k / self.k_scale[layer]).clamp(-FP8_MAX, FP8_MAX).to(kc.dtype).view(torch.uint8)
+            v = (v / self.v_scale[layer]).clamp(-FP8_MAX, FP8_MAX).to(vc.dtype).view(torch.uint8)
+            kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
+        else:
+            k, v = k.to(kc.dtype), v.to(vc.dtype)
         if self.fast:
             kc.index_copy_(0, addr, k)
             vc.index_copy_(0, addr, v)
@@ -70,17 +88,32 @@ class KVStore:
             vc.index_put_((addr[0], addr[1]), v)
 
     def gather(self, layer: int, addr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at ``addr`` (shape ``S``), each ``[*S, kv_heads, head_dim]``."""
+        """K and V at ``addr`` (shape ``S``), each ``[*S, kv_heads, head_dim]``, as
+        stored (a float8 arena's: divided by ``k_scale``/``v_scale``, see ``dequantized``)."""
         kc, vc = self._views[layer]
+        dtype = kc.dtype
+        if self.quantized:  # indexed as bytes (as in write)
+            kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
         if self.fast:
             shape = addr.shape
             flat = addr.reshape(-1)
             k = kc.index_select(0, flat).view(*shape, *self.head_shape)
             v = vc.index_select(0, flat).view(*shape, *self.head_shape)
-            return k, v
-        k = kc[addr[0], addr[1]]
-        v = vc[addr[0], addr[1]]
-        return k.view(*k.shape[:-1], *self.head_shape), v.view(*v.shape[:-1], *self.head_shape)
+        else:
+            k = kc[addr[0], addr[1]]
+            v = vc[addr[0], addr[1]]
+            k = k.view(*k.shape[:-1], *self.head_shape)
+            v = v.view(*v.shape[:-1], *self.head_shape)
+        return k.view(dtype), v.view(dtype)
+
+    def dequantized(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered ``k``/``v`` of ``layer`` as the model's values in ``dtype``."""
+        k, v = k.to(dtype), v.to(dtype)
+        if self.quantized:
+            k, v = k * self.k_scale[layer], v * self.v_scale[layer]
+        return k, v
 
     # ---- boundary hidden states (layer groups, scheduler/layer_groups.py) -----
     # A lower layer group keeps, beside its layers' K/V, the hidden state its

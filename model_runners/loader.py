@@ -56,20 +56,23 @@ def resolve(source: str) -> tuple[Path, str | None]:
 
 
 def kv_layout(config: Any, dtype: str) -> KVLayout:
-    """The arena layout one token of this model needs."""
+    """The arena layout one token of this model needs, K/V stored in ``dtype``."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
-def describe(model: Any, tokenizer: Any, name: str, dtype: str, device: str) -> ModelInfo:
-    """Build the ``ModelInfo`` (layout, limits, fingerprints) of a loaded model."""
+def describe(
+    model: Any, tokenizer: Any, name: str, dtype: str, device: str, kv_dtype: str | None = None
+) -> ModelInfo:
+    """Build the ``ModelInfo`` (layout, limits, fingerprints) of a loaded model;
+    its K/V stored in ``kv_dtype`` (default: the model's ``dtype``)."""
     config = model.config
     return ModelInfo(
         name=name,
         architecture=type(model).__name__,
-        layout=kv_layout(config, dtype),
+        layout=kv_layout(config, kv_dtype or dtype),
         context_length=int(getattr(config, "max_position_embeddings", 0) or 0),
         sliding_windows=sliding_windows(config),
         vocab_size=int(config.vocab_size),
@@ -103,6 +106,7 @@ def load_model(
     amx_linear: bool = True,
     onednn_copy: bool = False,
     deterministic: bool = False,
+    kv_dtype: str | None = None,
 ) -> LoadedModel:
     """Load ``source`` (short name, HF folder or GGUF file) in ``dtype`` on ``device``.
 
@@ -134,7 +138,7 @@ def load_model(
         folder, dtype=DTYPES[dtype], attn_implementation=attn_implementation, **extra
     )
     model.to(device).eval()
-    info = describe(model, tokenizer, name or source, dtype, device)
+    info = describe(model, tokenizer, name or source, dtype, device, kv_dtype)
     if fuse_ops and device == "cpu":
         fuse_model(model)
     if pack_weights and device == "cpu":

@@ -20,6 +20,7 @@ from radixmux.memory.layout import hidden_layers
 from radixmux.model_runners import paged_decode
 from radixmux.model_runners.batch_invariance import AttentionShape, check_deterministic
 from radixmux.model_runners.grammar import GrammarRows, StepMasks
+from radixmux.model_runners.kv_scales import calibrate
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.lean_stack import GroupPass, LeanStack
 from radixmux.model_runners.loader import LoadedModel
@@ -92,6 +93,10 @@ class ModelRunner:
         self.info = loaded.info
         self.kv = kv
         self.store = KVStore(kv)
+        if self.store.quantized:  # before the paged attention replaces SDPA
+            self.store.k_scale, self.store.v_scale = calibrate(
+                loaded.model, loaded.tokenizer, layout.num_layers
+            )
         self.slots_per_block = self.store.slots_per_block
         self.num_slots = self.store.num_slots
         # The arena seen with a layout of n of this model's layers, for layer
@@ -143,10 +148,11 @@ class ModelRunner:
         layout = self.info.layout
         config = getattr(self.model.config, "text_config", None) or self.model.config
         heads = int(getattr(config, "num_attention_heads", layout.num_kv_heads))
-        dtype = getattr(torch, layout.dtype)
+        dtype, kv_dtype = getattr(torch, self.info.dtype), getattr(torch, layout.dtype)
         windows = dict.fromkeys(self.info.sliding_windows or [None])
         return [
-            AttentionShape(heads, layout.num_kv_heads, layout.head_dim, w, dtype) for w in windows
+            AttentionShape(heads, layout.num_kv_heads, layout.head_dim, w, dtype, kv_dtype)
+            for w in windows
         ]
 
     def _pick_kernel(self, backend: str) -> bool:

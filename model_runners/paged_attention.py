@@ -326,8 +326,9 @@ def _decode_by_gather(
     bd, heads, head_dim = qd.shape
     first, mask = batch.dec_mask(window)
     kd, vd = batch.store.gather(layer, batch.dec_padded()[0][..., first:])
-    kd = kd.to(qd.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
-    vd = vd.to(qd.dtype).transpose(1, 2)
+    kd, vd = batch.store.dequantized(layer, kd, vd, qd.dtype)
+    kd = kd.transpose(1, 2)  # [Bd, KVH, L, D]
+    vd = vd.transpose(1, 2)
     # Grouped-query attention without repeating K/V: the G query heads of
     # one KV head become G query rows against that head.
     qd = qd.reshape(bd, kv_heads, heads // kv_heads, head_dim)
@@ -381,14 +382,15 @@ def _extend_by_sdpa(
     for seq in batch.extends:
         first, mask = seq.mask(window)
         n = seq.end - seq.start
-        if seq.end - seq.start == seq.k_pos.shape[0]:
+        if seq.end - seq.start == seq.k_pos.shape[0] and not batch.store.quantized:
             # No cached prefix: the context is exactly this chunk, already in hand.
             ke = key[0, :, seq.start + first : seq.end]  # [KVH, L, D]
             ve = value[0, :, seq.start + first : seq.end]
         else:
             ke, ve = batch.store.gather(layer, seq.addr[..., first:])
-            ke = ke.to(q.dtype).transpose(0, 1)  # [KVH, L, D]
-            ve = ve.to(q.dtype).transpose(0, 1)
+            ke, ve = batch.store.dequantized(layer, ke, ve, q.dtype)
+            ke = ke.transpose(0, 1)  # [KVH, L, D]
+            ve = ve.transpose(0, 1)
         qe = q[seq.start : seq.end].view(n, kv_heads, group, head_dim)
         qe = qe.permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, head_dim)
         # 4-D inputs: torch's CPU flash kernel only takes those (3x faster than
@@ -428,6 +430,9 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     head_dim = q.shape[-1]
     scale = scaling if scaling is not None else head_dim**-0.5
+    # A float8 arena's stored values times these are the model's: K's folds
+    # into the softmax scale, V's multiplies the kernels' output.
+    k_scale, v_scale = store.k_scale[layer], store.v_scale[layer]
     # Only decodes, or only extends through the kernel: the output rows are
     # already in batch order, no scatter needed.
     out = torch.empty_like(q) if batch.dec_rows.numel() and batch.extends else None
@@ -436,7 +441,11 @@ def paged_attention_forward(
         dec = batch.dec_index()
         qd = q if out is None else q[dec]
         if batch.use_kernel:
-            od = _decode_by_kernel(batch, layer, qd.contiguous(), scale, sliding_window, softcap)
+            od = _decode_by_kernel(
+                batch, layer, qd.contiguous(), scale * k_scale, sliding_window, softcap
+            )
+            if v_scale != 1.0:
+                od = od * v_scale
         else:
             kv_heads = key.shape[1]
             od = _decode_by_gather(batch, layer, qd, kv_heads, scaling, sliding_window, softcap)
@@ -457,11 +466,13 @@ def paged_attention_forward(
             addr,
             offsets,
             q_offsets,
-            scale,
+            scale * k_scale,
             softcap,
             sliding_window,
             batch.deterministic,
         )
+        if v_scale != 1.0:
+            oe = oe * v_scale
         if out is None:
             return oe.unsqueeze(0), None
         out[rows] = oe

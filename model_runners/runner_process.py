@@ -53,6 +53,7 @@ class RunnerConfig(msgspec.Struct, frozen=True):
     runner_id: str
     name: str | None = None
     dtype: str = "float32"
+    kv_dtype: str | None = None  # --kv-cache-dtype, resolved (None: the model's dtype)
     device: str = "cpu"
     page_size: int = 1
     threads: int = 0
@@ -114,6 +115,7 @@ def serve(config: RunnerConfig) -> int:
             config.dtype,
             config.device,
             name=config.name,
+            kv_dtype=config.kv_dtype,
             fuse_ops=config.fuse_ops,
             onednn_copy=config.onednn_copy,
             deterministic=config.deterministic,

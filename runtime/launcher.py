@@ -44,7 +44,7 @@ from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.common.owner import arena_file_name, remove_stale_arenas
 from radixmux.common.process import ProcessContext, spawn
-from radixmux.common.server_args import ServerArgs
+from radixmux.common.server_args import KV_CACHE_DTYPES, ServerArgs
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
@@ -232,6 +232,7 @@ class Launcher:
             runner_id=rid,
             name=m.name,
             dtype=m.dtype or args.dtype,  # concrete: resolved before
+            kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
             device=args.device,
             page_size=args.page_size,
             threads=args.runner_threads,

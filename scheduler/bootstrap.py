@@ -101,6 +101,17 @@ class Startup:
     roll: RollCall  # the runners' Ready answers
 
 
+def layer_sharing(args: ServerArgs) -> bool:
+    """Whether fine-tunes of one base store their shared layers once: in a
+    unified arena, unless turned off, and not in a float8 arena (a lower layer
+    group also stores the hidden state it hands on, which float8 would round)."""
+    return (
+        not args.disable_layer_sharing
+        and args.kv_partition == "unified"
+        and args.kv_cache_dtype == "auto"
+    )
+
+
 def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
     """The cache (every model of ``args`` registered), KV manager, batch
     builder and disk tier for runners that all answered ``roll`` (raises
@@ -114,7 +125,7 @@ def build(args: ServerArgs, arena: ArenaSpec, roll: RollCall) -> Startup:
         share = arena.total_bytes // len({s.pool for s in specs})
         specs = [fixed_share(s, share, arena.block_bytes) for s in specs]
     chains = {}
-    if not args.disable_layer_sharing and args.kv_partition == "unified":
+    if layer_sharing(args):
         chains = {name: info.layer_keys for name, info in infos.items()}
     splits = plan_splits(chains)
     groups = {}

@@ -80,6 +80,41 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 float8 e4m3 values as floats, exactly (to_float's rule in 32-bit lanes).
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0.001953125f));
+  const __mmask16 is_normal = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0x78));
+  const __m512i mag = _mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(mag, sign));
+}
+#endif
+
+#ifdef __AVX512BF16__
+// n float8 e4m3 values as bfloat16, exactly (every e4m3 value is a bfloat16
+// one): a normal value's exponent moves to bfloat16's bias; a subnormal one
+// (m * 2^-9, m < 8) comes from a table of the eight.
+inline void fp8_to_bf16(const c10::Float8_e4m3fn* src, c10::BFloat16* dst, int64_t n) {
+  alignas(64) static constexpr uint16_t kSub[32] = {
+      0, 118 << 7, 119 << 7, (119 << 7) | 0x40, 120 << 7, (120 << 7) | 0x20, (120 << 7) | 0x40,
+      (120 << 7) | 0x60};
+  const __m512i table = _mm512_load_si512(kSub);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+    const __m512i sub = _mm512_permutexvar_epi16(em, table);  // em < 8 where it is used
+    const __mmask32 is_normal = _mm512_test_epi16_mask(b, _mm512_set1_epi16(0x78));
+    const __m512i mag = _mm512_mask_blend_epi16(is_normal, sub, normal);
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8);
+    _mm512_storeu_si512(dst + i, _mm512_or_si512(mag, sign));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(to_float(src[i]));
+}
 #endif
 
 // ---- the per-key path's vectors: 16 floats with AVX-512, 8 with AVX2 -----------------------
@@ -121,6 +156,17 @@ inline vfloat vload(const c10::BFloat16* p) {
 }
 inline vfloat vload(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat vload(const c10::Float8_e4m3fn* p) {  // load16's rule, 8 lanes
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i em = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0.001953125f));
+  const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x78)),
+                                            _mm256_setzero_si256());
+  const __m256i mag = _mm256_blendv_epi8(normal, _mm256_castps_si256(sub), is_sub);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
 }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
@@ -267,6 +313,7 @@ inline void walk_keys(const T* base, const int64_t* addr, int64_t len, int64_t r
 // Buffers one thread reuses across its tasks.
 struct Scratch {
   std::vector<float> scores, qf, qt, state, row, kf, vf, rowstate;
+  std::vector<c10::BFloat16> k16, v16;  // a tile's float8 K and V rows as bfloat16
   std::vector<int64_t> first, last;
   std::vector<int32_t> first32, last32;
 };
@@ -655,6 +702,11 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
   const int32_t first_all = *std::max_element(first, first + rows);
   const int32_t last_all = *std::min_element(last, last + rows);
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  constexpr bool fp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
+  if constexpr (fp8) {
+    sc.k16.resize(kTile * dim);
+    sc.v16.resize(kTile * dim);
+  }
   prefetch_tile(k_base, v_base, row_stride, addr, 0, kTile, len, bytes);
   for (int64_t j0 = 0; j0 < len; j0 += kTile) {
     const int64_t n = std::min(kTile, len - j0);
@@ -669,7 +721,10 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
 #ifdef __AVX512BF16__
         if constexpr (DP) {
           const c10::BFloat16* keys[KB];
-          for (int k = 0; k < KB; ++k) keys[k] = k_base + addr[j0 + k0 + k] * row_stride;
+          for (int k = 0; k < KB; ++k) {
+            if constexpr (fp8) keys[k] = sc.k16.data() + (k0 + k) * dim;
+            else keys[k] = k_base + addr[j0 + k0 + k] * row_stride;
+          }
           score_block<Bf16PairLanes, NV, KB, RV>(static_cast<const uint32_t*>(qt) + v, rp, keys,
                                                  st + k0 * rp + v);
           return;
@@ -683,21 +738,31 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
       for (; k0 < n; ++k0) block(std::integral_constant<int, 1>{}, k0);
     };
     if constexpr (!DP) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
+#ifdef __AVX512BF16__
+    if constexpr (DP && fp8) {
+      for (int64_t k = 0; k < n; ++k) {
+        fp8_to_bf16(k_base + addr[j0 + k] * row_stride, sc.k16.data() + k * dim, dim);
+        fp8_to_bf16(v_base + addr[j0 + k] * row_stride, sc.v16.data() + k * dim, dim);
+      }
+    }
+#endif
     int64_t v = 0;
     for (; v + 32 <= rp; v += 32) score_rows(std::integral_constant<int, 2>{}, v);
     if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
 #ifdef __AVX512BF16__
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> || (DP && fp8)) {
       uint32_t* v2 = reinterpret_cast<uint32_t*>(vf);  // [pairs, dim]: as many bytes as vf
       uint32_t* p2 = reinterpret_cast<uint32_t*>(kf);  // [pairs, rp]
       const int64_t pairs = (n + 1) / 2;
+      auto v_row = [&](int64_t k) -> const c10::BFloat16* {
+        if constexpr (fp8) return sc.v16.data() + k * dim;
+        else return v_base + addr[j0 + k] * row_stride;
+      };
       for (int64_t k = 0; k < pairs; ++k) {
         const bool two = 2 * k + 1 < n;
-        interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
-                            two ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
-                            v2 + k * dim);
+        interleave_rows<NV>(v_row(2 * k), two ? v_row(2 * k + 1) : nullptr, v2 + k * dim);
         pair_weights(st + 2 * k * rp, two ? st + (2 * k + 1) * rp : nullptr, rp, p2 + k * rp);
       }
       blocks_of<RB>(0, rows, [&](auto rb, int64_t r0) {
@@ -926,10 +991,13 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
   constexpr bool tiled_types = !kBf16Dot || !std::is_same_v<T, c10::BFloat16> ||
                                std::is_same_v<Q, c10::BFloat16>;
   if constexpr (NV > 0 && tiled_types) {
-    constexpr bool dp = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
-                        std::is_same_v<Q, c10::BFloat16>;
+    // float8 K/V take the bfloat16 dot products too, each tile's rows
+    // widened to bfloat16 first (exactly) and the queries rounded to it.
+    constexpr bool fp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
+    constexpr bool dp = kBf16Dot && ((std::is_same_v<T, c10::BFloat16> &&
+                                      std::is_same_v<Q, c10::BFloat16>) || fp8);
 #ifdef RADIXMUX_AMX
-    const bool amx = dp && NV % 2 == 0 && amx_ready();
+    const bool amx = dp && !fp8 && NV % 2 == 0 && amx_ready();
 #else
     const bool amx = false;
 #endif
@@ -953,8 +1021,8 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
         s.last32[r] = static_cast<int32_t>(qr.last);
         for (int64_t d = 0; d < dim; d += 2) {
           if constexpr (dp) {
-            pairs[d / 2 * rp + r] = static_cast<uint32_t>(qr.q[d].x) |
-                                    static_cast<uint32_t>(qr.q[d + 1].x) << 16;
+            pairs[d / 2 * rp + r] = static_cast<uint32_t>(c10::BFloat16(qr.q[d]).x) |
+                                    static_cast<uint32_t>(c10::BFloat16(qr.q[d + 1]).x) << 16;
           } else {
             s.qt[d * rp + r] = to_float(qr.q[d]);
             s.qt[(d + 1) * rp + r] = to_float(qr.q[d + 1]);
@@ -962,7 +1030,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
         }
       }
 #ifdef RADIXMUX_AMX
-      if constexpr (dp && NV % 2 == 0) {
+      if constexpr (dp && !fp8 && NV % 2 == 0) {
         if (amx) {
           attend_state_amx<NV>(pairs, rows, rp, kh, vh, row_stride, addr, len, s.first32.data(),
                                s.last32.data(), scale, softcap, s, m, sum, acc);
@@ -1378,7 +1446,8 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
 template <typename F>
 at::Tensor dispatch_types(const at::Tensor& q, const at::Tensor& k_rows, F&& fn) {
   const at::ScalarType kv = k_rows.scalar_type();
-  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf,
+  TORCH_CHECK(kv == at::kFloat || kv == at::kBFloat16 || kv == at::kHalf ||
+                  kv == at::kFloat8_e4m3fn,
               "paged_decode: unsupported KV dtype ", kv);
   const at::ScalarType qt = q.scalar_type();
   TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf,
@@ -1388,12 +1457,14 @@ at::Tensor dispatch_types(const at::Tensor& q, const at::Tensor& k_rows, F&& fn)
   at::Tensor out = at::empty_like(qd);
   auto with_kv = [&](auto t) {
     using T = decltype(t);
-    if (qd.scalar_type() == at::kFloat) fn(t, float{}, qd, out);
+    if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) fn(t, float{}, qd, out);
+    else if (qd.scalar_type() == at::kFloat) fn(t, float{}, qd, out);
     else fn(t, T{}, qd, out);
   };
   if (kv == at::kFloat) with_kv(float{});
   else if (kv == at::kBFloat16) with_kv(c10::BFloat16{});
-  else with_kv(c10::Half{});
+  else if (kv == at::kHalf) with_kv(c10::Half{});
+  else with_kv(c10::Float8_e4m3fn{});  // queries go in as float (not direct)
   return direct ? out : out.to(qt);
 }
 
