@@ -126,6 +126,8 @@ class ArmRun:
     queried: int = 0  # prompt tokens matched against
     matched: int = 0
     evicted_tokens: int = 0
+    adopted_tokens: int = 0  # tokens inserts added to the tree (not cached before)
+    cached_at_end: int = 0  # tokens the tree holds after the last request
     matched_per_request: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
     wall_s: float = 0.0
@@ -185,8 +187,9 @@ class RadixmuxArm:
             return
         slots = np.concatenate([m.slots, new])
         t0 = perf()
-        cache.insert(MODEL.name, req.tokens, slots, prefix=m.handle)
+        cached = cache.insert(MODEL.name, req.tokens, slots, prefix=m.handle)
         t.add("insert", perf() - t0, len(req.tokens))
+        run.adopted_tokens += len(req.tokens) - cached
         t0 = perf()
         cache.unlock(m.handle)
         t.add("unlock", perf() - t0, m.length)
@@ -196,6 +199,7 @@ class RadixmuxArm:
         """Check the tree's invariants (untimed) and take its eviction count."""
         check_invariants(self.cache, held={})
         run.evicted_tokens = self.cache.stats().evicted_tokens["capacity"]
+        run.cached_at_end = self.cache.cached_tokens(MODEL.name)
 
 
 class MinisglArm:
@@ -260,6 +264,7 @@ class MinisglArm:
         t0 = perf()
         cached_len, new_handle = cache.insert_prefix(tokens, indices)
         t.add("insert", perf() - t0, len(tokens))
+        run.adopted_tokens += new_handle.cached_len - cached_len
         t0 = perf()
         cache.lock_handle(handle, unlock=True)
         t.add("unlock", perf() - t0, handle.cached_len)
@@ -277,6 +282,7 @@ class MinisglArm:
         info = self.cache.size_info
         assert info.protected_size == 0, f"{info.protected_size} tokens still locked"
         assert len(self.manager.free_slots) + info.total_size == self.capacity
+        run.cached_at_end = info.total_size
         self._run = None
 
 
@@ -366,6 +372,8 @@ class ArmSummary:
     rejected: int
     hit_rate: float
     evicted_tokens: int
+    adopted_tokens: int  # inserted tokens the tree did not hold yet
+    cached_at_end: int  # so adopted - cached_at_end must equal evicted_tokens
     evict_calls: int
     p50_us: dict[str, float]  # per op: median over rounds of the round's median
     total_ms: dict[str, float]  # per op: median over rounds of the round's summed time
@@ -392,6 +400,8 @@ class ArmSummary:
             rejected=first.rejected,
             hit_rate=first.hit_rate,
             evicted_tokens=first.evicted_tokens,
+            adopted_tokens=first.adopted_tokens,
+            cached_at_end=first.cached_at_end,
             evict_calls=len(first.timings.ns.get("evict", ())),
             p50_us={op: statistics.median(r.p50_us(op) for r in runs) for op in ops},
             total_ms={op: statistics.median(r.total_ns([op]) for r in runs) / 1e6 for op in ops},

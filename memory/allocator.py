@@ -230,26 +230,39 @@ class KVAllocator:
             pool.free_pages[block] = ppb
             pool.stacks[block] = np.arange(ppb - 1, -1, -1, dtype=np.int64)
             pool.free_page_count += ppb
-        pages = []
-        emptied = []
+        tops = []  # per block taken from: the top of its stack (a view)
+        blocks = []
+        takes = []
         free_pages = pool.free_pages
+        stacks = pool.stacks
         total = need
         for block, free in free_pages.items():
             take = need if need < free else free
             # The top of the stack: the pages freed last, lowest index first
             # for a fresh block.
-            pages.append(pool.stacks[block][free - take : free] + block * ppb)
-            if take == free:
-                emptied.append(block)
-            else:
-                free_pages[block] = free - take  # a value change: the order stays
-            self._block_used[block] += take
+            tops.append(stacks[block][free - take : free])
+            blocks.append(block)
+            takes.append(take)
             need -= take
             if need == 0:
                 break
-        for block in emptied:
-            del free_pages[block]
-        page_ids = pages[0] if len(pages) == 1 else np.concatenate(pages)
+        for block, take in zip(blocks, takes, strict=True):
+            left = free_pages[block] - take
+            if left:
+                free_pages[block] = left  # a value change: the order stays
+            else:
+                del free_pages[block]
+        if len(blocks) == 1:
+            block = blocks[0]
+            page_ids = tops[0] + block * ppb
+            self._block_used[block] += total
+        else:
+            # One concatenate and one offset add for all the blocks (the
+            # views are read before any later free writes the stacks).
+            where = np.array(blocks, dtype=np.int64)
+            counts = np.array(takes, dtype=np.int64)
+            page_ids = np.concatenate(tops) + np.repeat(where * ppb, counts)
+            self._block_used[where] += counts  # distinct blocks: no lost update
         pool.free_page_count -= total
         pool.page_used[page_ids] = True
         return self._page_slots(page_ids)
@@ -306,10 +319,12 @@ class KVAllocator:
             runs = zip(blocks.tolist(), first.tolist(), ends.tolist(), left.tolist(), strict=True)
         in_block: np.ndarray | None = None  # page index within its block, built on need
         free_pages = pool.free_pages
+        stacks = pool.stacks
+        count = pool.free_page_count
         for block, start, end, left_used in runs:
             if left_used == 0:
-                pool.free_page_count -= free_pages.pop(block, 0)
-                del pool.stacks[block]
+                count -= free_pages.pop(block, 0)
+                del stacks[block]
                 pool.blocks.remove(block)
                 self._block_owner[block] = None
                 self._free_blocks.append(block)
@@ -319,9 +334,11 @@ class KVAllocator:
                 # Pushed in ascending order, as a list's extend did; a block
                 # that was full joins the end of the dict's order.
                 top = free_pages.get(block, 0)
-                pool.stacks[block][top : top + end - start] = in_block[start:end]
-                free_pages[block] = top + end - start
-                pool.free_page_count += end - start
+                new_top = top + end - start
+                stacks[block][top:new_top] = in_block[start:end]
+                free_pages[block] = new_top
+                count += end - start
+        pool.free_page_count = count
 
     # ---- accounting ----------------------------------------------------------
     def allocated_slots(self, key: str) -> SlotArray:
