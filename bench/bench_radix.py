@@ -873,6 +873,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "bench/results/radix_peer_minisgl.json)",
     )
     p.add_argument("--rounds", type=int, help="with --peer: alternating rounds (5; quick 2)")
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help="with --peer: KV capacity of both trees in 2 MiB blocks of 91 tokens (400; quick 80)",
+    )
     return p.parse_args(argv)
 
 
@@ -885,7 +890,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out
         if out == Path("bench/results/radix.json"):
             out = Path("bench/results/radix_peer_minisgl.json")
-        return radix_peer_minisgl.main(args.quick, args.seed, args.rounds, out)
+        return radix_peer_minisgl.main(
+            args.quick, args.seed, args.rounds, out, args.capacity_blocks
+        )
     cfg = BenchConfig.quick(args.seed) if args.quick else BenchConfig(trace=TraceConfig(args.seed))
     cfg = replace(cfg, policy=args.policy, page_size=args.page_size)
     result = run(cfg, "quick" if args.quick else "full")

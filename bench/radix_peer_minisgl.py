@@ -579,11 +579,15 @@ def write_peer(result: PeerResult, path: Path) -> None:
     path.write_text(json.dumps(out, indent=2) + "\n")
 
 
-def main(quick: bool, seed: int, rounds: int | None, out: Path) -> int:
+def main(
+    quick: bool, seed: int, rounds: int | None, out: Path, capacity_blocks: int | None = None
+) -> int:
     """``bench_radix --peer mini-sglang``: run, print, write; 2 if the peer is missing."""
     cfg = PeerConfig.quick(seed) if quick else PeerConfig.full(seed)
     if rounds:
         cfg = replace(cfg, rounds=rounds)
+    if capacity_blocks:
+        cfg = replace(cfg, capacity_blocks=capacity_blocks)
     try:
         result = run_peer(cfg, "quick" if quick else "full")
     except peers.PeerUnavailable as exc:
