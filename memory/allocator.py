@@ -287,7 +287,7 @@ class KVAllocator:
             # as the runs ``alloc`` handed out: the stable sort (a merge of
             # runs) is several times faster on them than the default one.
             page_ids = np.sort(slots, kind="stable")
-            if n > 1 and not (page_ids[1:] != page_ids[:-1]).all():
+            if n > 1 and np.count_nonzero(page_ids[1:] == page_ids[:-1]):
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
         else:
             page_ids = _distinct_sorted(slots // p)
@@ -296,7 +296,7 @@ class KVAllocator:
         used = pool.page_used
         if page_ids[0] < 0 or page_ids[-1] >= used.size:
             raise ValueError("slot id out of the arena's range")
-        if not used[page_ids].all():
+        if np.count_nonzero(used[page_ids]) != page_ids.size:  # cheaper than .all()
             raise ValueError(f"double free or foreign slots for pool {key!r}")
         used[page_ids] = False
         ppb = pool.pages_per_block
