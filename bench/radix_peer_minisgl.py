@@ -495,6 +495,8 @@ def run_peer(cfg: PeerConfig, mode: str) -> PeerResult:
         "torch": mods.torch.__version__,
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        # The cores may be shared: the load says how much (medians absorb some).
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     minisgl = {
@@ -526,7 +528,9 @@ def format_peer(result: PeerResult) -> str:
     lines = [
         f"radix tree cost, radixmux vs mini-sglang ({result.environment['mode']}, seed "
         f"{cfg['trace']['seed']}, {cfg['rounds']} alternating rounds, medians; "
-        f"torch {result.environment['torch']}, numpy {result.environment['numpy']})",
+        f"torch {result.environment['torch']}, numpy {result.environment['numpy']}; "
+        f"load average {result.environment['load_average'][0]} on "
+        f"{result.environment['cpus']} cores)",
         f"trace: {tr['requests']} requests of one model, {tr['prompt_tokens']:,} prompt tokens, "
         f"{tr['total_tokens']:,} with replies, longest {tr['max_request_tokens']:,}; "
         f"KV capacity {tr['capacity_tokens']:,} tokens in both",
