@@ -37,7 +37,8 @@ class _Pool:
     # Each owned block's free page indices (within the block) as a stack: the
     # first ``free_pages[block]`` items are free, the last freed on top. A
     # numpy row rather than a list, so alloc and free move a run of pages
-    # with one slice instead of converting Python ints one by one.
+    # with one slice instead of converting Python ints one by one; int32
+    # (an index within one block), 4 bytes per page of an owned block.
     stacks: dict[int, np.ndarray] = field(default_factory=dict)
     free_page_count: int = 0
     page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
@@ -228,7 +229,7 @@ class KVAllocator:
             self._block_owner[block] = key
             pool.blocks.add(block)
             pool.free_pages[block] = ppb
-            pool.stacks[block] = np.arange(ppb - 1, -1, -1, dtype=np.int64)
+            pool.stacks[block] = np.arange(ppb - 1, -1, -1, dtype=_STACK_DTYPE)
             pool.free_page_count += ppb
         tops = []  # per block taken from: the top of its stack (a view)
         blocks = []
@@ -254,7 +255,7 @@ class KVAllocator:
                 del free_pages[block]
         if len(blocks) == 1:
             block = blocks[0]
-            page_ids = tops[0] + block * ppb
+            page_ids = tops[0] + np.int64(block * ppb)  # int64 ids from int32 offsets
             self._block_used[block] += total
         else:
             # One concatenate and one offset add for all the blocks (the
@@ -398,6 +399,9 @@ class KVAllocator:
             assert not pool.page_used.reshape(self.num_blocks, ppb)[mask].any(), (
                 f"pool {pool.key} marks pages used in blocks it does not own"
             )
+
+
+_STACK_DTYPE = np.int32
 
 
 def _distinct_sorted(values: np.ndarray) -> np.ndarray:
