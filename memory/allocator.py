@@ -30,11 +30,19 @@ class _Pool:
     floor_blocks: int
     cap_blocks: int
     blocks: set[int] = field(default_factory=set)
-    # Free page indices (within the block) of owned blocks that have any, so
-    # an alloc never walks past full blocks.
-    free_pages: dict[int, list[int]] = field(default_factory=dict)
+    # Free pages of the owned blocks that have any, by block, so an alloc
+    # never walks past full blocks: how many, in dict order of when the block
+    # last got one (alloc takes blocks in this order).
+    free_pages: dict[int, int] = field(default_factory=dict)
+    # Each owned block's free page indices (within the block) as a stack: the
+    # first ``free_pages[block]`` items are free, the last freed on top. A
+    # numpy row rather than a list, so alloc and free move a run of pages
+    # with one slice instead of converting Python ints one by one; int32
+    # (an index within one block), 4 bytes per page of an owned block.
+    stacks: dict[int, np.ndarray] = field(default_factory=dict)
     free_page_count: int = 0
     page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    pages_per_block: int = 0  # geometry.pages_per_block, kept (a property chain)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class KVAllocator:
         self._block_owner: list[str | None] = [None] * num_blocks
         self._block_used = np.zeros(num_blocks, dtype=np.int64)  # pages used by owner
         self._pools: dict[str, _Pool] = {}
+        self._floors = False  # any pool with a floor (else no block is reserved for one)
 
     # ---- pools -------------------------------------------------------------
     def register(
@@ -119,8 +128,14 @@ class KVAllocator:
             raise ValueError(f"pool floors need {reserved} blocks; the arena has {self.num_blocks}")
         pages = self.num_blocks * geometry.pages_per_block
         self._pools[key] = _Pool(
-            key, geometry, floor_blocks, cap_blocks, page_used=np.zeros(pages, dtype=bool)
+            key,
+            geometry,
+            floor_blocks,
+            cap_blocks,
+            page_used=np.zeros(pages, dtype=bool),
+            pages_per_block=geometry.pages_per_block,
         )
+        self._floors = self._floors or floor_blocks > 0
         return geometry
 
     def geometry(self, key: str) -> BlockGeometry:
@@ -142,11 +157,13 @@ class KVAllocator:
         With ``donor``: as if one of the donor's blocks were free too.
         """
         owned = len(pool.blocks)
-        reserved_for_others = sum(
-            max(0, p.floor_blocks - len(p.blocks) + (p is donor))
-            for p in self._pools.values()
-            if p is not pool
-        )
+        reserved_for_others = 0
+        if self._floors:  # with no floor anywhere every term below is 0
+            reserved_for_others = sum(
+                max(0, p.floor_blocks - len(p.blocks) + (p is donor))
+                for p in self._pools.values()
+                if p is not pool
+            )
         by_global = len(self._free_blocks) + (donor is not None) - reserved_for_others
         return max(0, min(by_global, pool.cap_blocks - owned))
 
@@ -185,7 +202,7 @@ class KVAllocator:
     def free_slots_for(self, key: str) -> int:
         """Slots an ``alloc`` for this pool could get right now."""
         pool = self._pool(key)
-        pages = pool.free_page_count + self._blocks_available(pool) * pool.geometry.pages_per_block
+        pages = pool.free_page_count + self._blocks_available(pool) * pool.pages_per_block
         return pages * self.page_size
 
     def capacity_slots(self, key: str) -> int:
@@ -202,33 +219,52 @@ class KVAllocator:
         need = self.pages_for(n_tokens)
         if need == 0:
             return np.zeros(0, dtype=np.int64)
-        ppb = pool.geometry.pages_per_block
+        ppb = pool.pages_per_block
         short = need - pool.free_page_count
         new_blocks = max(0, -(-short // ppb))
-        if new_blocks > self._blocks_available(pool):
+        if new_blocks and new_blocks > self._blocks_available(pool):
             return None
         for _ in range(new_blocks):
             block = self._free_blocks.pop()
             self._block_owner[block] = key
             pool.blocks.add(block)
-            pool.free_pages[block] = list(range(ppb - 1, -1, -1))
+            pool.free_pages[block] = ppb
+            pool.stacks[block] = np.arange(ppb - 1, -1, -1, dtype=_STACK_DTYPE)
             pool.free_page_count += ppb
-        pages = []
-        emptied = []
-        for block, free in pool.free_pages.items():
-            take = free[-need:] if need < len(free) else free[:]
-            del free[len(free) - len(take) :]
-            if not free:
-                emptied.append(block)
-            self._block_used[block] += len(take)
-            pages.append(block * ppb + np.asarray(take, dtype=np.int64))
-            need -= len(take)
+        tops = []  # per block taken from: the top of its stack (a view)
+        blocks = []
+        takes = []
+        free_pages = pool.free_pages
+        stacks = pool.stacks
+        total = need
+        for block, free in free_pages.items():
+            take = need if need < free else free
+            # The top of the stack: the pages freed last, lowest index first
+            # for a fresh block.
+            tops.append(stacks[block][free - take : free])
+            blocks.append(block)
+            takes.append(take)
+            need -= take
             if need == 0:
                 break
-        for block in emptied:
-            del pool.free_pages[block]
-        page_ids = np.concatenate(pages)
-        pool.free_page_count -= len(page_ids)
+        for block, take in zip(blocks, takes, strict=True):
+            left = free_pages[block] - take
+            if left:
+                free_pages[block] = left  # a value change: the order stays
+            else:
+                del free_pages[block]
+        if len(blocks) == 1:
+            block = blocks[0]
+            page_ids = tops[0] + np.int64(block * ppb)  # int64 ids from int32 offsets
+            self._block_used[block] += total
+        else:
+            # One concatenate and one offset add for all the blocks (the
+            # views are read before any later free writes the stacks).
+            where = np.array(blocks, dtype=np.int64)
+            counts = np.array(takes, dtype=np.int64)
+            page_ids = np.concatenate(tops) + np.repeat(where * ppb, counts)
+            self._block_used[where] += counts  # distinct blocks: no lost update
+        pool.free_page_count -= total
         pool.page_used[page_ids] = True
         return self._page_slots(page_ids)
 
@@ -241,43 +277,69 @@ class KVAllocator:
     def free(self, key: str, slots: SlotArray) -> None:
         """Return whole pages of slots; empty blocks go back to the arena."""
         slots = np.asarray(slots, dtype=np.int64)
-        if slots.size == 0:
+        n = slots.size
+        if n == 0:
             return
         pool = self._pool(key)
         p = self.page_size
-        page_ids = _distinct_sorted(slots // p)
-        if page_ids.size * p != slots.size:
-            raise ValueError(f"free of {slots.size} slots is not whole distinct pages of {p}")
-        if page_ids[0] < 0 or page_ids[-1] >= pool.page_used.size:
+        if p == 1:
+            # Slots are pages: distinct means no equal neighbours once sorted
+            # (a compare, not the dedup the page case needs). Slots come back
+            # as the runs ``alloc`` handed out: the stable sort (a merge of
+            # runs) is several times faster on them than the default one.
+            page_ids = np.sort(slots, kind="stable")
+            if n > 1 and np.count_nonzero(page_ids[1:] == page_ids[:-1]):
+                raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
+        else:
+            page_ids = _distinct_sorted(slots // p)
+            if page_ids.size * p != n:
+                raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
+        used = pool.page_used
+        if page_ids[0] < 0 or page_ids[-1] >= used.size:
             raise ValueError("slot id out of the arena's range")
-        if not pool.page_used[page_ids].all():
+        if np.count_nonzero(used[page_ids]) != page_ids.size:  # cheaper than .all()
             raise ValueError(f"double free or foreign slots for pool {key!r}")
-        pool.page_used[page_ids] = False
-        ppb = pool.geometry.pages_per_block
+        used[page_ids] = False
+        ppb = pool.pages_per_block
         of_block = page_ids // ppb
-        first = np.flatnonzero(_run_starts(of_block))
-        blocks = of_block[first]
-        ends = np.empty_like(first)
-        ends[:-1] = first[1:]
-        ends[-1] = of_block.size
-        # One gather and one scatter for every block's count, not a numpy
-        # scalar op per block (an evicted entry spans many blocks).
-        left = self._block_used[blocks] - (ends - first)
-        self._block_used[blocks] = left
-        in_block: list[int] | None = None  # page index within its block, built on need
-        for block, start, end, used in zip(
-            blocks.tolist(), first.tolist(), ends.tolist(), left.tolist(), strict=True
-        ):
-            if used == 0:
-                pool.free_page_count -= len(pool.free_pages.pop(block, ()))
+        size = page_ids.size
+        if of_block[0] == of_block[-1]:  # one block (sorted): no run split needed
+            block = int(of_block[0])
+            runs = [(block, 0, size, int(self._block_used[block]) - size)]
+            self._block_used[block] = runs[0][3]
+        else:
+            first = _run_starts(of_block).nonzero()[0]
+            blocks = of_block[first]
+            ends = np.empty_like(first)
+            ends[:-1] = first[1:]
+            ends[-1] = size
+            # One gather and one scatter for every block's count, not a numpy
+            # scalar op per block (an evicted entry spans many blocks).
+            left = self._block_used[blocks] - (ends - first)
+            self._block_used[blocks] = left
+            runs = zip(blocks.tolist(), first.tolist(), ends.tolist(), left.tolist(), strict=True)
+        in_block: np.ndarray | None = None  # page index within its block, built on need
+        free_pages = pool.free_pages
+        stacks = pool.stacks
+        count = pool.free_page_count
+        for block, start, end, left_used in runs:
+            if left_used == 0:
+                count -= free_pages.pop(block, 0)
+                del stacks[block]
                 pool.blocks.remove(block)
                 self._block_owner[block] = None
                 self._free_blocks.append(block)
             else:
                 if in_block is None:
-                    in_block = (page_ids - of_block * ppb).tolist()
-                pool.free_pages.setdefault(block, []).extend(in_block[start:end])
-                pool.free_page_count += end - start
+                    in_block = page_ids - of_block * ppb
+                # Pushed in ascending order, as a list's extend did; a block
+                # that was full joins the end of the dict's order.
+                top = free_pages.get(block, 0)
+                new_top = top + end - start
+                stacks[block][top:new_top] = in_block[start:end]
+                free_pages[block] = new_top
+                count += end - start
+        pool.free_page_count = count
 
     # ---- accounting ----------------------------------------------------------
     def allocated_slots(self, key: str) -> SlotArray:
@@ -319,10 +381,11 @@ class KVAllocator:
             ppb = pool.geometry.pages_per_block
             assert len(pool.blocks) <= pool.cap_blocks, f"pool {pool.key} over its cap"
             assert set(pool.free_pages) <= pool.blocks, "free pages listed for a foreign block"
+            assert set(pool.stacks) == pool.blocks, "free-page stacks of blocks not owned"
             assert all(pool.free_pages.values()), "a full block kept on the free-page index"
             free_count = 0
             for block in pool.blocks:
-                free = pool.free_pages.get(block, [])
+                free = pool.stacks[block][: pool.free_pages.get(block, 0)].tolist()
                 assert self._block_owner[block] == pool.key, f"block {block} owner mismatch"
                 used = pool.page_used[block * ppb : (block + 1) * ppb]
                 assert len(set(free)) == len(free), f"page listed free twice in block {block}"
@@ -336,6 +399,9 @@ class KVAllocator:
             assert not pool.page_used.reshape(self.num_blocks, ppb)[mask].any(), (
                 f"pool {pool.key} marks pages used in blocks it does not own"
             )
+
+
+_STACK_DTYPE = np.int32
 
 
 def _distinct_sorted(values: np.ndarray) -> np.ndarray:

@@ -38,7 +38,11 @@ candidates against emptying whole blocks of others, fewest used slots first.
 Per block it keeps the slots live entries hold and how many locked entries
 touch it, updated as the tree adds, splits, removes, locks and unlocks
 entries: finding the blocks that could go is a mask over two arrays, not a
-walk of the tree on each call.
+walk of the tree on each call. That index is built only once it can matter:
+when a second pool caches KV, or a pool asks for room while only another one
+has cached any (one walk of the tree then). Until then every block with
+cached KV is the one caching pool's, none can be emptied for it, and its
+evictions skip the per-block work (a single-model server never pays for it).
 """
 
 from __future__ import annotations
@@ -135,8 +139,10 @@ class Evictor:
         key: KeyFn,
         remove: Callable[[Node, int, str], int],
         drop_under: Callable[[Node, int, str], int],
+        entries: Callable[[], Iterable[tuple[Node, int, _Entry]]],
     ) -> None:
         self._alloc = allocator
+        self._entries = entries  # every entry of the tree, to build the index from
         self._generations = generations
         self._policy_key = key
         self._remove = remove
@@ -160,8 +166,12 @@ class Evictor:
         self._members: list[dict[tuple[Node, int], None]] = [{} for _ in range(n)]
         # Each entry's blocks, each with its slot count there.
         self._spans: dict[tuple[Node, int], dict[int, int]] = {}
+        # Every pool that ever cached an entry, in order of its first one.
         self._pool_ids: dict[str, int] = {}
         self._slots_per_block: dict[str, int] = {}
+        # Whether the per-block index above is kept (see the module doc):
+        # until it is, its arrays stay zero and the hooks below return at once.
+        self._indexed = False
 
     # ---- keys and candidates ---------------------------------------------------
     def key(self, gid: int, entry: _Entry) -> tuple[float, ...]:
@@ -247,10 +257,26 @@ class Evictor:
     def added(self, node: Node, gid: int, entry: _Entry) -> None:
         """Count a new entry's slots (and its lock, if it has one) in their blocks."""
         pool = self._generations[gid].pool
+        if pool not in self._pool_ids:
+            self._pool_ids[pool] = len(self._pool_ids)
+            if not self._indexed and len(self._pool_ids) > 1:
+                self._build_index()  # the new entry is in the tree: counted there
+                return
+        if self._indexed:
+            self._index(node, gid, entry)
+
+    def _build_index(self) -> None:
+        """Count every entry of the tree from scratch and keep the index from now on."""
+        self._indexed = True
+        for node, gid, entry in self._entries():
+            self._index(node, gid, entry)
+
+    def _index(self, node: Node, gid: int, entry: _Entry) -> None:
+        pool = self._generations[gid].pool
         span = self._span(pool, entry.slots)
         key = (node, gid)
         self._spans[key] = span
-        self._count(span, 1, self._pool_ids.setdefault(pool, len(self._pool_ids)))
+        self._count(span, 1, self._pool_ids[pool])
         if entry.lock_ref:
             self._lock_blocks(span, 1)
         for block in span:
@@ -258,6 +284,8 @@ class Evictor:
 
     def removed(self, node: Node, gid: int, entry: _Entry) -> None:
         """Take an entry that leaves the tree out of its blocks' counts."""
+        if not self._indexed:
+            return
         key = (node, gid)
         span = self._spans.pop(key)
         self._count(span, -1)
@@ -271,6 +299,8 @@ class Evictor:
         ``upper`` (an edge cut in two). The same slots stay in the tree, so the
         tallies stand: only which entry holds them moves, and ``lower``'s span
         is its old one less ``top``'s (one span to compute, not two)."""
+        if not self._indexed:
+            return
         pool = self._generations[gid].pool
         lower_key, upper_key = (lower, gid), (upper, gid)
         rest = self._spans[lower_key]
@@ -290,7 +320,8 @@ class Evictor:
 
     def lock_changed(self, node: Node, gid: int, delta: int) -> None:
         """An entry became locked (``delta`` 1) or unlocked (-1): its blocks' lock counts follow."""
-        self._lock_blocks(self._spans[(node, gid)], delta)
+        if self._indexed:
+            self._lock_blocks(self._spans[(node, gid)], delta)
 
     def _count(self, span: dict[int, int], sign: int, pool_id: int | None = None) -> None:
         """Add (``sign`` 1) or take (-1) a span's slots in the blocks' tallies;
@@ -318,8 +349,15 @@ class Evictor:
 
     def check(self, entries: Iterable[tuple[Node, int, _Entry]]) -> None:
         """Raise AssertionError unless the per-block index equals a recount of ``entries``
-        (every entry in the tree)."""
+        (every entry in the tree); an index not built yet must be empty, and
+        may only be so while at most one pool has cached KV."""
         n = self._alloc.num_blocks
+        if not self._indexed:
+            assert len(self._pool_ids) <= 1, "two pools cached KV but the index is not built"
+            assert not self._tally.any() and not any(self._locks_in), "unbuilt index counts"
+            assert not self._lock_mask.any() and not self._spans, "unbuilt index has entries"
+            assert not any(self._members), "unbuilt index lists entries"
+            return
         tally = np.zeros(n, dtype=np.int64)
         locked = np.zeros(n, dtype=np.int64)
         members: list[set[tuple[Node, int]]] = [set() for _ in range(n)]
@@ -406,6 +444,11 @@ class Evictor:
         built one equal-``used`` group at a time (a call mostly takes the
         first few), with keys and entries as of then: a block emptied on
         the way by an earlier subtree drop is skipped."""
+        own = self._pool_ids.get(pool, -1)
+        if all(pid == own for pid in self._pool_ids.values()):
+            return  # no other pool has ever cached a slot: no block of another to empty
+        if not self._indexed:
+            self._build_index()  # another pool's blocks could go: count them now
         used = self._alloc.used_slots_per_block()
         tally = self._tally
         ok = (tally > 0) & ~self._lock_mask & (tally == used)

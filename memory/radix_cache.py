@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -225,6 +225,7 @@ class RadixCache:
             get_policy(eviction_policy, half_life),
             self._remove_entry,
             self._drop_under,
+            self._every_entry,
         )
         self._next_generation = itertools.count()
         self._counters: dict[str, ModelCounters] = {}
@@ -630,6 +631,13 @@ class RadixCache:
             self._nodes -= 1
             self._edge_bytes -= len(node.key)
         return len(entry.slots)
+
+    def _every_entry(self) -> Iterator[tuple[Node, int, _Entry]]:
+        """Every ``(node, generation id, entry)`` of the tree (roots hold none)."""
+        for root in self._roots.values():
+            for node in _walk(root):
+                for gid, entry in node.entries.items():
+                    yield node, gid, entry
 
     # ---- eviction ------------------------------------------------------------
     def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> int:
