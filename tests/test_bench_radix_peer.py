@@ -48,8 +48,11 @@ def test_peer_arm_replays_the_same_requests_in_both_trees(tmp_path: Path) -> Non
         assert arm["tree_calls"] == 4 * requests + arm["evict_calls"]
         assert all(arm["p50_us"][op] > 0 for op in TREE_OPS)
         assert arm["tree_ms"] > 0
+        # Medians over rounds: of calls per second, of summed time. With an odd
+        # count they are the same round's; with an even one, means of two, and
+        # the mean rate is at least the rate of the mean time.
         ops_per_s = arm["tree_calls"] / (arm["tree_ms"] / 1e3)
-        assert arm["tree_ops_per_s"] == pytest.approx(ops_per_s, rel=0.5)
+        assert arm["tree_ops_per_s"] >= ops_per_s * 0.999
         assert 0.3 < arm["hit_rate"] < 1.0
     rx, ms = arms["radixmux"], arms["mini-sglang"]
     # Both are LRU over the same capacity: the same requests hit about the same.
