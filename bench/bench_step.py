@@ -78,7 +78,7 @@ from bench.roofline import (
     weight_bytes,
 )
 from radixmux import protocol
-from radixmux.common.server_args import ATTENTION_BACKENDS
+from radixmux.common.server_args import ATTENTION_BACKENDS, KV_CACHE_DTYPES
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry, KVLayout
 from radixmux.model_runners import paged_attention
@@ -422,6 +422,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=tuple(KV_CACHE_DTYPES),
+        default="auto",
+        help="the arena's K/V dtype (fp8: float8 e4m3, docs/kernels.md#float8-kv-cache)",
+    )
+    p.add_argument(
         "--no-fused-ops",
         action="store_true",
         help="transformers' own RMSNorm / MLP / rotary code (the server's --disable-fused-ops)",
@@ -468,14 +474,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     loaded = load_model(
-        args.model, dtype=args.dtype, fuse_ops=not args.no_fused_ops, amx_linear=not args.no_amx
+        args.model,
+        dtype=args.dtype,
+        fuse_ops=not args.no_fused_ops,
+        amx_linear=not args.no_amx,
+        kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
     )
     if "cascade" in args.layouts and not cascade_available():
         print("note: no ForwardBatch.prefix_groups in this runtime: the cascade layout is skipped")
     t0 = time.monotonic()
     rows = run(loaded, args, lambda line: print(f"[bench_step] {line}", file=sys.stderr), bandwidth)
     print(
-        f"\n{args.model} {args.dtype}, {args.threads} thread(s), "
+        f"\n{args.model} {args.dtype} (KV {loaded.info.layout.dtype}), {args.threads} thread(s), "
         f"fused ops {'off' if args.no_fused_ops else 'on'}, "
         f"AMX linear {'off' if args.no_amx or args.no_fused_ops else 'on'}, "
         f"{'lean stack (parts not measured)' if args.lean else 'transformers forward'}, "
