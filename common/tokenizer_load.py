@@ -14,10 +14,18 @@ beyond the Rust tokenizer that does the work:
 * the parse frees far more than it keeps, in the middle of the C heap
   (``heap.trim_heap``): Gemma 3's tokenizer held 264 MB after loading, 94 MB
   once both are gone.
+
+The processes that only tokenize (the tokenizer workers, the detokenizer)
+import transformers as an install without torch would
+(``import_transformers_without_torch``): transformers 5 imports torch at its
+own import when torch is installed, ~3 CPU-seconds per process per server
+start, and its tokenizers never use it.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -67,6 +75,38 @@ def drop_build_inputs(tokenizer: Any) -> list[str]:
     for name in held:
         delattr(tokenizer, name)
     return held
+
+
+def import_transformers_without_torch() -> bool:
+    """Import transformers as if torch were not installed; whether it did.
+
+    For a process that only tokenizes, called before anything imports
+    transformers: while transformers and its tokenizer classes import,
+    ``sys.modules["torch"]`` is ``None``, which both ``importlib.util.find_spec``
+    (transformers' availability check, cached for the process) and ``import``
+    read as "not installed". torch stays importable afterwards: xgrammar,
+    imported for a constrained request's first grammar, needs it, and
+    transformers keeps taking its torch-less paths. A process that already
+    imported either (a runner, a test) keeps them as they are."""
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        return False
+    # transformers says "PyTorch was not found" at import, an advisory warning.
+    quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    was = os.environ.get(quiet)
+    os.environ[quiet] = "1"
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from transformers import AutoTokenizer  # noqa: F401
+        from transformers.utils.import_utils import is_torch_available
+
+        is_torch_available()  # computed now, while torch is hidden, and cached
+    finally:
+        del sys.modules["torch"]
+        if was is None:
+            del os.environ[quiet]
+        else:
+            os.environ[quiet] = was
+    return True
 
 
 def load_tokenizer(path: str | Path) -> Any:

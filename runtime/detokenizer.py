@@ -39,6 +39,7 @@ import zmq
 from radixmux import protocol
 from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
+from radixmux.common.tokenizer_load import import_transformers_without_torch
 from radixmux.runtime.tokenizer_worker import TableThread, load_missing_tokenizers
 
 log = logging.getLogger("radixmux.detokenizer")
@@ -346,6 +347,7 @@ def _text_output(
 def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     """Load tokenizers, bind the inbox, report ready, then detokenize until shutdown."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM: clean exit 0
+    import_transformers_without_torch()  # tokenizers only: no torch in this process
     detok = Detokenizer({})
     detok.add_models(pctx.served)
     eps = pctx.endpoints

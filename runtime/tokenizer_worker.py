@@ -31,7 +31,7 @@ from radixmux import protocol
 from radixmux.common.grammar import GrammarCompiler
 from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
-from radixmux.common.tokenizer_load import load_tokenizer
+from radixmux.common.tokenizer_load import import_transformers_without_torch, load_tokenizer
 from radixmux.runtime.grammar_gate import GrammarGate
 
 log = logging.getLogger("radixmux.tokenizer")
@@ -330,6 +330,7 @@ def main(pctx: ProcessContext, zctx: zmq.Context) -> int:
     # SIGTERM from the launcher is a normal stop: leave through run_process's
     # KeyboardInterrupt path with exit code 0.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    import_transformers_without_torch()  # tokenizers only: no torch in this process
     models = load_models(pctx.served, pctx.args.chat_template)
     eps = pctx.endpoints
     inbox = socket(zctx, zmq.PULL, eps.tokenizer, bind=False)

@@ -419,12 +419,40 @@ def serve_and_ask(
         engine.shutdown()
 
 
+LONG = [f"Story {i}: " + " ".join(f"word{j}" for j in range(i * 7, i * 7 + 200)) for i in range(6)]
+TWICE = LONG + LONG  # the second round finds the first's K/V (on disk, where it spilled)
+
+
+def family_models(family: dict[str, Path], *names: str) -> dict[str, Path]:
+    """The family's folders under their served names: base, ft (upper layers
+    fine-tuned) and other (a lower layer fine-tuned)."""
+    folders = {"base": family["base"], "ft": family["upper"], "other": family["lower"]}
+    return {n: folders[n] for n in names}
+
+
+@pytest.fixture(scope="module")
+def alone(family: dict[str, Path]) -> tuple[dict[str, list[str]], dict[str, list[str]], dict]:
+    """The references, from one server without layer sharing for the module
+    (each model answers alone there, whatever else it serves): every model's
+    answers to ``PROMPTS``, base's and ft's to ``TWICE``, and its scheduler
+    info and metrics."""
+    models = family_models(family, "base", "ft", "other")
+    asks = [(n, p) for p in PROMPTS for n in models] + [
+        (n, p) for p in TWICE for n in ("base", "ft")
+    ]
+    texts, info = serve_and_ask(models, share=False, asks=asks)
+    short = {n: t[: len(PROMPTS)] for n, t in texts.items()}
+    long = {n: texts[n][len(PROMPTS) :] for n in ("base", "ft")}
+    return short, long, info
+
+
 @pytest.mark.timeout(600)
-def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]) -> None:
-    models = {"base": family["base"], "ft": family["upper"], "other": family["lower"]}
-    shared, info = serve_and_ask(models, share=True)
-    alone, plain = serve_and_ask(models, share=False)
-    assert shared == alone
+def test_fine_tunes_sharing_lower_layers_answer_as_alone(
+    family: dict[str, Path], alone: tuple[dict[str, list[str]], dict[str, list[str]], dict]
+) -> None:
+    shared, info = serve_and_ask(family_models(family, "base", "ft", "other"), share=True)
+    short, _, plain = alone
+    assert shared == short
     assert shared["base"] != shared["ft"]  # the fine-tune answers differently
     assert not plain["layer_groups"]
     # base and ft agree on 2 layers, other on 1 with both: cut at 1 and 2.
@@ -446,25 +474,21 @@ def test_fine_tunes_sharing_lower_layers_answer_as_alone(family: dict[str, Path]
     assert "radixmux_layer_group" not in plain["metrics"]
 
 
-LONG = [f"Story {i}: " + " ".join(f"word{j}" for j in range(i * 7, i * 7 + 200)) for i in range(6)]
-
-
 @pytest.mark.timeout(600)
 def test_shared_layers_spill_to_disk_and_load_back_exactly(
-    family: dict[str, Path], tmp_path: Path
+    family: dict[str, Path],
+    alone: tuple[dict[str, list[str]], dict[str, list[str]], dict],
+    tmp_path: Path,
 ) -> None:
-    models = {"base": family["base"], "ft": family["upper"]}
-    twice = LONG + LONG  # the second round finds the first's K/V on disk
-    alone, _ = serve_and_ask(models, share=False, prompts=twice)
     shared, info = serve_and_ask(
-        models,
+        family_models(family, "base", "ft"),
         share=True,
-        prompts=twice,
+        prompts=TWICE,
         kv_cache_bytes=3 << 20,  # a couple of prompts of the 6, for two models
         kv_disk_bytes=1 << 30,
         kv_disk_dir=str(tmp_path / "disk"),
     )
-    assert shared == alone
+    assert shared == alone[1]
     disk = info["disk"]
     assert disk["chunks_written"] > 0 and disk["loads"] > 0
     assert set(disk["tokens_loaded"]) == {"base", "ft"}

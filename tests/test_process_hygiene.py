@@ -81,6 +81,16 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+TOKENIZING = r"radixmux\.runtime\.(tokenizer_worker|detokenizer)\b"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def has_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -171,6 +181,9 @@ def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Pat
         assert banner.startswith("radixmux serving"), (base / "launcher.log").read_text()
         kids = children_of(live.pid)
         assert len(kids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
+        # The processes that only tokenize never load torch (~2 CPU-s each a start).
+        tokenizing = [k for k in kids if re.search(TOKENIZING, cmdline(k))]
+        assert len(tokenizing) == 2 and not any(has_torch(k) for k in tokenizing)
         live.kill()
         live.wait(30)
         wait_until(lambda: not any(alive(k) for k in kids), f"orphans: {kids}", 30)
