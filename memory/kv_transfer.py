@@ -25,12 +25,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from radixmux.memory.kv_disk_store import FATAL_ERRNOS, ChunkRef, StoreFiles
 from radixmux.memory.layout import BlockGeometry
+
+if TYPE_CHECKING:
+    # Imported where used: a scheduler without a disk tier never loads torch
+    # (a second of every server start).
+    import torch
 
 
 @dataclass
@@ -94,6 +99,8 @@ class JobResult:
 def byte_view(arena_bytes: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
     """An arena's ``[blocks, slots]`` bytes seen as one pool's
     ``[blocks, layers, 2, slots_per_block, row bytes]``."""
+    import torch
+
     lay = geometry.layout
     row = lay.num_kv_heads * lay.head_dim * lay.itemsize
     used = geometry.slots_per_block * lay.bytes_per_token
@@ -121,6 +128,8 @@ def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = Non
 
     Allocated slots mostly come in runs inside a block: a strided copy per run
     is 2-3x faster than an indexed gather of every row."""
+    import torch
+
     spb = view.shape[3]
     slots = np.asarray(slots, dtype=np.int64)
     runs = _runs(slots, spb)
@@ -138,6 +147,8 @@ def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = Non
 
 def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
     """Write ``[n, layers, 2, row]`` bytes into ``slots`` of the arena."""
+    import torch
+
     spb = view.shape[3]
     slots = np.asarray(slots, dtype=np.int64)
     runs = _runs(slots, spb)
@@ -282,6 +293,8 @@ class KVTransfer:
     def _rows(self, view: torch.Tensor, n: int) -> torch.Tensor:
         """The reused ``[n, layers, 2, row]`` staging buffer (a fresh one per
         chunk would page-fault every byte)."""
+        import torch
+
         shape = (n, view.shape[1], view.shape[2], view.shape[4])
         if (
             self._staging is None

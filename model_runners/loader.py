@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixmux.common.tokenizer_load import load_tokenizer
 from radixmux.memory.layout import KVLayout
-from radixmux.model_runners import fetch
+from radixmux.model_runners.fetch import resolve
 from radixmux.model_runners.fingerprint import (
     kv_share_key,
     layer_chain,
@@ -34,25 +33,6 @@ class LoadedModel:
     info: ModelInfo
     source: str
     load_seconds: float
-
-
-def resolve(source: str) -> tuple[Path, str | None]:
-    """Map a model source to ``(folder, gguf_file_name_or_None)``.
-
-    A known short name is fetched (converted once) into the cache; a ``.gguf``
-    path is loaded directly (slow: de-quantised on every load).
-    """
-    if source in fetch.EMBEDDED:
-        return fetch.fetch(source, progress=False), None
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    raise FileNotFoundError(
-        f"model source {source!r} is neither a known short name "
-        f"({', '.join(sorted(fetch.EMBEDDED))}), a HF folder with config.json, nor a .gguf file"
-    )
 
 
 def kv_layout(config: Any, dtype: str) -> KVLayout:

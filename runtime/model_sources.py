@@ -24,7 +24,8 @@ class LaunchError(RuntimeError):
 
 def resolve_source(source: str) -> str:
     """A ``--model`` source as a local path: a HF folder or a ``.gguf`` file."""
-    from radixmux.model_runners import fetch, loader
+    # fetch, not loader: the launcher then never imports torch.
+    from radixmux.model_runners import fetch
 
     if source in fetch.EMBEDDED:
         try:
@@ -36,7 +37,7 @@ def resolve_source(source: str) -> str:
                 f"--model {source}: fetch failed: {type(exc).__name__}: {exc}"
             ) from None
     try:
-        folder, gguf = loader.resolve(source)
+        folder, gguf = fetch.resolve(source)
     except (FileNotFoundError, OSError) as exc:
         raise LaunchError(f"--model {source}: {exc}") from None
     return str(folder / gguf) if gguf else str(folder.resolve())

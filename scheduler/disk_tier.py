@@ -38,9 +38,9 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from radixmux.memory.arena import KVArena
 from radixmux.memory.kv_disk_store import (
@@ -65,6 +65,9 @@ from radixmux.memory.radix_cache import CacheHandle, RadixCache
 from radixmux.protocol import DiskTierStats
 from radixmux.scheduler.disk_events import DiskEvents
 from radixmux.scheduler.request import Req
+
+if TYPE_CHECKING:  # the scheduler process never imports torch (start-up time)
+    import torch
 
 log = logging.getLogger("radixmux.scheduler")
 
