@@ -29,6 +29,7 @@ import zmq
 
 from radixmux import protocol
 from radixmux.common.grammar import GrammarCompiler
+from radixmux.common.heap import trim_heap
 from radixmux.common.ipc import socket
 from radixmux.common.process import ProcessContext, inbox_messages, report, run_process
 from radixmux.common.tokenizer_load import import_transformers_without_torch, load_tokenizer
@@ -238,8 +239,11 @@ def sync_models(
     override = Path(chat_template_file).read_text() if chat_template_file else None
     by_folder = {mt.model.folder: mt.tokenizer for mt in list(models.values())}
     load_missing_tokenizers([m for m in table if m.instance not in models], by_folder)
-    for name in [n for n in list(models) if n not in wanted]:
+    gone = [n for n in list(models) if n not in wanted]
+    for name in gone:
         del models[name]
+    if gone:  # as the detokenizer does: the dropped tokenizers' memory back to the OS
+        trim_heap()
     for name, m in wanted.items():
         if name not in models:
             tok = by_folder[m.folder]
