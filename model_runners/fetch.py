@@ -212,6 +212,25 @@ def _drop_gguf_quantizer(model: object) -> None:
     model.is_quantized = False
 
 
+def resolve(source: str) -> tuple[Path, str | None]:
+    """Map a model source to ``(folder, gguf_file_name_or_None)``.
+
+    A known short name is fetched (converted once) into the cache; a ``.gguf``
+    path is loaded directly (slow: de-quantised on every load).
+    """
+    if source in EMBEDDED:
+        return fetch(source, progress=False), None
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.parent, path.name
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, None
+    raise FileNotFoundError(
+        f"model source {source!r} is neither a known short name "
+        f"({', '.join(sorted(EMBEDDED))}), a HF folder with config.json, nor a .gguf file"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: fetch each named model and print its folder."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -230,22 +249,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def resolve(source: str) -> tuple[Path, str | None]:
-    """Map a model source to ``(folder, gguf_file_name_or_None)``.
-
-    A known short name is fetched (converted once) into the cache; a ``.gguf``
-    path is loaded directly (slow: de-quantised on every load).
-    """
-    if source in EMBEDDED:
-        return fetch(source, progress=False), None
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.parent, path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, None
-    raise FileNotFoundError(
-        f"model source {source!r} is neither a known short name "
-        f"({', '.join(sorted(EMBEDDED))}), a HF folder with config.json, nor a .gguf file"
-    )

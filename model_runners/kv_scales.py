@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from radixmux.model_runners.kv_store import FP8_MAX
+from radixmux.model_runners.paged_attention import set_attention
 
 CALIBRATE_NAME = "radixmux_kv_calibrate"
 # Head room above the calibration text's largest value.
@@ -58,15 +59,6 @@ def _calibrating_attention(
 AttentionInterface.register(CALIBRATE_NAME, _calibrating_attention)
 
 
-def _set_attention(model: torch.nn.Module, name: str) -> None:
-    """Point the model's config and every sub-config at attention ``name``."""
-    model.config._attn_implementation = name
-    for sub in model.modules():  # sub-configs (e.g. text_config) carry their own copy
-        cfg = getattr(sub, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = name
-
-
 @torch.inference_mode()
 def calibrate(
     model: torch.nn.Module, tokenizer: object | None, num_layers: int
@@ -74,7 +66,7 @@ def calibrate(
     """Per-layer K and V scales of ``model`` for a float8 arena (module doc).
 
     Without a tokenizer the calibration text's bytes stand in for token ids.
-    Leaves the model's attention set to SDPA (the runner then sets its own).
+    The model's attention is set back to what it was.
     """
     if tokenizer is not None:
         ids = tokenizer(CALIBRATION_TEXT, return_tensors="pt").input_ids
@@ -83,11 +75,12 @@ def calibrate(
         ids = torch.tensor([[b % vocab for b in CALIBRATION_TEXT.encode()]])
     device = next(model.parameters()).device
     _seen.clear()
-    _set_attention(model, CALIBRATE_NAME)
+    was = model.config._attn_implementation
+    set_attention(model, CALIBRATE_NAME)
     try:
         model(input_ids=ids.to(device))
     finally:
-        _set_attention(model, "sdpa")
+        set_attention(model, was)
     seen = [_seen.get(layer, [0.0, 0.0]) for layer in range(num_layers)]
     _seen.clear()
     return _scales([s[0] for s in seen]), _scales([s[1] for s in seen])

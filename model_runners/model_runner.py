@@ -31,6 +31,7 @@ from radixmux.model_runners.paged_attention import (
     LayerGroups,
     PagedBatch,
     paged_batch,
+    set_attention,
 )
 from radixmux.model_runners.sampling import sample
 from radixmux.protocol import (
@@ -112,11 +113,7 @@ class ModelRunner:
             check_deterministic(
                 self.model, self.use_kernel, layout.head_dim, self._attention_shapes()
             )
-        self.model.config._attn_implementation = ATTN_NAME
-        for sub in self.model.modules():  # sub-configs (e.g. text_config) carry their own copy
-            cfg = getattr(sub, "config", None)
-            if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                cfg._attn_implementation = ATTN_NAME
+        set_attention(self.model, ATTN_NAME)
         # Llama-code models with fused ops skip transformers' per-module Python
         # (lean_stack.py; same kernels, same results). lean=False: never.
         self.lean = LeanStack.build(self.model) if lean else None

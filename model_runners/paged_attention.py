@@ -485,3 +485,12 @@ def paged_attention_forward(
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+
+
+def set_attention(model: torch.nn.Module, name: str) -> None:
+    """Point the model's config and every sub-config at transformers attention ``name``."""
+    model.config._attn_implementation = name
+    for sub in model.modules():  # sub-configs (e.g. text_config) carry their own copy
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
