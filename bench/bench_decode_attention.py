@@ -19,12 +19,21 @@ in one call, prefixes read in place, causal half only): 512 new tokens with
 tokens after 448 cached in one call, and four of 100 new after 1,000 cached
 (vLLM's prefix_repetition suffixes).
 
-Each pair of paths is timed interleaved, call by call, so both see the same
-load from other processes on these shared cores; each figure is the
+**Against vLLM's kernel** (``--parts vllm``). vLLM CPU 0.32's own
+attention kernel (``cpu_attention_with_kv_cache``, with the ISA its CPU
+backend picks: ``amx`` on an AMX host; run by ``bench/peer_attention_vllm.py``
+in the vLLM peer's venv over a KV cache written by its own
+``cpu_attn_reshape_and_cache``) and radixmux's ``paged_extend`` on the same
+causal prefills (new tokens after cached ones), K/V writes excluded on both
+sides, 30 layers of their own K/V per step, ms per layer; the two run in
+alternating rounds (``--rounds``), in separate processes.
+
+Each pair of radixmux's paths is timed interleaved, call by call, so both see
+the same load from other processes on these shared cores; each figure is the
 20th-percentile call. Prints tables and writes
 ``bench/results/decode_attention.json``.
 
-    .venv/bin/python -m bench.bench_decode_attention [--parts decode extend] [--steps 20]
+    .venv/bin/python -m bench.bench_decode_attention [--parts decode extend vllm] [--steps 20]
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -240,6 +251,102 @@ def measure_extend(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype,
     return ExtendFigures(name, round(s * 1e3, 2), round(k * 1e3, 2), round(s / k, 2))
 
 
+# Against vLLM CPU's own attention kernel (``--parts vllm``): one causal
+# prefill of `new` tokens after `cached`, keyed "new@cached".
+PEER_CASES = ("512@0", "64@448", "100@1000", "2048@0")
+
+
+@dataclass
+class PeerFigures:
+    case: str
+    radixmux_ms: list[float]  # per layer, one per round
+    vllm_ms: list[float]
+    vllm_isa: str
+    ratio: float  # vLLM's median time / radixmux's (> 1: radixmux faster)
+
+
+def measure_prefill(new: int, cached: int, dtype: torch.dtype, steps: int) -> float:
+    """ms per layer of ``paged_extend`` alone (20th percentile of 30-layer
+    steps), each layer its own K/V rows, a context in pages of 16 slots
+    scattered over the table: the peer script's shape and timing."""
+    g = torch.Generator().manual_seed(0)
+    total = cached + new
+    pages = -(-total // 16)
+    table = max(2 * pages * 16, 8192)
+    order = torch.randperm(table // 16, generator=g)[:pages]
+    addr = (order[:, None] * 16 + torch.arange(16)).flatten()[:total].contiguous()
+    layers = [
+        (
+            torch.randn(table, KV_HEADS * HEAD_DIM, generator=g).to(dtype),
+            torch.randn(table, KV_HEADS * HEAD_DIM, generator=g).to(dtype),
+        )
+        for _ in range(LAYERS)
+    ]
+    q = torch.randn(new, HEADS, HEAD_DIM, generator=g).to(dtype)
+    offsets = torch.tensor([0, total])
+    q_offsets = torch.tensor([0, new])
+
+    def step() -> None:
+        for k_rows, v_rows in layers:
+            kernel.paged_extend(
+                q, k_rows, v_rows, addr, offsets, q_offsets, HEAD_DIM**-0.5, None, None
+            )
+
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return _typical(times) * 1e3 / LAYERS
+
+
+def measure_peer(cases: list[str], threads: int) -> dict[str, tuple[float, str]]:
+    """vLLM's kernel on ``cases`` (bench/peer_attention_vllm.py in the peer's venv)."""
+    from bench import peers
+
+    if not peers.is_installed("vllm"):
+        raise SystemExit("--parts vllm needs the vLLM peer: python -m bench.peers install vllm")
+    script = Path(__file__).with_name("peer_attention_vllm.py")
+    proc = subprocess.run(
+        [str(peers.venv_python("vllm")), str(script), str(threads), *cases],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if proc.returncode:
+        raise SystemExit(f"vLLM's kernel failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    wrong = [r for r in rows if not r["error"] < 3e-2]
+    assert not wrong, f"vLLM's kernel is not the causal prefill compared: {wrong}"
+    return {f"{r['new']}@{r['cached']}": (r["ms_per_layer"], r["isa"]) for r in rows}
+
+
+def compare_with_vllm(dtype: torch.dtype, rounds: int) -> list[PeerFigures]:
+    """Both kernels on PEER_CASES, rounds alternating (radixmux, then vLLM)."""
+    ours: dict[str, list[float]] = {c: [] for c in PEER_CASES}
+    theirs: dict[str, list[float]] = {c: [] for c in PEER_CASES}
+    isa = ""
+    for _ in range(rounds):
+        for case in PEER_CASES:
+            new, cached = (int(x) for x in case.split("@"))
+            steps = 20 if new < 1024 else 6
+            ours[case].append(round(measure_prefill(new, cached, dtype, steps), 3))
+        for case, (ms, case_isa) in measure_peer(list(PEER_CASES), torch.get_num_threads()).items():
+            theirs[case].append(round(ms, 3))
+            isa = case_isa
+    return [
+        PeerFigures(
+            c,
+            ours[c],
+            theirs[c],
+            isa,
+            round(statistics.median(theirs[c]) / statistics.median(ours[c]), 2),
+        )
+        for c in PEER_CASES
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", nargs="+", default=["decode", "extend"])
@@ -248,6 +355,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--rounds", type=int, default=2, help="--parts vllm: alternating rounds")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,6 +400,17 @@ def main() -> None:
             extend.append(asdict(e))
             print(f"{e.case:>28} {e.sdpa_ms:>9.2f} {e.kernel_ms:>10.2f} {e.speedup:>8.2f}x")
         report["extend"] = extend
+    if "vllm" in args.parts:
+        if dtype != torch.bfloat16:
+            raise SystemExit("--parts vllm compares bfloat16 kernels")
+        print(f"\nprefill attention against vLLM's kernel: ms per layer, {args.rounds} rounds")
+        print(f"{'new@cached':>11} {'radixmux':>16} {'vLLM':>16} {'isa':>5} {'vLLM/ours':>10}")
+        versus = compare_with_vllm(dtype, args.rounds)
+        for v in versus:
+            ours = ", ".join(f"{x:.2f}" for x in v.radixmux_ms)
+            theirs = ", ".join(f"{x:.2f}" for x in v.vllm_ms)
+            print(f"{v.case:>11} {ours:>16} {theirs:>16} {v.vllm_isa:>5} {v.ratio:>9.2f}x")
+        report["vs_vllm"] = [asdict(v) for v in versus]
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / "decode_attention.json"
     out.write_text(json.dumps(report, indent=1))

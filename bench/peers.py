@@ -133,7 +133,8 @@ def _venv(kind: str) -> Path:
     return PEERS_DIR / kind
 
 
-def _venv_python(kind: str) -> Path:
+def venv_python(kind: str) -> Path:
+    """The Python of peer ``kind``'s own venv (its scripts run there, not in ours)."""
     return _venv(kind) / "bin" / "python"
 
 
@@ -231,7 +232,7 @@ def is_installed(kind: str) -> bool:
     """True when ``kind``'s install finished (cheap: no import of the peer)."""
     if kind == "transformers":
         return TRANSFORMERS_SERVER.exists()
-    return _stamp(kind).exists() and _venv_python(kind).exists()
+    return _stamp(kind).exists() and venv_python(kind).exists()
 
 
 def ensure_installed(kind: str, progress: bool = True) -> None:
@@ -278,7 +279,7 @@ def _check_transformers() -> None:
 
 
 def _make_venv(inst: _Installer) -> Path:
-    py = _venv_python(inst.kind)
+    py = venv_python(inst.kind)
     if not py.exists():
         inst.run("create venv", [_base_python(), "-m", "venv", str(_venv(inst.kind))])
     return py
@@ -566,7 +567,7 @@ def peer_command(
     threads = str(len(cpus) or os.cpu_count() or 1)
     if kind == "vllm":
         cmd = [
-            str(_venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
+            str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(hf_folder(model)),
             "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port),
@@ -597,7 +598,7 @@ def peer_command(
         cmd = [
             # Our launcher (below) under the peer's interpreter: the stock
             # ``-m llama_cpp.server`` with two fixes this benchmark needs.
-            str(_venv_python("llamacpp")), str(Path(__file__).resolve()), LLAMACPP_LAUNCH,
+            str(venv_python("llamacpp")), str(Path(__file__).resolve()), LLAMACPP_LAUNCH,
             "--model", str(gguf_file(model)),
             "--model_alias", name,
             "--host", "127.0.0.1", "--port", str(port),
@@ -744,7 +745,7 @@ def vllm_cli_command(args: Sequence[str]) -> list[str]:
         raise PeerUnavailable(
             f"vllm: not installed in {_venv('vllm')}; run `python -m bench.peers install vllm`"
         )
-    return [str(_venv_python("vllm")), str(Path(__file__).resolve()), VLLM_CLI, *args]
+    return [str(venv_python("vllm")), str(Path(__file__).resolve()), VLLM_CLI, *args]
 
 
 def run_vllm_cli(args: list[str]) -> None:
