@@ -782,6 +782,16 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
 }
 #endif
 
+// One KV head's keys of one sequence, gathered and packed once for all the
+// tasks (query blocks) that read them: K rows [steps * kAmxKeys, dim] and
+// V^T [steps][dim, kAmxKeys / 2], per step of kAmxKeys keys from the first
+// key. A long prompt's blocks each read most of its keys: packed per task,
+// a key was gathered and repacked once per block after it.
+struct PackedKV {
+  const uint16_t* k = nullptr;
+  const uint32_t* vt = nullptr;
+};
+
 #ifdef RADIXMUX_AMX
 // ---- many query rows on AMX tiles (bfloat16 K/V and queries) ---------------------------
 // attend_state_tiled's contract and order of work with both products on AMX
@@ -878,6 +888,40 @@ inline void amx_block_row(const void* a, int64_t lda, int64_t steps, const uint3
   }
 }
 
+// The K rows of keys addr[j0 .. j0 + n) as whole tiles: kb [kAmxKeys, dim]
+// (zero rows past n: their scores are never used).
+template <int NV>
+inline void gather_k_step(const c10::BFloat16* k_base, int64_t row_stride, const int64_t* addr,
+                          int64_t j0, int64_t n, uint16_t* kb) {
+  constexpr int64_t dim = NV * 16, bytes = dim * 2;
+  for (int64_t k = 0; k < n; ++k)
+    std::memcpy(kb + k * dim, k_base + addr[j0 + k] * row_stride, bytes);
+  if (n < kAmxKeys) std::memset(kb + n * dim, 0, (kAmxKeys - n) * bytes);
+}
+
+// V^T of the same keys as the P.V tiles read it: vt [dim, kAmxKeys / 2] key
+// pairs (row d: the step's pairs at d; zeros past n: weight 0 on a zero row
+// adds nothing), through v2 [kAmxKeys / 2, dim] (V rows interleaved by pairs).
+template <int NV>
+inline void pack_v_step(const c10::BFloat16* v_base, int64_t row_stride, const int64_t* addr,
+                        int64_t j0, int64_t n, uint32_t* v2, uint32_t* vt) {
+  constexpr int64_t dim = NV * 16, pairs = kAmxKeys / 2;
+  const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
+  for (int64_t k = 0; k < 16 * chunks; ++k) {
+    if (2 * k < n) {
+      const bool both = 2 * k + 1 < n;
+      interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
+                          both ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
+                          v2 + k * dim);
+    } else {
+      std::memset(v2 + k * dim, 0, dim * 4);
+    }
+  }
+  for (int64_t pb = 0; pb < chunks; ++pb)
+    for (int64_t d = 0; d < dim; d += 16)
+      transpose16(v2 + 16 * pb * dim + d, dim, vt + d * pairs + 16 * pb, pairs);
+}
+
 template <int NV>
 __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows, int64_t rp,
                                                 const c10::BFloat16* k_base,
@@ -885,7 +929,7 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
                                                 const int64_t* addr, int64_t len,
                                                 const int32_t* first, const int32_t* last,
                                                 float scale, float softcap, Scratch& sc, float* m,
-                                                float* s, float* acc) {
+                                                float* s, float* acc, PackedKV packed = {}) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 32 (one tile's k)");
   constexpr int64_t dim = NV * 16, KT = kAmxKeys, pairs = KT / 2;
   const int64_t groups = rp / 16;
@@ -909,34 +953,29 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
   radixmux::configure_full_tiles();
   for (int64_t j0 = 0; j0 < len; j0 += KT) {
     const int64_t n = std::min(KT, len - j0);
-    prefetch_tile(k_base, v_base, row_stride, addr, j0 + KT, KT, len, bytes);
-    // K rows into whole tiles (zero rows past n: their scores are never used).
-    for (int64_t k = 0; k < n; ++k)
-      std::memcpy(kb + k * dim, k_base + addr[j0 + k] * row_stride, bytes);
-    if (n < KT) std::memset(kb + n * dim, 0, (KT - n) * bytes);
+    // A packed step holds real keys past n (later tokens'), where a step
+    // packed here holds zeros: the scores past n are never read and their
+    // weights are 0, so both give the same bits.
+    const uint16_t* ks = kb;
+    if (packed.k) {
+      ks = packed.k + j0 * dim;
+    } else {
+      prefetch_tile(k_base, v_base, row_stride, addr, j0 + KT, KT, len, bytes);
+      gather_k_step<NV>(k_base, row_stride, addr, j0, n, kb);
+    }
     // S^T [KT, rp] = K . Q^T in 2 x 2 blocks of 16 keys x 16 query rows
     // (key groups wholly past n skipped).
     const int64_t key_groups = (n + 15) / 16;
     for (int64_t kg = 0; kg < key_groups; kg += 2)
-      amx_block_row<false>(kb + 16 * kg * dim, dim * 2, NV / 2, qt, st + 16 * kg * rp, rp, groups);
+      amx_block_row<false>(ks + 16 * kg * dim, dim * 2, NV / 2, qt, st + 16 * kg * rp, rp, groups);
     // P^T and V as key pairs (zeros past n: weight 0 on a zero row adds nothing).
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
     softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale, p2,
                  16 * chunks);
-    for (int64_t k = 0; k < 16 * chunks; ++k) {
-      if (2 * k < n) {
-        const bool both = 2 * k + 1 < n;
-        interleave_rows<NV>(v_base + addr[j0 + 2 * k] * row_stride,
-                            both ? v_base + addr[j0 + 2 * k + 1] * row_stride : nullptr,
-                            v2 + k * dim);
-      } else {
-        std::memset(v2 + k * dim, 0, dim * 4);
-      }
-    }
-    for (int64_t pb = 0; pb < chunks; ++pb)
-      for (int64_t d = 0; d < dim; d += 16)
-        transpose16(v2 + 16 * pb * dim + d, dim, vt + d * pairs + 16 * pb, pairs);
+    const uint32_t* vs = vt;
+    if (packed.vt) vs = packed.vt + j0 / KT * dim * pairs;
+    else pack_v_step<NV>(v_base, row_stride, addr, j0, n, v2, vt);
     // The accumulators' rescale, skipped for a group whose maxima all held.
     for (int64_t g = 0; g < groups; ++g) {
       const __m512 c = _mm512_loadu_ps(rescale + 16 * g);
@@ -949,7 +988,7 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
     // O^T [dim, rp] += V^T . P^T in 2 x 2 blocks of 16 dims x 16 rows, the
     // accumulators in tiles over the step's key chunks.
     for (int64_t dg = 0; dg < NV; dg += 2)
-      amx_block_row<true>(vt + 16 * dg * pairs, pairs * 4, chunks, p2, acc_t + 16 * dg * rp, rp,
+      amx_block_row<true>(vs + 16 * dg * pairs, pairs * 4, chunks, p2, acc_t + 16 * dg * rp, rp,
                           groups);
   }
   // acc [rows, dim] = acc_t^T: whole 16-row groups by blocks, the rest by element.
@@ -983,7 +1022,7 @@ template <typename T, typename Q, int NV, typename RowFn>
 void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t row_stride,
                  const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
                  Scratch& s, float* m, float* sum, float* acc, bool amx_any = false,
-                 bool det = false) {
+                 bool det = false, PackedKV packed = {}) {
 #ifdef __AVX512F__
   // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
   // use); float queries over them take the per-key path rather than add a
@@ -1033,7 +1072,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
       if constexpr (dp && !fp8 && NV % 2 == 0) {
         if (amx) {
           attend_state_amx<NV>(pairs, rows, rp, kh, vh, row_stride, addr, len, s.first32.data(),
-                               s.last32.data(), scale, softcap, s, m, sum, acc);
+                               s.last32.data(), scale, softcap, s, m, sum, acc, packed);
           return;
         }
       }
@@ -1372,6 +1411,90 @@ constexpr int64_t kLongContext = 512;
 // KV head, block of new tokens); it visits only keys some token of the
 // block sees (nothing above the diagonal, nothing before the window), and
 // key tiles every row sees whole skip the masks.
+// Where pack_extend_kv's packs live: one buffer, reused by every call (a
+// multi-megabyte allocation per layer would fault its pages in every time).
+std::vector<uint32_t>& extend_pack_buffer() {
+  static std::vector<uint32_t> buffer;
+  return buffer;
+}
+
+// K and V^T of every KV head of each sequence whose prompt spans several
+// query blocks, packed once for all its tasks (PackedKV), where extends run
+// on the AMX tiles without a window (a window starts each block's keys at
+// a different place). Returns, per sequence, its packs' offset in
+// extend_pack_buffer() in 32-bit words (-1: not packed); head h's follow
+// at h * pack_words(steps).
+template <typename T, typename Q>
+std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& v_rows,
+                                    const int64_t* addr, const int64_t* offs,
+                                    const int64_t* qoffs, int64_t seqs, int64_t kv_heads,
+                                    int64_t dim, int64_t window, int64_t block) {
+  std::vector<int64_t> at(static_cast<size_t>(seqs), -1);
+#ifdef RADIXMUX_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>) {
+    bool tiles = false;
+    dispatch_dim(dim, [&](auto nv) { tiles = decltype(nv)::value % 2 == 0; });
+    if (!tiles || window > 0 || !amx_ready()) return at;
+    // Per sequence: K [steps * kAmxKeys, dim] bfloat16 then V^T [steps, dim,
+    // kAmxKeys / 2] pairs, per head: dim * kAmxKeys words per step.
+    const int64_t step_words = dim * kAmxKeys;
+    int64_t words = 0;
+    struct Item {
+      int64_t seq, head, step;
+    };
+    std::vector<Item> items;
+    for (int64_t e = 0; e < seqs; ++e) {
+      // Worth it from four tasks per head (blocks are up to twice `block`
+      // long): 100 new tokens after 1,000 cached, two tasks per head, went
+      // from 0.41-0.42 to 0.46-0.49 ms per layer packed (a pass of its own,
+      // then its reads from L2), 512 new from 0.65-0.68 to 0.61-0.62.
+      if (qoffs[e + 1] - qoffs[e] < 8 * block) continue;
+      const int64_t steps = (offs[e + 1] - offs[e] + kAmxKeys - 1) / kAmxKeys;
+      at[e] = words;
+      words += kv_heads * steps * step_words;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t j = 0; j < steps; ++j) items.push_back({e, h, j});
+    }
+    if (items.empty()) return at;
+    std::vector<uint32_t>& buffer = extend_pack_buffer();
+    if (buffer.size() < static_cast<size_t>(words)) buffer.resize(static_cast<size_t>(words));
+    const auto* kp = reinterpret_cast<const c10::BFloat16*>(k_rows.data_ptr());
+    const auto* vp = reinterpret_cast<const c10::BFloat16*>(v_rows.data_ptr());
+    const int64_t row_stride = k_rows.stride(0);
+    run_tasks(static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& s) {
+      const Item& it = items[i];
+      const int64_t len = offs[it.seq + 1] - offs[it.seq];
+      const int64_t steps = (len + kAmxKeys - 1) / kAmxKeys;
+      const int64_t j0 = it.step * kAmxKeys, n = std::min(kAmxKeys, len - j0);
+      uint32_t* head = buffer.data() + at[it.seq] + it.head * steps * step_words;
+      const int64_t* a = addr + offs[it.seq];
+      s.vf.resize(static_cast<size_t>(kAmxKeys / 2 * dim));
+      dispatch_dim(dim, [&](auto nv) {
+        constexpr int NV = decltype(nv)::value;
+        if constexpr (NV > 0 && NV % 2 == 0) {
+          // K rows of step j at word j * dim * kAmxKeys / 2; V^T after all K.
+          gather_k_step<NV>(kp + it.head * dim, row_stride, a, j0, n,
+                            reinterpret_cast<uint16_t*>(head + it.step * step_words / 2));
+          pack_v_step<NV>(vp + it.head * dim, row_stride, a, j0, n,
+                          reinterpret_cast<uint32_t*>(s.vf.data()),
+                          head + steps * step_words / 2 + it.step * step_words / 2);
+        }
+      });
+    });
+  }
+#endif
+  return at;
+}
+
+// Sequence e's KV head h packs (none where pack_extend_kv made none).
+inline PackedKV packed_of(const std::vector<int64_t>& at, int64_t e, int64_t h, int64_t dim,
+                          int64_t len) {
+  if (at[e] < 0) return {};
+  const int64_t steps = (len + kAmxKeys - 1) / kAmxKeys, half = steps * dim * kAmxKeys / 2;
+  const uint32_t* head = extend_pack_buffer().data() + at[e] + h * 2 * half;
+  return {reinterpret_cast<const uint16_t*>(head), head + half};
+}
+
 template <typename T, typename Q>
 void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                 const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
@@ -1409,6 +1532,8 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // Costliest first, then any thread takes the next (as for decodes).
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<int64_t> packs = pack_extend_kv<T, Q>(k_rows, v_rows, ap, offs, qoffs, seqs,
+                                                          kv_heads, dim, window, short_block);
   run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i, Scratch& s) {
     const Task& t = tasks[i];
     const int64_t n = qoffs[t.seq + 1] - qoffs[t.seq];
@@ -1428,7 +1553,9 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
                                              row_stride, ap + offs[t.seq] + begin,
                                              end - begin, dim, sc, cap, s, m, sum, acc,
-                                             /*amx_any=*/true, det);
+                                             /*amx_any=*/true, det,
+                                             packed_of(packs, t.seq, t.head, dim,
+                                                       offs[t.seq + 1] - offs[t.seq]));
     });
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = t.t0 + r / qpk;
