@@ -23,10 +23,12 @@ tokens after 448 cached in one call, and four of 100 new after 1,000 cached
 attention kernel (``cpu_attention_with_kv_cache``, with the ISA its CPU
 backend picks: ``amx`` on an AMX host; run by ``bench/peer_attention_vllm.py``
 in the vLLM peer's venv over a KV cache written by its own
-``cpu_attn_reshape_and_cache``) and radixmux's ``paged_extend`` on the same
-causal prefills (new tokens after cached ones), K/V writes excluded on both
-sides, 30 layers of their own K/V per step, ms per layer; the two run in
-alternating rounds (``--rounds``), in separate processes.
+``cpu_attn_reshape_and_cache``) and radixmux's ``paged_extend`` (or
+``paged_decode`` for decode batches) on the same causal attention (new
+tokens after cached ones, one sequence or a batch of decodes over 1,100-token
+contexts of their own), K/V writes excluded on both sides, 30 layers of their
+own K/V per step, ms per layer; the two run in alternating rounds
+(``--rounds``), in separate processes.
 
 Each pair of radixmux's paths is timed interleaved, call by call, so both see
 the same load from other processes on these shared cores; each figure is the
@@ -251,9 +253,11 @@ def measure_extend(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype,
     return ExtendFigures(name, round(s * 1e3, 2), round(k * 1e3, 2), round(s / k, 2))
 
 
-# Against vLLM CPU's own attention kernel (``--parts vllm``): one causal
-# prefill of `new` tokens after `cached`, keyed "new@cached".
-PEER_CASES = ("512@0", "64@448", "100@1000", "2048@0")
+# Against vLLM CPU's own attention kernel (``--parts vllm``): B sequences of
+# `new` tokens after `cached` each, keyed "new@cached" (one sequence) or
+# "new@cachedxB"; new = 1 is a decode batch (each its own context).
+PEER_CASES = ("512@0", "64@448", "100@1000", "2048@0", "1@1099x16", "1@1099x64")
+PEER_RUN = 128  # slots per contiguous run of a context: the peer script's BLOCK
 
 
 @dataclass
@@ -265,16 +269,25 @@ class PeerFigures:
     ratio: float  # vLLM's median time / radixmux's (> 1: radixmux faster)
 
 
-def measure_prefill(new: int, cached: int, dtype: torch.dtype, steps: int) -> float:
-    """ms per layer of ``paged_extend`` alone (20th percentile of 30-layer
-    steps), each layer its own K/V rows, a context in pages of 16 slots
-    scattered over the table: the peer script's shape and timing."""
+def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
+    """ms per layer of radixmux's kernel alone (20th percentile of 30-layer
+    steps) on a peer case: ``paged_extend``, or ``paged_decode`` for a decode
+    batch, as the runner calls them; each layer its own K/V rows, each
+    context in runs of PEER_RUN slots scattered over the table, as the peer's
+    contexts are in blocks of as many tokens (a fresh server's allocator
+    hands out such runs; a fragmented arena scatters finer, which costs
+    radixmux's decode more: 16-slot runs measured 0.94-1.00 ms per layer at
+    16 x 1,100 against 0.72)."""
+    head, _, many = case.partition("x")
+    new, cached = (int(x) for x in head.split("@"))
+    seqs, total = int(many or 1), cached + new
     g = torch.Generator().manual_seed(0)
-    total = cached + new
-    pages = -(-total // 16)
-    table = max(2 * pages * 16, 8192)
-    order = torch.randperm(table // 16, generator=g)[:pages]
-    addr = (order[:, None] * 16 + torch.arange(16)).flatten()[:total].contiguous()
+    runs = -(-total // PEER_RUN)
+    table = max(2 * runs * PEER_RUN * seqs, 8192)
+    order = torch.randperm(table // PEER_RUN, generator=g)[: runs * seqs].view(seqs, runs)
+    addr = torch.cat(
+        [(row[:, None] * PEER_RUN + torch.arange(PEER_RUN)).flatten()[:total] for row in order]
+    )
     layers = [
         (
             torch.randn(table, KV_HEADS * HEAD_DIM, generator=g).to(dtype),
@@ -282,15 +295,17 @@ def measure_prefill(new: int, cached: int, dtype: torch.dtype, steps: int) -> fl
         )
         for _ in range(LAYERS)
     ]
-    q = torch.randn(new, HEADS, HEAD_DIM, generator=g).to(dtype)
-    offsets = torch.tensor([0, total])
-    q_offsets = torch.tensor([0, new])
+    q = torch.randn(seqs * new, HEADS, HEAD_DIM, generator=g).to(dtype)
+    offsets = torch.arange(seqs + 1) * total
+    q_offsets = torch.arange(seqs + 1) * new
+    scale = HEAD_DIM**-0.5
 
     def step() -> None:
         for k_rows, v_rows in layers:
-            kernel.paged_extend(
-                q, k_rows, v_rows, addr, offsets, q_offsets, HEAD_DIM**-0.5, None, None
-            )
+            if new == 1:
+                kernel.paged_decode(q, k_rows, v_rows, addr, offsets, scale, None, None)
+            else:
+                kernel.paged_extend(q, k_rows, v_rows, addr, offsets, q_offsets, scale, None, None)
 
     step()
     times = []
@@ -318,8 +333,8 @@ def measure_peer(cases: list[str], threads: int) -> dict[str, tuple[float, str]]
         raise SystemExit(f"vLLM's kernel failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     wrong = [r for r in rows if not r["error"] < 3e-2]
-    assert not wrong, f"vLLM's kernel is not the causal prefill compared: {wrong}"
-    return {f"{r['new']}@{r['cached']}": (r["ms_per_layer"], r["isa"]) for r in rows}
+    assert not wrong, f"vLLM's kernel is not the causal attention compared: {wrong}"
+    return {r["case"]: (r["ms_per_layer"], r["isa"]) for r in rows}
 
 
 def compare_with_vllm(dtype: torch.dtype, rounds: int) -> list[PeerFigures]:
@@ -329,9 +344,8 @@ def compare_with_vllm(dtype: torch.dtype, rounds: int) -> list[PeerFigures]:
     isa = ""
     for _ in range(rounds):
         for case in PEER_CASES:
-            new, cached = (int(x) for x in case.split("@"))
-            steps = 20 if new < 1024 else 6
-            ours[case].append(round(measure_prefill(new, cached, dtype, steps), 3))
+            steps = 6 if case.startswith("2048") else 20
+            ours[case].append(round(measure_case(case, dtype, steps), 3))
         for case, (ms, case_isa) in measure_peer(list(PEER_CASES), torch.get_num_threads()).items():
             theirs[case].append(round(ms, 3))
             isa = case_isa
@@ -403,7 +417,7 @@ def main() -> None:
     if "vllm" in args.parts:
         if dtype != torch.bfloat16:
             raise SystemExit("--parts vllm compares bfloat16 kernels")
-        print(f"\nprefill attention against vLLM's kernel: ms per layer, {args.rounds} rounds")
+        print(f"\nattention against vLLM's kernel: ms per layer, {args.rounds} rounds")
         print(f"{'new@cached':>11} {'radixmux':>16} {'vLLM':>16} {'isa':>5} {'vLLM/ours':>10}")
         versus = compare_with_vllm(dtype, args.rounds)
         for v in versus:

@@ -172,10 +172,10 @@ def test_one_peer_per_model_with_pinned_cores(tmp_path: Path) -> None:
 @pytest.mark.skipif(not peers.is_installed("vllm"), reason="vLLM peer not installed")
 def test_vllm_attention_kernel_runs_the_prefill_compared() -> None:
     """bench_decode_attention's ``--parts vllm``: vLLM's own kernel, in its venv,
-    computes the causal prefill radixmux's kernel is compared on (against plain
-    attention over the same K/V), and is timed."""
+    computes the causal attention radixmux's kernel is compared on, prefills and
+    a decode batch (against plain attention over the same K/V), and is timed."""
     from bench import bench_decode_attention as bda
 
-    got = bda.measure_peer(["64@448", "37@0"], threads=1)
-    assert set(got) == {"64@448", "37@0"}
+    got = bda.measure_peer(["64@448", "37@0", "1@99x3"], threads=1)
+    assert set(got) == {"64@448", "37@0", "1@99x3"}
     assert all(ms > 0 and isa for ms, isa in got.values()), got
