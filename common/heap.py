@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 
 @functools.cache
@@ -26,9 +27,17 @@ def _malloc_trim() -> ctypes._CFuncPtr | None:
         return None
 
 
-def trim_heap() -> bool:
+def trim_heap(collect: bool = False) -> bool:
     """Return the C heaps' free pages to the OS; whether anything was released
     (False too where the C library has no ``malloc_trim``). Cheap (milliseconds):
-    call it after a load that allocated and freed much."""
+    call it after a load that allocated and freed much.
+
+    ``collect``: run Python's cycle collector first, for memory just dropped
+    that reference cycles still hold (a tokenizer's do): freed after the trim,
+    it would stay resident. Six load-and-drop cycles of SmolLM2's tokenizer
+    in one process left 75 -> 86 MB resident trimmed alone, 75 -> 81 MB
+    collected first."""
+    if collect:
+        gc.collect()
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False

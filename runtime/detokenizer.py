@@ -238,8 +238,8 @@ class Detokenizer:
             self.namers.pop(name, None)
         # Its tokenizer's memory goes back to the OS, not only to the heap: a
         # process this small (~140 MB) otherwise keeps a dropped model's
-        # tokenizer as resident growth.
-        trim_heap()
+        # tokenizer as resident growth (cycles hold part of it: collected first).
+        trim_heap(collect=True)
         log.info("model %s removed", name)
 
     def process(self, batch: protocol.TokenBatch) -> list[protocol.TextOutput]:

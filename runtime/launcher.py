@@ -43,7 +43,7 @@ import zmq
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir, socket
 from radixmux.common.owner import arena_file_name, remove_stale_arenas
-from radixmux.common.process import ProcessContext, spawn
+from radixmux.common.process import TOKENIZER_ENV, ProcessContext, spawn
 from radixmux.common.server_args import KV_CACHE_DTYPES, ServerArgs
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.protocol import ModelArg
@@ -189,9 +189,12 @@ class Launcher:
 
         names = ["detokenizer", *(f"tokenizer-{i}" for i in range(args.tokenizer_workers)), "front"]
         for name in names:
-            module = PROCESS_MODULES[name.partition("-")[0]]
+            kind = name.partition("-")[0]
             self._spawn(
-                module, ProcessContext(name, args, eps, served=self.served, arena=spec), name
+                PROCESS_MODULES[kind],
+                ProcessContext(name, args, eps, served=self.served, arena=spec),
+                name,
+                TOKENIZER_ENV if kind in ("detokenizer", "tokenizer") else None,
             )
         self._wait_ready(names, READY_TIMEOUT_S)
         self.lifecycle = ModelLifecycle(self, self.served)
@@ -205,10 +208,16 @@ class Launcher:
         self._started = True
         log.info("all %d processes ready in %.1fs", len(self.children), time.monotonic() - t0)
 
-    def _spawn(self, module: str, ctx: ProcessContext, name: str | None = None) -> None:
+    def _spawn(
+        self,
+        module: str,
+        ctx: ProcessContext,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         name = name or ctx.name
         with _children_ignore_sigint():
-            proc = spawn(module, ctx)
+            proc = spawn(module, ctx, env)
         self.children.append(Child(name, proc))
         log.info("started %s (pid %d)", name, self.children[-1].proc.pid)
 

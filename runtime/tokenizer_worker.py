@@ -243,7 +243,7 @@ def sync_models(
     for name in gone:
         del models[name]
     if gone:  # as the detokenizer does: the dropped tokenizers' memory back to the OS
-        trim_heap()
+        trim_heap(collect=True)
     for name, m in wanted.items():
         if name not in models:
             tok = by_folder[m.folder]

@@ -98,6 +98,11 @@ def has_torch(pid: int) -> bool:
         return True  # gone: it cannot count as "still importing"
 
 
+def c_heap(pid: int) -> bool:
+    """Whether the process runs with PYTHONMALLOC=malloc."""
+    return b"PYTHONMALLOC=malloc" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 def wait_until(check, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -181,9 +186,13 @@ def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Pat
         assert banner.startswith("radixmux serving"), (base / "launcher.log").read_text()
         kids = children_of(live.pid)
         assert len(kids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
-        # The processes that only tokenize never load torch (~2 CPU-s each a start).
+        # The processes that only tokenize never load torch (~2 CPU-s each a start),
+        # and allocate through the C heap, which gives a dropped tokenizer's memory
+        # back (process.TOKENIZER_ENV); the others keep Python's own allocator.
         tokenizing = [k for k in kids if re.search(TOKENIZING, cmdline(k))]
         assert len(tokenizing) == 2 and not any(has_torch(k) for k in tokenizing)
+        assert all(c_heap(k) for k in tokenizing)
+        assert not any(c_heap(k) for k in kids if k not in tokenizing)
         live.kill()
         live.wait(30)
         wait_until(lambda: not any(alive(k) for k in kids), f"orphans: {kids}", 30)
