@@ -1404,13 +1404,6 @@ constexpr int64_t kExtendRows = 96;
 // tokens over 1,000 cached: 6-13% faster; from scratch, 96 rows stay 3% ahead).
 constexpr int64_t kLongContext = 512;
 
-// Causal attention of each extend's new tokens over its whole context,
-// read in place: sequence e's context is addr[offsets[e]:offsets[e + 1]]
-// and its new tokens are the last n_e = q_offsets[e + 1] - q_offsets[e] of
-// it, their queries q[q_offsets[e]:q_offsets[e + 1]]. A task is (sequence,
-// KV head, block of new tokens); it visits only keys some token of the
-// block sees (nothing above the diagonal, nothing before the window), and
-// key tiles every row sees whole skip the masks.
 // Where pack_extend_kv's packs live: one buffer, reused by every call (a
 // multi-megabyte allocation per layer would fault its pages in every time).
 std::vector<uint32_t>& extend_pack_buffer() {
@@ -1418,12 +1411,27 @@ std::vector<uint32_t>& extend_pack_buffer() {
   return buffer;
 }
 
+// A packed head's layout in extend_pack_buffer(), in 32-bit words: K rows
+// [steps * kAmxKeys, dim] bfloat16, then V^T [steps][dim, kAmxKeys / 2]
+// pairs, each half `half` words (one step of either: step_words), heads one
+// after another.
+struct PackLayout {
+  int64_t steps, step_words, half;
+  PackLayout(int64_t len, int64_t dim)
+      : steps((len + kAmxKeys - 1) / kAmxKeys),
+        step_words(dim * kAmxKeys / 2),
+        half(steps * step_words) {}
+  int64_t head(int64_t h) const { return h * 2 * half; }
+  int64_t k_step(int64_t j) const { return j * step_words; }
+  int64_t vt_step(int64_t j) const { return half + j * step_words; }
+};
+
 // K and V^T of every KV head of each sequence whose prompt spans several
 // query blocks, packed once for all its tasks (PackedKV), where extends run
 // on the AMX tiles without a window (a window starts each block's keys at
 // a different place). Returns, per sequence, its packs' offset in
-// extend_pack_buffer() in 32-bit words (-1: not packed); head h's follow
-// at h * pack_words(steps).
+// extend_pack_buffer() in 32-bit words (-1: not packed), laid out as
+// PackLayout says.
 template <typename T, typename Q>
 std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& v_rows,
                                     const int64_t* addr, const int64_t* offs,
@@ -1435,9 +1443,6 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
     bool tiles = false;
     dispatch_dim(dim, [&](auto nv) { tiles = decltype(nv)::value % 2 == 0; });
     if (!tiles || window > 0 || !amx_ready()) return at;
-    // Per sequence: K [steps * kAmxKeys, dim] bfloat16 then V^T [steps, dim,
-    // kAmxKeys / 2] pairs, per head: dim * kAmxKeys words per step.
-    const int64_t step_words = dim * kAmxKeys;
     int64_t words = 0;
     struct Item {
       int64_t seq, head, step;
@@ -1449,11 +1454,11 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
       // from 0.41-0.42 to 0.46-0.49 ms per layer packed (a pass of its own,
       // then its reads from L2), 512 new from 0.65-0.68 to 0.61-0.62.
       if (qoffs[e + 1] - qoffs[e] < 8 * block) continue;
-      const int64_t steps = (offs[e + 1] - offs[e] + kAmxKeys - 1) / kAmxKeys;
+      const PackLayout layout(offs[e + 1] - offs[e], dim);
       at[e] = words;
-      words += kv_heads * steps * step_words;
+      words += layout.head(kv_heads);
       for (int64_t h = 0; h < kv_heads; ++h)
-        for (int64_t j = 0; j < steps; ++j) items.push_back({e, h, j});
+        for (int64_t j = 0; j < layout.steps; ++j) items.push_back({e, h, j});
     }
     if (items.empty()) return at;
     std::vector<uint32_t>& buffer = extend_pack_buffer();
@@ -1464,20 +1469,19 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
     run_tasks(static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& s) {
       const Item& it = items[i];
       const int64_t len = offs[it.seq + 1] - offs[it.seq];
-      const int64_t steps = (len + kAmxKeys - 1) / kAmxKeys;
+      const PackLayout layout(len, dim);
       const int64_t j0 = it.step * kAmxKeys, n = std::min(kAmxKeys, len - j0);
-      uint32_t* head = buffer.data() + at[it.seq] + it.head * steps * step_words;
+      uint32_t* head = buffer.data() + at[it.seq] + layout.head(it.head);
       const int64_t* a = addr + offs[it.seq];
       s.vf.resize(static_cast<size_t>(kAmxKeys / 2 * dim));
       dispatch_dim(dim, [&](auto nv) {
         constexpr int NV = decltype(nv)::value;
         if constexpr (NV > 0 && NV % 2 == 0) {
-          // K rows of step j at word j * dim * kAmxKeys / 2; V^T after all K.
           gather_k_step<NV>(kp + it.head * dim, row_stride, a, j0, n,
-                            reinterpret_cast<uint16_t*>(head + it.step * step_words / 2));
+                            reinterpret_cast<uint16_t*>(head + layout.k_step(it.step)));
           pack_v_step<NV>(vp + it.head * dim, row_stride, a, j0, n,
                           reinterpret_cast<uint32_t*>(s.vf.data()),
-                          head + steps * step_words / 2 + it.step * step_words / 2);
+                          head + layout.vt_step(it.step));
         }
       });
     });
@@ -1490,11 +1494,18 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
 inline PackedKV packed_of(const std::vector<int64_t>& at, int64_t e, int64_t h, int64_t dim,
                           int64_t len) {
   if (at[e] < 0) return {};
-  const int64_t steps = (len + kAmxKeys - 1) / kAmxKeys, half = steps * dim * kAmxKeys / 2;
-  const uint32_t* head = extend_pack_buffer().data() + at[e] + h * 2 * half;
-  return {reinterpret_cast<const uint16_t*>(head), head + half};
+  const PackLayout layout(len, dim);
+  const uint32_t* head = extend_pack_buffer().data() + at[e] + layout.head(h);
+  return {reinterpret_cast<const uint16_t*>(head + layout.k_step(0)), head + layout.vt_step(0)};
 }
 
+// Causal attention of each extend's new tokens over its whole context,
+// read in place: sequence e's context is addr[offsets[e]:offsets[e + 1]]
+// and its new tokens are the last n_e = q_offsets[e + 1] - q_offsets[e] of
+// it, their queries q[q_offsets[e]:q_offsets[e + 1]]. A task is (sequence,
+// KV head, block of new tokens); it visits only keys some token of the
+// block sees (nothing above the diagonal, nothing before the window), and
+// key tiles every row sees whole skip the masks.
 template <typename T, typename Q>
 void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                 const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
