@@ -28,7 +28,9 @@ in the vLLM peer's venv over a KV cache written by its own
 tokens after cached ones, one sequence or a batch of decodes over 1,100-token
 contexts of their own), K/V writes excluded on both sides, 30 layers of their
 own K/V per step, ms per layer; the two run in alternating rounds
-(``--rounds``), in separate processes.
+(``--rounds``), in separate processes. ``--cases`` takes other shapes, as
+"new@cached" or "new@cachedxB" (``--cases 1024@2127 1@3300x24``: a long
+prompt's chunk after a cached prefix, 24 decodes over long contexts).
 
 Each pair of radixmux's paths is timed interleaved, call by call, so both see
 the same load from other processes on these shared cores; each figure is the
@@ -337,16 +339,19 @@ def measure_peer(cases: list[str], threads: int) -> dict[str, tuple[float, str]]
     return {r["case"]: (r["ms_per_layer"], r["isa"]) for r in rows}
 
 
-def compare_with_vllm(dtype: torch.dtype, rounds: int) -> list[PeerFigures]:
-    """Both kernels on PEER_CASES, rounds alternating (radixmux, then vLLM)."""
-    ours: dict[str, list[float]] = {c: [] for c in PEER_CASES}
-    theirs: dict[str, list[float]] = {c: [] for c in PEER_CASES}
+def compare_with_vllm(
+    dtype: torch.dtype, rounds: int, cases: tuple[str, ...] = PEER_CASES
+) -> list[PeerFigures]:
+    """Both kernels on ``cases``, rounds alternating (radixmux, then vLLM)."""
+    ours: dict[str, list[float]] = {c: [] for c in cases}
+    theirs: dict[str, list[float]] = {c: [] for c in cases}
     isa = ""
     for _ in range(rounds):
-        for case in PEER_CASES:
-            steps = 6 if case.startswith("2048") else 20
+        for case in cases:
+            head = case.partition("x")[0].split("@")
+            steps = 6 if int(head[0]) + int(head[1]) >= 2048 else 20
             ours[case].append(round(measure_case(case, dtype, steps), 3))
-        for case, (ms, case_isa) in measure_peer(list(PEER_CASES), torch.get_num_threads()).items():
+        for case, (ms, case_isa) in measure_peer(list(cases), torch.get_num_threads()).items():
             theirs[case].append(round(ms, 3))
             isa = case_isa
     return [
@@ -357,7 +362,7 @@ def compare_with_vllm(dtype: torch.dtype, rounds: int) -> list[PeerFigures]:
             isa,
             round(statistics.median(theirs[c]) / statistics.median(ours[c]), 2),
         )
-        for c in PEER_CASES
+        for c in cases
     ]
 
 
@@ -370,6 +375,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--rounds", type=int, default=2, help="--parts vllm: alternating rounds")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(PEER_CASES),
+        help='--parts vllm: "new@cached" or "new@cachedxB" (B sequences; new = 1: decodes)',
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -419,7 +430,7 @@ def main() -> None:
             raise SystemExit("--parts vllm compares bfloat16 kernels")
         print(f"\nattention against vLLM's kernel: ms per layer, {args.rounds} rounds")
         print(f"{'new@cached':>11} {'radixmux':>16} {'vLLM':>16} {'isa':>5} {'vLLM/ours':>10}")
-        versus = compare_with_vllm(dtype, args.rounds)
+        versus = compare_with_vllm(dtype, args.rounds, tuple(args.cases))
         for v in versus:
             ours = ", ".join(f"{x:.2f}" for x in v.radixmux_ms)
             theirs = ", ".join(f"{x:.2f}" for x in v.vllm_ms)

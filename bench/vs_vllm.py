@@ -835,12 +835,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-seed", type=int, default=0, help="the seed the sweep's shapes are drawn from"
     )
+    p.add_argument(
+        "--sweep-rows",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="run only these of the drawn shapes (0-based), to rerun one row",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
     args = p.parse_args(argv)
     if not 0 <= args.sweep <= MAX_SWEEP:
         p.error(f"--sweep takes 1 to {MAX_SWEEP} shapes")
+    if args.sweep_rows and not all(0 <= i < args.sweep for i in args.sweep_rows):
+        p.error(f"--sweep-rows takes indices below --sweep ({args.sweep})")
     return args
 
 
@@ -861,6 +871,16 @@ def engines_of(args: argparse.Namespace) -> list[Engine]:
     if "vllm" in args.engines:
         out.append(Engine("vllm"))
     return out
+
+
+def sweep_shapes(args: argparse.Namespace, limits: ShapeLimits) -> list[SweepShape]:
+    """The sweep's drawn shapes, or those of them ``--sweep-rows`` names (a row
+    rerun alone is the same shape, seed and prompts as in the whole sweep)."""
+    shapes = draw_shapes(args.sweep, args.sweep_seed, limits)
+    if args.sweep_rows is None:
+        return shapes
+    keep = set(args.sweep_rows)
+    return [s for s in shapes if s.index in keep]
 
 
 def sweep_json(
@@ -911,7 +931,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = None
     if args.sweep:
         limits = shape_limits(args.model, args.dtype, args.kv_bytes)
-        shapes = draw_shapes(args.sweep, args.sweep_seed, limits)
+        shapes = sweep_shapes(args, limits)
         datasets = {s.name: sweep_dataset(s) for s in shapes}
         rows = [(datasets[s.name], s.concurrency) for s in shapes]
     else:

@@ -351,6 +351,17 @@ def test_sweep_rows_get_their_own_dataset_seed_and_goal() -> None:
         vs_vllm.parse_args(["--sweep", str(vs_vllm.MAX_SWEEP + 1)])
 
 
+def test_sweep_rows_rerun_chosen_shapes_unchanged() -> None:
+    args = vs_vllm.parse_args(["--sweep", "6", "--sweep-seed", "1", "--sweep-rows", "5", "1"])
+    every = vs_vllm_sweep.draw_shapes(6, 1, LIMITS)
+    assert vs_vllm.sweep_shapes(args, LIMITS) == [every[1], every[5]]
+    assert vs_vllm.sweep_shapes(vs_vllm.parse_args(["--sweep", "6"]), LIMITS) == (
+        vs_vllm_sweep.draw_shapes(6, 0, LIMITS)
+    )
+    with pytest.raises(SystemExit):
+        vs_vllm.parse_args(["--sweep", "6", "--sweep-rows", "6"])
+
+
 def test_sweep_reports_every_row_and_the_worst(tmp_path: Path) -> None:
     a, b = vs_vllm_sweep.draw_shapes(2, 2, LIMITS)
     datasets = {s.name: vs_vllm.sweep_dataset(s) for s in (a, b)}
