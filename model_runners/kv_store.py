@@ -7,15 +7,33 @@ multiple of that row size, every such row of one (layer, K|V) pair sits on a
 single regular 2-D grid of rows, so gathering a sequence's context is one
 ``index_select`` of whole rows (about 8x faster on CPU than indexing the 4-D
 view by ``(block, offset)`` pairs). Otherwise the store falls back to
-``(block, offset)`` indexing; both give identical results.
+``(block, offset)`` indexing; both give identical results. Writes on the
+regular grid go through the kernel library's ``scatter_rows`` where it is
+loaded (one copy per token and head, straight from the attention's transposed
+K/V views, on every thread), else through ``index_copy_``: the same bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixmux.model_runners import paged_decode
+
 # Largest float8 e4m3 magnitude (--kv-cache-dtype fp8).
 FP8_MAX = 448.0
+
+
+def _scatterable(k: torch.Tensor, v: torch.Tensor, addr: torch.Tensor) -> bool:
+    """Whether scatter_rows takes these as they are (else index_copy_ does)."""
+    return (
+        k.dim() in (2, 3)
+        and v.dim() == k.dim()
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and addr.dim() == 1
+        and addr.dtype == torch.int64
+        and addr.is_contiguous()
+    )
 
 
 class KVStore:
@@ -26,6 +44,7 @@ class KVStore:
         # A float8 arena: K/V are rounded when stored, so attention must read
         # them back from it (never the unrounded values in hand).
         self.quantized = kv.dtype == torch.float8_e4m3fn
+        self.cpu = kv.device.type == "cpu"
         blocks, layers, _, spb, heads, dim = kv.shape
         # Per layer, what a stored K (V) value is multiplied by to give the
         # model's value (kv_scales.py: float8 arenas; 1.0 otherwise).
@@ -68,10 +87,9 @@ class KVStore:
         return self._views[layer]
 
     def write(self, layer: int, addr: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at the 1-D addresses ``addr``."""
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` (or ``[n, row]``; views
+        welcome) at the 1-D addresses ``addr``."""
         kc, vc = self._views[layer]
-        k = k.reshape(-1, self.row)
-        v = v.reshape(-1, self.row)
         if self.quantized:
             # float8 e4m3 has no infinity: out-of-range values saturate. torch
             # copies float8 by index only as bytes.
@@ -80,6 +98,14 @@ class KVStore:
             kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
         else:
             k, v = k.to(kc.dtype), v.to(vc.dtype)
+        if self.fast and self.cpu and paged_decode.loaded() and _scatterable(k, v, addr):
+            # Straight from the (often transposed) views into the rows: no
+            # token-major copy first, all threads (kernels/kv_write.cpp).
+            torch.ops.radixmux.scatter_rows(kc, addr, k)
+            torch.ops.radixmux.scatter_rows(vc, addr, v)
+            return
+        k = k.reshape(-1, self.row)
+        v = v.reshape(-1, self.row)
         if self.fast:
             kc.index_copy_(0, addr, k)
             vc.index_copy_(0, addr, v)

@@ -33,11 +33,12 @@ from radixmux.common import file_lock
 
 log = logging.getLogger("radixmux.kernels")
 
-# One library: the attention kernels, the fused element-wise layers (fused_ops.py)
-# and the small-batch AMX linear layers (packed_linear.py).
+# One library: the attention kernels, the fused element-wise layers (fused_ops.py),
+# the small-batch AMX linear layers (packed_linear.py) and the arena's K/V row
+# writes (kv_store.py).
 SOURCES = tuple(
     Path(__file__).parent / "kernels" / f
-    for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp")
+    for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "kv_write.cpp")
 )
 HEADERS = tuple(
     Path(__file__).parent / "kernels" / f for f in ("to_float.h", "amx.h", "vec_exp.h")
@@ -144,6 +145,11 @@ def load() -> bool:
             _state["ok"] = False
             _state["error"] = str(exc)
         return bool(_state["ok"])
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has loaded the kernels (this never builds them)."""
+    return bool(_state.get("ok"))
 
 
 def error() -> str:
