@@ -12,7 +12,7 @@ costs its size again.
 Where the CPU has AMX (bfloat16 tiles), bfloat16 layers keep their weight in
 the tile layout of ``kernels/amx_linear.cpp`` instead, and calls of up to
 ``AMX_MAX_ROWS`` rows (every decode step, and prefill chunks of up to 2,048
-tokens; 160 for a gated MLP's wide up projection) run there: oneDNN spends
+tokens; 768 for a gated MLP's wide up projection, 160 beside a oneDNN copy) run there: oneDNN spends
 ~20 us per call at decode sizes whatever the matrix, the tile kernel 3.5-10 us
 for SmolLM2's layers at 1-16 rows, with the same float accumulation and one
 rounding (results equal oneDNN's but for rare last-bit differences). Larger
@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -65,10 +65,19 @@ ROW_GRAIN = 64
 # (whole steps, interleaved: 8 decodes + a 1,024-token chunk 308 -> 247 ms,
 # 16 + 1,500 430 -> 395, 16 + 2,032 a tie); before that split it was behind
 # from 1,024 rows and the limit was 768. A wide matrix (a gated MLP's merged
-# gate and up projection, 5-6x as many outputs as inputs) only up to ~160 rows
-# (0.9-1.0x, then 1.1-1.3x from 192).
+# gate and up projection, 5-6x as many outputs as inputs) up to 768 rows:
+# without a oneDNN copy, oneDNN's calls first unpack the 3.5 MB of tiles (~0.3
+# ms), and the 30 layers' weights cycled (as a step reads them) the kernel
+# took 433 / 945 / 1,785 / 4,539 us at 192 / 512 / 1,024 / 2,048 rows against
+# oneDNN's 776 / 1,176 / 1,664 / 2,792; whole steps alternating the two limits
+# (a chunk beside decodes over 600 tokens): 250 + 8 decodes 90.1-93.1 ->
+# 74.5-76.9 ms, 500 + 4 126.6-128.0 -> 116.7-118.7, 700 + 16 174.5-176.3 ->
+# 167.2-168.2, 880 + 8 a tie, 1,000 + 20 behind. With a oneDNN copy (nothing
+# to unpack) the limit stays where it was measured first, 160 rows (0.9-1.0x,
+# then 1.1-1.3x from 192).
 AMX_MAX_ROWS = 2048
-AMX_MAX_ROWS_WIDE = 160
+AMX_MAX_ROWS_WIDE = 768
+AMX_MAX_ROWS_WIDE_COPY = 160
 # A layer that runs on the tile kernel at any row count and keeps no oneDNN copy.
 AMX_ALL_ROWS = sys.maxsize
 # Without AMX, the same kernel's AVX512-BF16 dot products (one weight pass per
@@ -298,6 +307,8 @@ def pack_linear_weights(
         # oneDNN copy: oneDNN would multiply the tiles unpacked for each call,
         # which the kernel beats at every row count (see DOT_MAX_ROWS).
         limits = SmallKernelLimits(limits.kind, AMX_ALL_ROWS, AMX_ALL_ROWS, AMX_ALL_ROWS)
+    elif limits == AMX_LIMITS and onednn_copy:
+        limits = replace(limits, rows_wide=AMX_MAX_ROWS_WIDE_COPY)
     min_rows = DETERMINISTIC_MIN_ROWS if deterministic else 1
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

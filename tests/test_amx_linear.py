@@ -10,6 +10,9 @@ from conftest import tiny_model
 from radixmux.model_runners.packed_linear import (
     AMX_ALL_ROWS,
     AMX_LIMITS,
+    AMX_MAX_ROWS,
+    AMX_MAX_ROWS_WIDE,
+    AMX_MAX_ROWS_WIDE_COPY,
     DOT_LIMITS,
     PackedLinear,
     amx_available,
@@ -124,6 +127,20 @@ def test_packed_linear_takes_the_kernel_up_to_its_row_limit():
     f32 = tiny_model("llama", dtype="float32").model
     pack_linear_weights(f32)
     assert all(m.amx is None for m in f32.modules() if isinstance(m, PackedLinear))
+
+
+@pytest.mark.skipif(not amx_available(), reason="AMX limits only")
+def test_a_wide_projection_keeps_the_kernel_longer_without_a_onednn_copy():
+    """A gated MLP's merged gate/up projection (4x as many outputs as inputs and
+    more) runs on the tiles up to AMX_MAX_ROWS_WIDE rows when oneDNN would have
+    to unpack them first, and up to AMX_MAX_ROWS_WIDE_COPY beside a oneDNN copy."""
+    for copy, limit in ((False, AMX_MAX_ROWS_WIDE), (True, AMX_MAX_ROWS_WIDE_COPY)):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 320), torch.nn.Linear(64, 64))
+        pack_linear_weights(model.to(torch.bfloat16), onednn_copy=copy)
+        wide, narrow = model
+        assert (wide.amx_max_rows, narrow.amx_max_rows) == (limit, AMX_MAX_ROWS)
+        assert (wide.packed is not None) == copy
+    assert AMX_MAX_ROWS_WIDE_COPY < AMX_MAX_ROWS_WIDE <= AMX_MAX_ROWS
 
 
 def test_a_batch_without_rows_to_project_needs_no_tile_copy():
