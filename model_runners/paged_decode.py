@@ -41,7 +41,8 @@ SOURCES = tuple(
     for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "kv_write.cpp")
 )
 HEADERS = tuple(
-    Path(__file__).parent / "kernels" / f for f in ("to_float.h", "amx.h", "vec_exp.h")
+    Path(__file__).parent / "kernels" / f
+    for f in ("to_float.h", "amx.h", "vec_exp.h", "bf16_round.h")
 )  # build key
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from radixmux.model_runners.fused_ops import act_table
 from radixmux.model_runners.packed_linear import (
     AMX_ALL_ROWS,
     AMX_LIMITS,
@@ -141,6 +142,32 @@ def test_a_wide_projection_keeps_the_kernel_longer_without_a_onednn_copy():
         assert (wide.amx_max_rows, narrow.amx_max_rows) == (limit, AMX_MAX_ROWS)
         assert (wide.packed is not None) == copy
     assert AMX_MAX_ROWS_WIDE_COPY < AMX_MAX_ROWS_WIDE <= AMX_MAX_ROWS
+
+
+@pytest.mark.skipif(not amx_available(), reason="AMX tiles only")
+@pytest.mark.parametrize(
+    ("k", "inter", "bias"), [(576, 1536, False), (64, 128, True), (100, 96, True)]
+)
+def test_gate_up_act_has_the_bits_of_the_projection_then_act_and_mul(k, inter, bias):
+    """amx_gate_up_act (the merged gate/up projection and the activation in one
+    pass) gives act_and_mul(amx_linear(x))'s bits at every row count, with a
+    bias, with an input width the tiles pad, and with no rows."""
+    g = torch.Generator().manual_seed(k)
+    table = act_table(torch.nn.SiLU())
+    w = (torch.randn(2 * inter, k, generator=g) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(2 * inter, generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    tiles = torch.ops.radixmux.amx_pack(w)
+    for rows in (0, 1, 16, 17, 33, 100, 300):
+        x = torch.randn(1, rows, k, generator=g).to(torch.bfloat16)
+        merged = torch.ops.radixmux.amx_linear(x, tiles, b, 2 * inter)
+        expected = torch.ops.radixmux.act_and_mul(merged, 0, table)
+        got = torch.ops.radixmux.amx_gate_up_act(x, tiles, b, 2 * inter, table)
+        assert got.shape == (1, rows, inter)
+        assert torch.equal(got, expected), rows
+    with pytest.raises(RuntimeError, match="whole tile pairs"):
+        torch.ops.radixmux.amx_gate_up_act(x, tiles[:-1], b, 2 * inter - 16, table)
+    with pytest.raises(RuntimeError, match="65,537"):
+        torch.ops.radixmux.amx_gate_up_act(x, tiles, b, 2 * inter, table[:-1])
 
 
 def test_a_batch_without_rows_to_project_needs_no_tile_copy():

@@ -31,6 +31,7 @@
 #include <omp.h>
 
 #include "amx.h"
+#include "bf16_round.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -153,6 +154,13 @@ void store_block(const float* acc, const float* bias, int64_t rows, uint16_t* ou
 // One 32 x 32 block of outputs: rows [m0, m0 + 32) (cut at `mend`) of the N-block
 // pair starting at `nb`, over the whole k. Tile rows are reconfigured only
 // when a block's row counts differ from the last one's (`cur`).
+// Where a block's products landed: first output n0, columns of its two
+// N-blocks (cols1 0: only one), activation rows of its two 16-row halves.
+struct BlockShape {
+  int64_t n0, cols0, cols1;
+  int r0, r1;
+};
+
 struct AmxBlocks {
   const uint16_t* x;
   int64_t kp;
@@ -162,7 +170,10 @@ struct AmxBlocks {
   uint16_t* y;
   int64_t n;
 
-  void run(int64_t nb, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) const {
+  // The block's products into acc (tiles 0-3 as [16][16] floats, no bias);
+  // returns its shape.
+  BlockShape products(int64_t nb, int64_t m0, int64_t mend, int (&cur)[2],
+                      float (&acc)[4][256]) const {
     const int64_t ldx = kp * 4;  // bytes per activation row (kp pairs of 2 bytes)
     const int64_t chunks = kp / kPairRows;
     const bool two = nb + 1 < n_blocks;
@@ -199,21 +210,25 @@ struct AmxBlocks {
         if (two) _tile_dpbf16ps(3, 5, 7);
       }
     }
-    const float* b0 = bias ? bias + n0 : nullptr;
-    const float* b1 = bias ? bias + n0 + kBlockN : nullptr;
     _tile_stored(0, acc[0], 64);
-    store_block(acc[0], b0, r0, y + m0 * n + n0, n, cols0);
-    if (two) {
-      _tile_stored(1, acc[1], 64);
-      store_block(acc[1], b1, r0, y + m0 * n + n0 + kBlockN, n, cols1);
-    }
+    if (two) _tile_stored(1, acc[1], 64);
     if (r1) {
       _tile_stored(2, acc[2], 64);
-      store_block(acc[2], b0, r1, y + (m0 + 16) * n + n0, n, cols0);
-      if (two) {
-        _tile_stored(3, acc[3], 64);
-        store_block(acc[3], b1, r1, y + (m0 + 16) * n + n0 + kBlockN, n, cols1);
-      }
+      if (two) _tile_stored(3, acc[3], 64);
+    }
+    return {n0, cols0, two ? cols1 : 0, r0, r1};
+  }
+
+  void run(int64_t nb, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) const {
+    const BlockShape b = products(nb, m0, mend, cur, acc);
+    const float* b0 = bias ? bias + b.n0 : nullptr;
+    const float* b1 = bias ? bias + b.n0 + kBlockN : nullptr;
+    uint16_t* y0 = y + m0 * n + b.n0;
+    store_block(acc[0], b0, b.r0, y0, n, b.cols0);
+    if (b.cols1 > 0) store_block(acc[1], b1, b.r0, y0 + kBlockN, n, b.cols1);
+    if (b.r1) {
+      store_block(acc[2], b0, b.r1, y0 + 16 * n, n, b.cols0);
+      if (b.cols1 > 0) store_block(acc[3], b1, b.r1, y0 + 16 * n + kBlockN, n, b.cols1);
     }
   }
 };
@@ -227,8 +242,9 @@ struct AmxBlocks {
 // at 256-1,024 rows, weights cycled through 30 layers' copies: 0.6-0.9x the
 // time of the output split). Each output is the same sequence of tile
 // products either way, so the split never changes a result.
-void amx_gemm(const AmxBlocks& g, int64_t m_rows, int64_t threads, bool split_rows) {
-  const int64_t pairs = (g.n_blocks + 1) / 2;
+// block(p, m0, mend, cur, acc) computes rows [m0, mend) of output pair p.
+template <typename Block>
+void amx_gemm(int64_t pairs, int64_t m_rows, int64_t threads, bool split_rows, Block&& block) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     alignas(64) float acc[4][256];
@@ -245,9 +261,51 @@ void amx_gemm(const AmxBlocks& g, int64_t m_rows, int64_t threads, bool split_ro
     for (int64_t mb = lo; mb < hi; mb += kRowBlock) {
       const int64_t mend = std::min(mb + kRowBlock, hi);
       for (int64_t p = plo; p < phi; ++p)
-        for (int64_t m0 = mb; m0 < mend; m0 += 32) g.run(2 * p, m0, mend, cur, acc);
+        for (int64_t m0 = mb; m0 < mend; m0 += 32) block(p, m0, mend, cur, acc);
     }
     if (cur[0] >= 0) _tile_release();
+  }
+}
+
+// ---- a gated MLP's merged gate/up projection with its activation ----------------------
+// act(gate) * up straight from the tiles: outputs [0, I) of the merged weight
+// are the gate, [I, 2I) the up projection. A 32 x 32 block of the gate and
+// the matching block of the up projection are multiplied in turn, each
+// rounded to bfloat16 exactly as amx_linear stores it, and combined as
+// act_and_mul's table path combines them (act(g) looked up by g's bits,
+// times u, rounded by round16), so the result has act_and_mul(amx_linear(x))'s
+// bits while the 2I-wide product never leaves the core (at 1,024 rows of
+// SmolLM2 it was 6.3 MB written, then read back, per layer).
+void gate_up_act_block(const AmxBlocks& g, int64_t p, int64_t m0, int64_t mend, int (&cur)[2],
+                       float (&acc)[4][256], const uint16_t* table, uint16_t* out) {
+  const int64_t inter = g.n / 2, nb = 2 * p;
+  alignas(64) uint16_t gate[4][256];  // the gate tiles' bfloat16 bits
+  const BlockShape gs = g.products(nb, m0, mend, cur, acc);
+  const int rows[4] = {gs.r0, gs.r0, gs.r1, gs.r1};
+  for (int t = 0; t < 4; ++t) {
+    const __m512 b = bias_block(g.bias ? g.bias + gs.n0 + (t % 2) * kBlockN : nullptr, kBlockN);
+    for (int m = 0; m < rows[t]; ++m)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(gate[t] + m * 16),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[t] + m * 16), b)));
+  }
+  const BlockShape us = g.products(nb + inter / kBlockN, m0, mend, cur, acc);
+  for (int t = 0; t < 4; ++t) {
+    const __m512 b = bias_block(g.bias ? g.bias + us.n0 + (t % 2) * kBlockN : nullptr, kBlockN);
+    uint16_t* o = out + (m0 + (t / 2) * 16) * inter + gs.n0 + (t % 2) * kBlockN;
+    for (int m = 0; m < rows[t]; ++m) {
+      // The up projection's value as amx_linear stores it, back in a float.
+      const __m256i u16 =
+          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[t] + m * 16), b));
+      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u16), 16));
+      const __m512i idx = _mm512_cvtepu16_epi32(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(gate[t] + m * 16)));
+      // 32-bit gathers at 2-byte steps: the low half is the entry (the table
+      // has one spare), as in act_and_mul.
+      const __m512 a = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16));
+      const __m512i y = radixmux::round16(_mm512_mul_ps(a, u));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + m * inter), _mm512_cvtepi32_epi16(y));
+    }
   }
 }
 #endif  // RADIXMUX_AMX
@@ -289,64 +347,127 @@ bool has_dpbf16_linear() {
 #endif
 }
 
+#ifdef __AVX512BF16__
+// One call's operands, checked: the activations as [m, 2 kp] rows (zero-padded
+// past k), the bias as floats, and how many threads the product is worth.
+struct LinearCall {
+  at::Tensor x2, bias_f;
+  int64_t m, n, n_blocks, kp, threads;
+
+  LinearCall(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+             int64_t out_features, const char* what)
+      : n(out_features), n_blocks(packed.size(0)), kp(packed.size(1)) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, what,
+                ": bfloat16 activations and weights, got ", x.scalar_type(), " and ",
+                packed.scalar_type());
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2, what,
+                ": weights not packed by amx_pack");
+    const int64_t k = x.size(-1);
+    TORCH_CHECK(kp * 2 >= k && kp * 2 - k < 2 * kPairRows && n_blocks * kBlockN >= n &&
+                    n_blocks * kBlockN - n < kBlockN,
+                what, ": input of ", k, " features and ", n,
+                " outputs do not fit the packed weight");
+    m = x.numel() / std::max<int64_t>(k, 1);
+    x2 = x.reshape({m, k});
+    if (k != kp * 2) {
+      at::Tensor padded = at::zeros({m, kp * 2}, x.options());
+      padded.narrow(1, 0, k).copy_(x2);
+      x2 = padded;
+    } else {
+      x2 = x2.contiguous();
+    }
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->numel() == n, what, ": bias of ", bias->numel(), " for ", n, " outputs");
+      bias_f = bias->to(at::kFloat).contiguous();
+    }
+    // One thread for a small product: waking the others costs more than it saves.
+    const int64_t work = n_blocks * kp * 64 * ((m + 15) / 16);
+    threads = work > (1 << 17) ? std::max<int64_t>(1, at::get_num_threads()) : 1;
+  }
+
+  // x's shape with the last dimension `last`.
+  std::vector<int64_t> shape(const at::Tensor& x, int64_t last) const {
+    std::vector<int64_t> out(x.sizes().begin(), x.sizes().end());
+    out.back() = last;
+    return out;
+  }
+
+  const uint16_t* xp() const { return reinterpret_cast<const uint16_t*>(x2.data_ptr()); }
+  const float* bp() const { return bias_f.defined() ? bias_f.data_ptr<float>() : nullptr; }
+#ifdef RADIXMUX_AMX
+  AmxBlocks blocks(const at::Tensor& packed, uint16_t* y) const {
+    return {xp(), kp, reinterpret_cast<const uint16_t*>(packed.data_ptr()), n_blocks, bp(), y, n};
+  }
+#endif
+};
+#endif
+
 // x @ unpacked(packed).T (+ bias) in bfloat16: on AMX tiles where this process
 // may use them, else with AVX512-BF16 dot products (same pairs, same float
 // accumulation, one rounding).
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
 #ifdef __AVX512BF16__
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
-              "amx_linear: bfloat16 activations and weights, got ", x.scalar_type(), " and ",
-              packed.scalar_type());
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2,
-              "amx_linear: weights not packed by amx_pack");
-  const int64_t k = x.size(-1), n = out_features;
-  const int64_t n_blocks = packed.size(0), kp = packed.size(1);
-  TORCH_CHECK(kp * 2 >= k && kp * 2 - k < 2 * kPairRows && n_blocks * kBlockN >= n &&
-                  n_blocks * kBlockN - n < kBlockN,
-              "amx_linear: input of ", k, " features and ", n, " outputs do not fit the packed weight");
-  const int64_t m = x.numel() / std::max<int64_t>(k, 1);
-  at::Tensor x2 = x.reshape({m, k});
-  if (k != kp * 2) {
-    at::Tensor padded = at::zeros({m, kp * 2}, x.options());
-    padded.narrow(1, 0, k).copy_(x2);
-    x2 = padded;
-  } else {
-    x2 = x2.contiguous();
-  }
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "amx_linear: bias of ", bias->numel(), " for ", n, " outputs");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  at::Tensor y = at::empty(shape, x.options());
-  if (m == 0) return y;
-  // One thread for a small product: waking the others costs more than it saves.
-  const int64_t work = n_blocks * kp * 64 * ((m + 15) / 16);
-  const int64_t threads = work > (1 << 17) ? std::max<int64_t>(1, at::get_num_threads()) : 1;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const LinearCall c(x, packed, bias, out_features, "amx_linear");
+  at::Tensor y = at::empty(c.shape(x, c.n), x.options());
+  if (c.m == 0) return y;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
 #ifdef RADIXMUX_AMX
   if (request_amx()) {
+    const AmxBlocks g = c.blocks(packed, yp);
     // By rows when each thread gets a 32-row block and there are at most 4x
     // as many weights as activations: each thread then reads every weight
     // (from L3, a layer's weights being cold) but only its own rows. In the
     // model (SmolLM2 bf16, 2 threads, steps interleaved): 15 decodes + a
     // 512-token chunk 143.3 -> 137.5 ms; a 64-decode step is unchanged at 4x
     // and 6% slower at 16x, where q/o/down would split by rows too.
-    const bool split_rows = threads > 1 && m >= 32 * threads && n <= 4 * m;
-    amx_gemm(AmxBlocks{xp, kp, wp, n_blocks, bp, yp, n}, m, threads, split_rows);
+    const bool split_rows = c.threads > 1 && c.m >= 32 * c.threads && c.n <= 4 * c.m;
+    amx_gemm((c.n_blocks + 1) / 2, c.m, c.threads, split_rows,
+             [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
+               g.run(2 * p, m0, mend, cur, acc);
+             });
     return y;
   }
 #endif
-  dot_gemm(xp, m, kp, wp, n_blocks, bp, yp, n, threads);
+  dot_gemm(c.xp(), c.m, c.kp, reinterpret_cast<const uint16_t*>(packed.data_ptr()), c.n_blocks,
+           c.bp(), yp, c.n, c.threads);
   return y;
 #else
   TORCH_CHECK(false, "amx_linear: this build has neither AMX nor AVX512-BF16 (see has_dpbf16_linear)");
+#endif
+}
+
+// act(x @ gate.T) * (x @ up.T) for a merged gate/up weight of `out_features`
+// = 2I outputs packed by amx_pack, on AMX tiles: the bits of
+// act_and_mul(amx_linear(x, ...), act, table) (gate_up_act_block). `table`:
+// act_and_mul's 65,537 int16 (the activation of every bfloat16). I must be a
+// multiple of 32 (whole tile pairs in each half).
+at::Tensor amx_gate_up_act(const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias, int64_t out_features,
+                           const at::Tensor& table) {
+#ifdef RADIXMUX_AMX
+  TORCH_CHECK(request_amx(), "amx_gate_up_act: this process may not use AMX tiles");
+  TORCH_CHECK(out_features % 64 == 0, "amx_gate_up_act: ", out_features,
+              " outputs are not two halves of whole tile pairs");
+  TORCH_CHECK(table.scalar_type() == at::kShort && table.is_contiguous() &&
+                  table.numel() == 65537,
+              "amx_gate_up_act: the table must be 65,537 contiguous int16 (every bf16, one spare)");
+  const LinearCall c(x, packed, bias, out_features, "amx_gate_up_act");
+  const int64_t inter = c.n / 2;
+  at::Tensor y = at::empty(c.shape(x, inter), x.options());
+  if (c.m == 0) return y;
+  const AmxBlocks g = c.blocks(packed, nullptr);
+  const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<int16_t>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // Split as amx_linear splits the merged product (by rows where it would).
+  const bool split_rows = c.threads > 1 && c.m >= 32 * c.threads && c.n <= 4 * c.m;
+  amx_gemm(inter / 32, c.m, c.threads, split_rows,
+           [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
+             gate_up_act_block(g, p, m0, mend, cur, acc, tp, yp);
+           });
+  return y;
+#else
+  TORCH_CHECK(false, "amx_gate_up_act: this build has no AMX");
 #endif
 }
 
@@ -357,9 +478,13 @@ TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("has_dpbf16_linear() -> bool", &has_dpbf16_linear);
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "amx_gate_up_act(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor table) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_gate_up_act", &amx_gate_up_act);
 }

@@ -37,6 +37,7 @@
 // the point, so this file keeps products and sums apart.
 #pragma GCC optimize("fp-contract=off")
 
+#include "bf16_round.h"
 #include "to_float.h"
 
 namespace {
@@ -81,12 +82,7 @@ void dispatch(const at::Tensor& t, const char* what, F&& fn) {
 
 #ifdef __AVX512F__
 // Floats rounded to bfloat16 (nearest even, as store), as 32-bit lanes.
-inline __m512i round16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
-}
+using radixmux::round16;
 
 // 16 bfloat16s as floats (the lanes of `mask` only: a row's tail; others 0),
 // stored rounded, and round_to in lanes.
