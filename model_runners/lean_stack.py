@@ -26,7 +26,7 @@ from torch import nn
 from radixmux.model_runners import paged_attention
 from radixmux.model_runners.fused_ops import references, same_code
 from radixmux.model_runners.kv_store import KVStore
-from radixmux.model_runners.packed_linear import PackedLinear, amx_available
+from radixmux.model_runners.packed_linear import PackedLinear, gated_activation
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,7 +60,7 @@ class _Layer:
     k: Linear
     v: Linear
     o: Linear
-    gate_up_act: Linear  # act(gate(x)) * up(x): _gate_up_act
+    gate_up_act: Linear  # act(gate(x)) * up(x): packed_linear.gated_activation
     down: Linear
     head_dim: int
     scaling: float
@@ -69,34 +69,6 @@ class _Layer:
 def _norm(module: nn.Module) -> tuple[torch.Tensor, float, bool] | None:
     fused = getattr(module, "radixmux_norm", None)
     return None if fused is None else (module.weight, *fused)
-
-
-def _gate_up_act(
-    module: nn.Module, gate_up: Linear, act: tuple[int, torch.Tensor | None]
-) -> Linear:
-    """The MLP's ``act(gate(x)) * up(x)`` from its merged projection and its
-    activation (kind, bf16 table: fused_ops). Where the projection runs on the
-    AMX tiles, calls within its row limit take one pass that never writes the
-    merged product (``amx_gate_up_act``, the same bits); others the
-    projection, then ``act_and_mul``."""
-    kind, table = act
-    act_and_mul = torch.ops.radixmux.act_and_mul
-
-    def unfused(x: torch.Tensor) -> torch.Tensor:
-        return act_and_mul(gate_up(x), kind, table)
-
-    tiles = isinstance(module, PackedLinear) and module.amx is not None
-    if table is None or not tiles or module.out_features % 64 or not amx_available():
-        return unfused
-    fused = torch.ops.radixmux.amx_gate_up_act
-    limit, packed, bias, width = module.amx_max_rows, module.amx, module.bias, module.out_features
-
-    def gate_up_act(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= limit * x.shape[-1]:
-            return fused(x, packed, bias, width, table)
-        return unfused(x)
-
-    return gate_up_act
 
 
 def _layer(layer: nn.Module) -> _Layer | None:
@@ -118,8 +90,8 @@ def _layer(layer: nn.Module) -> _Layer | None:
     parts = [_linear(m) for m in linears]
     if in_norm is None or post_norm is None or any(p is None for p in parts):
         return None
-    q, k, v, o, gate_up, down = parts
-    gate_up_act = _gate_up_act(mlp.gate_up_proj, gate_up, mlp.radixmux_act)  # type: ignore[arg-type]
+    q, k, v, o, _gate_up, down = parts  # (the projection: checked, then gated_activation)
+    gate_up_act = gated_activation(mlp.gate_up_proj, mlp.radixmux_act)
     return _Layer(
         attn, in_norm, post_norm, q, k, v, o, gate_up_act, down, attn.head_dim, float(attn.scaling),
     )  # fmt: skip
