@@ -174,17 +174,14 @@ def _fuse_mlp(module: nn.Module, gate: nn.Linear, up: nn.Linear, act: int) -> No
 
     table = act_table(module.act_fn) if merged.weight.dtype == torch.bfloat16 else None
 
-    built: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = []
-
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # Built for the projection in place now (packing swaps it after this
-        # fusing), so the module and the lean stack compute alike.
-        linear = module.gate_up_proj
-        if not built or built[0][0] is not linear:
-            from radixmux.model_runners.packed_linear import gated_activation
-
-            built[:] = [(linear, gated_activation(linear, (act, table)))]
-        return module.down_proj(built[0][1](x))
+        # Packing (packed_linear.py) may give the MLP a one-pass gate/up and
+        # activation for its packed projection, the lean stack's too.
+        gated = getattr(module, "radixmux_gate_up_act", None)
+        if gated is not None:
+            return module.down_proj(gated(x))
+        gate_up = module.gate_up_proj(x)
+        return module.down_proj(torch.ops.radixmux.act_and_mul(gate_up, act, table))
 
     module.forward = forward
     module.radixmux_act = (act, table)  # read by lean_stack.py

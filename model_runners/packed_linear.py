@@ -373,6 +373,12 @@ def pack_linear_weights(
             limits.kind,
             limits.rows,
         )
+    # A fused gated MLP (fused_ops.py: its radixmux_act) computes its projection
+    # and activation as the lean stack does: in one pass where the tiles allow.
+    for module in model.modules():
+        act = getattr(module, "radixmux_act", None)
+        if act is not None and isinstance(getattr(module, "gate_up_proj", None), PackedLinear):
+            module.radixmux_gate_up_act = gated_activation(module.gate_up_proj, act)
     packed_head = model.get_output_embeddings() if tied else None
     if isinstance(packed_head, PackedLinear) and packed_head.amx is not None:
         embed_from_tiles(embed, packed_head.amx)
