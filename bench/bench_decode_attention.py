@@ -271,6 +271,13 @@ class PeerFigures:
     ratio: float  # vLLM's median time / radixmux's (> 1: radixmux faster)
 
 
+def parse_case(case: str) -> tuple[int, int, int]:
+    """(new, cached, sequences) of a peer case "new@cached" or "new@cachedxB"."""
+    head, _, many = case.partition("x")
+    new, cached = (int(x) for x in head.split("@"))
+    return new, cached, int(many or 1)
+
+
 def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
     """ms per layer of radixmux's kernel alone (20th percentile of 30-layer
     steps) on a peer case: ``paged_extend``, or ``paged_decode`` for a decode
@@ -280,9 +287,8 @@ def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
     hands out such runs; a fragmented arena scatters finer, which costs
     radixmux's decode more: 16-slot runs measured 0.94-1.00 ms per layer at
     16 x 1,100 against 0.72)."""
-    head, _, many = case.partition("x")
-    new, cached = (int(x) for x in head.split("@"))
-    seqs, total = int(many or 1), cached + new
+    new, cached, seqs = parse_case(case)
+    total = cached + new
     g = torch.Generator().manual_seed(0)
     runs = -(-total // PEER_RUN)
     table = max(2 * runs * PEER_RUN * seqs, 8192)
@@ -348,8 +354,8 @@ def compare_with_vllm(
     isa = ""
     for _ in range(rounds):
         for case in cases:
-            head = case.partition("x")[0].split("@")
-            steps = 6 if int(head[0]) + int(head[1]) >= 2048 else 20
+            new, cached, _ = parse_case(case)
+            steps = 6 if new + cached >= 2048 else 20
             ours[case].append(round(measure_case(case, dtype, steps), 3))
         for case, (ms, case_isa) in measure_peer(list(cases), torch.get_num_threads()).items():
             theirs[case].append(round(ms, 3))

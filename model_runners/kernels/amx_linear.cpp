@@ -52,10 +52,15 @@ inline __m512 bias_block(const float* bias, int64_t cols) {
   return bias ? _mm512_maskz_loadu_ps(col_mask(cols), bias) : _mm512_setzero_ps();
 }
 
-// 16 float outputs plus their bias block, rounded to bfloat16 into the first
-// `cols` of `out`.
+// 16 float outputs plus their bias block, rounded to bfloat16 as every output
+// of this kernel is.
+inline __m256i round_out(__m512 v, __m512 bias) {
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, bias));
+}
+
+// round_out into the first `cols` of `out`.
 inline void store_row(__m512 v, __m512 bias, uint16_t* out, int64_t cols) {
-  _mm256_mask_storeu_epi16(out, col_mask(cols), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, bias)));
+  _mm256_mask_storeu_epi16(out, col_mask(cols), round_out(v, bias));
 }
 
 // ---- AVX512-BF16 dot products: the same packed weights without AMX ----------------------
@@ -272,10 +277,10 @@ void amx_gemm(int64_t pairs, int64_t m_rows, int64_t threads, bool split_rows, B
 // are the gate, [I, 2I) the up projection. A 32 x 32 block of the gate and
 // the matching block of the up projection are multiplied in turn, each
 // rounded to bfloat16 exactly as amx_linear stores it, and combined as
-// act_and_mul's table path combines them (act(g) looked up by g's bits,
-// times u, rounded by round16), so the result has act_and_mul(amx_linear(x))'s
-// bits while the 2I-wide product never leaves the core (at 1,024 rows of
-// SmolLM2 it was 6.3 MB written, then read back, per layer).
+// act_and_mul's table path combines them (bf16_round.h's table_act_mul, both),
+// so the result has act_and_mul(amx_linear(x))'s bits while the 2I-wide
+// product never leaves the core (at 1,024 rows of SmolLM2 it was 6.3 MB
+// written, then read back, per layer).
 void gate_up_act_block(const AmxBlocks& g, int64_t p, int64_t m0, int64_t mend, int (&cur)[2],
                        float (&acc)[4][256], const uint16_t* table, uint16_t* out) {
   const int64_t inter = g.n / 2, nb = 2 * p;
@@ -286,7 +291,7 @@ void gate_up_act_block(const AmxBlocks& g, int64_t p, int64_t m0, int64_t mend, 
     const __m512 b = bias_block(g.bias ? g.bias + gs.n0 + (t % 2) * kBlockN : nullptr, kBlockN);
     for (int m = 0; m < rows[t]; ++m)
       _mm256_store_si256(reinterpret_cast<__m256i*>(gate[t] + m * 16),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[t] + m * 16), b)));
+                         round_out(_mm512_load_ps(acc[t] + m * 16), b));
   }
   const BlockShape us = g.products(nb + inter / kBlockN, m0, mend, cur, acc);
   for (int t = 0; t < 4; ++t) {
@@ -294,17 +299,12 @@ void gate_up_act_block(const AmxBlocks& g, int64_t p, int64_t m0, int64_t mend, 
     uint16_t* o = out + (m0 + (t / 2) * 16) * inter + gs.n0 + (t % 2) * kBlockN;
     for (int m = 0; m < rows[t]; ++m) {
       // The up projection's value as amx_linear stores it, back in a float.
-      const __m256i u16 =
-          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(acc[t] + m * 16), b));
+      const __m256i u16 = round_out(_mm512_load_ps(acc[t] + m * 16), b);
       const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u16), 16));
       const __m512i idx = _mm512_cvtepu16_epi32(
           _mm256_load_si256(reinterpret_cast<const __m256i*>(gate[t] + m * 16)));
-      // 32-bit gathers at 2-byte steps: the low half is the entry (the table
-      // has one spare), as in act_and_mul.
-      const __m512 a = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16));
-      const __m512i y = radixmux::round16(_mm512_mul_ps(a, u));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + m * inter), _mm512_cvtepi32_epi16(y));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + m * inter),
+                          radixmux::table_act_mul(idx, u, table));
     }
   }
 }
@@ -385,6 +385,15 @@ struct LinearCall {
     threads = work > (1 << 17) ? std::max<int64_t>(1, at::get_num_threads()) : 1;
   }
 
+  // Whether the tile kernel splits this product by rows across threads (else
+  // by outputs): when each thread gets a 32-row block and there are at most
+  // 4x as many weights as activations, each thread then reads every weight
+  // (from L3, a layer's weights being cold) but only its own rows. In the
+  // model (SmolLM2 bf16, 2 threads, steps interleaved): 15 decodes + a
+  // 512-token chunk 143.3 -> 137.5 ms; a 64-decode step is unchanged at 4x
+  // and 6% slower at 16x, where q/o/down would split by rows too.
+  bool split_rows() const { return threads > 1 && m >= 32 * threads && n <= 4 * m; }
+
   // x's shape with the last dimension `last`.
   std::vector<int64_t> shape(const at::Tensor& x, int64_t last) const {
     std::vector<int64_t> out(x.sizes().begin(), x.sizes().end());
@@ -415,14 +424,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 #ifdef RADIXMUX_AMX
   if (request_amx()) {
     const AmxBlocks g = c.blocks(packed, yp);
-    // By rows when each thread gets a 32-row block and there are at most 4x
-    // as many weights as activations: each thread then reads every weight
-    // (from L3, a layer's weights being cold) but only its own rows. In the
-    // model (SmolLM2 bf16, 2 threads, steps interleaved): 15 decodes + a
-    // 512-token chunk 143.3 -> 137.5 ms; a 64-decode step is unchanged at 4x
-    // and 6% slower at 16x, where q/o/down would split by rows too.
-    const bool split_rows = c.threads > 1 && c.m >= 32 * c.threads && c.n <= 4 * c.m;
-    amx_gemm((c.n_blocks + 1) / 2, c.m, c.threads, split_rows,
+    amx_gemm((c.n_blocks + 1) / 2, c.m, c.threads, c.split_rows(),
              [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
                g.run(2 * p, m0, mend, cur, acc);
              });
@@ -459,9 +461,8 @@ at::Tensor amx_gate_up_act(const at::Tensor& x, const at::Tensor& packed,
   const AmxBlocks g = c.blocks(packed, nullptr);
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<int16_t>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Split as amx_linear splits the merged product (by rows where it would).
-  const bool split_rows = c.threads > 1 && c.m >= 32 * c.threads && c.n <= 4 * c.m;
-  amx_gemm(inter / 32, c.m, c.threads, split_rows,
+  // Split as amx_linear splits the merged product.
+  amx_gemm(inter / 32, c.m, c.threads, c.split_rows(),
            [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
              gate_up_act_block(g, p, m0, mend, cur, acc, tp, yp);
            });

@@ -198,17 +198,15 @@ inline float activate(float g, int64_t act) {
 // table[g] * u, rounded, 16 lanes at a time: table holds act(g).to(bf16) for
 // every bfloat16 bit pattern g, computed by eager's own activation (its exp
 // and tanh, whose last float bit decides a bf16 rounding near a tie), so the
-// product is eager's to the bit, without an exp per element. 32-bit gathers
-// at 2-byte steps: the low half of each is the entry (the table has one spare).
+// product is eager's to the bit, without an exp per element (bf16_round.h).
 inline int64_t table_act_mul16(const c10::BFloat16* g, const c10::BFloat16* u,
                                const uint16_t* table, c10::BFloat16* o, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512i idx =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
-    const __m512i a = _mm512_slli_epi32(_mm512_i32gather_epi32(idx, table, 2), 16);
-    const __m512i y = round16(_mm512_mul_ps(_mm512_castsi512_ps(a), load16(u + i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(y));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i),
+                        radixmux::table_act_mul(idx, load16(u + i), table));
   }
   return i;
 }
