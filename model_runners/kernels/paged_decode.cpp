@@ -957,17 +957,21 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
     // packed here holds zeros: the scores past n are never read and their
     // weights are 0, so both give the same bits.
     const uint16_t* ks = kb;
-    if (packed.k) {
-      ks = packed.k + j0 * dim;
-    } else {
-      prefetch_tile(k_base, v_base, row_stride, addr, j0 + KT, KT, len, bytes);
-      gather_k_step<NV>(k_base, row_stride, addr, j0, n, kb);
-    }
+    if (packed.k) ks = packed.k + j0 * dim;
+    else gather_k_step<NV>(k_base, row_stride, addr, j0, n, kb);
     // S^T [KT, rp] = K . Q^T in 2 x 2 blocks of 16 keys x 16 query rows
-    // (key groups wholly past n skipped).
+    // (key groups wholly past n skipped). The next step's K and V slices are
+    // prefetched a block's keys at a time between the blocks' products, not
+    // all at once before them: a burst of 512 prefetches holds the core until
+    // the fill buffers drain, with no tile work queued behind it (cascade
+    // decodes, 16 sequences in groups of 4 over 1,000 shared + 100 own keys,
+    // 30 layers: 11.8-12.5 -> 11.2-11.7 ms a step).
     const int64_t key_groups = (n + 15) / 16;
-    for (int64_t kg = 0; kg < key_groups; kg += 2)
-      amx_block_row<false>(ks + 16 * kg * dim, dim * 2, NV / 2, qt, st + 16 * kg * rp, rp, groups);
+    for (int64_t kg = 0; kg < KT / 16; kg += 2) {
+      if (!packed.k) prefetch_tile(k_base, v_base, row_stride, addr, j0 + KT + 16 * kg, 32, len, bytes);
+      if (kg < key_groups)
+        amx_block_row<false>(ks + 16 * kg * dim, dim * 2, NV / 2, qt, st + 16 * kg * rp, rp, groups);
+    }
     // P^T and V as key pairs (zeros past n: weight 0 on a zero row adds nothing).
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     const int64_t chunks = (n + 31) / 32;  // key chunks of one V^T tile (32 keys)
