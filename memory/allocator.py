@@ -291,7 +291,7 @@ class KVAllocator:
             if n > 1 and np.count_nonzero(page_ids[1:] == page_ids[:-1]):
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
         else:
-            page_ids = _distinct_sorted(slots // p)
+            page_ids = distinct_sorted(slots // p)
             if page_ids.size * p != n:
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
         used = pool.page_used
@@ -404,9 +404,10 @@ class KVAllocator:
 _STACK_DTYPE = np.int32
 
 
-def _distinct_sorted(values: np.ndarray) -> np.ndarray:
-    """``np.unique`` for the small int arrays a free sees: a sort and a
-    neighbour compare (no hashing, no index bookkeeping)."""
+def distinct_sorted(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` for the small int arrays a free or a batch's slot check
+    sees: a sort and a neighbour compare (no hashing, no index bookkeeping;
+    numpy 2's hashing ``unique`` took 65 us on 1,100 slots, this 6)."""
     # Slots come back as the runs ``alloc`` handed out (descending within a
     # block): the stable sort (a merge of runs) is several times faster on
     # them than the default quicksort.

@@ -16,6 +16,7 @@ import torch
 
 from radixmux.common.grammar import COMPILE_TIMEOUT_S, GrammarError
 from radixmux.common.server_args import ATTENTION_BACKENDS
+from radixmux.memory.allocator import distinct_sorted
 from radixmux.memory.layout import hidden_layers
 from radixmux.model_runners import paged_decode
 from radixmux.model_runners.batch_invariance import AttentionShape, check_deterministic
@@ -187,7 +188,7 @@ class ModelRunner:
                 raise BatchError(f"{seq.rid}: layer groups with {len(ids)} and {len(slots)} slots")
             if ids.min() < 0 or ids.max() >= store.num_slots:
                 raise BatchError(f"{seq.rid}: slot ids outside [0, {store.num_slots})")
-            if len(np.unique(ids)) != len(ids):
+            if len(distinct_sorted(ids)) != len(ids):
                 raise BatchError(f"{seq.rid}: repeated slot ids")
         if tokens.min() < 0 or tokens.max() >= self.info.vocab_size:
             raise BatchError(f"{seq.rid}: token ids outside [0, {self.info.vocab_size})")

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from radixmux.memory.allocator import distinct_sorted
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.paged_decode import (
     has_tiled_path,
@@ -122,7 +123,7 @@ class DecodeGroups:
             idx = np.asarray(ids, dtype=np.int64)
             if idx.size and (idx.min() < 0 or idx.max() >= num_decodes):
                 raise ValueError(f"group {g}: members outside [0, {num_decodes})")
-            if (group_of[idx] >= 0).any() or len(np.unique(idx)) != idx.size:
+            if (group_of[idx] >= 0).any() or len(distinct_sorted(idx)) != idx.size:
                 raise ValueError(f"group {g}: a sequence is in more than one group")
             group_of[idx] = g
         return cls(torch.from_numpy(group_of), torch.tensor(list(prefix_lens), dtype=torch.int64))

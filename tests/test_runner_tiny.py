@@ -106,6 +106,25 @@ def test_cached_prefix_served_from_arena(kind, arena, backend):
     assert (bad - ref).abs().max() > 1e-3
 
 
+def test_malformed_slots_refuse_the_batch(arena):
+    """A sequence whose slots repeat (two tokens' K/V in one row) or leave the
+    arena gets the whole batch refused, naming it, before anything is written;
+    the same batch with distinct slots runs."""
+    from radixmux.protocol import ForwardBatch
+
+    loaded = tiny_model("llama")
+    runner = make_runner(loaded, arena)
+    slots = list(range(40, 52))
+    ids = list(range(3, 15))
+    ok = runner.forward(ForwardBatch(1, [seq("ok", ids, slots, 0)]))
+    assert ok.error is None and ok.outputs[0].token_id >= 0
+    for rid, bad in (("dup", [*slots[:11], slots[3]]), ("far", [*slots[:11], 10**9])):
+        res = runner.forward(ForwardBatch(2, [seq("ok", ids, slots, 0), seq(rid, ids, bad, 0)]))
+        assert not res.outputs and res.error is not None and res.error.startswith(rid)
+    res = runner.forward(ForwardBatch(3, [seq("dup", ids, [*slots[:11], slots[3]], 0)]))
+    assert res.error == "dup: repeated slot ids"
+
+
 def test_fast_and_fallback_kv_store_agree():
     """Row-grid gathers (block size a multiple of the K row) and (block, offset)
     gathers give the same logits; both paths are exercised."""
