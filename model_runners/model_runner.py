@@ -367,7 +367,7 @@ class ModelRunner:
         """Run the batch; return float32 logits ``[len(rows), vocab]`` at each
         listed sequence's last new token (default: every sequence)."""
         decoded = [self._decode(s, [self.store]) for s in seqs]
-        return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)[0]
+        return self._logits(decoded, list(range(len(seqs))) if rows is None else rows)[0].float()
 
     def _logits(
         self,
@@ -377,9 +377,10 @@ class ModelRunner:
         every: Sequence[int] = (),
         splits: Sequence[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run the batch; float32 logits ``[len(rows), vocab]`` at each listed
-        sequence's last new token, and for each of ``every`` (prompt logprobs)
-        its logits at every new token."""
+        """Run the batch; logits ``[len(rows), vocab]`` at each listed
+        sequence's last new token, in the model's dtype (sampling widens them
+        to float where it needs more than greedy's argmax), and for each of
+        ``every`` (prompt logprobs) its float32 logits at every new token."""
         batch, input_ids, positions, passes = self._paged_batch(seqs, groups, splits)
         ends = np.cumsum([len(s.tokens) for s in seqs])
         if every:
@@ -400,12 +401,12 @@ class ModelRunner:
                 out = self.model(
                     input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_at
                 ).logits
-        logits = out[0].float().cpu()
+        logits = out[0].cpu()
         if not every:
             return logits, {}
         by_seq, start = {}, 0
         for i, span in zip(every, spans, strict=True):
-            by_seq[i] = logits[start : start + len(span)]
+            by_seq[i] = logits[start : start + len(span)].float()
             start += len(span)
         return logits[start:], by_seq
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from radixmux.model_runners import paged_decode
 from radixmux.protocol import SamplingParams, pack_bias, unpack_bias
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -139,6 +140,41 @@ def _filtered_draw(
     return pick if order is None else order.gather(1, pick[:, None])[:, 0]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of the largest value, NaN first), as
+    ``logits.float().max(-1).indices``. bfloat16 logits go to the kernel
+    (``kernels/argmax.cpp``), which widens each value in a register instead of
+    copying the block to float first: 0.15 against 1.3 ms at 64 rows of a 49k
+    vocabulary."""
+    if logits.dtype == torch.bfloat16 and logits.shape[-1] >= 16 and _argmax_kernel():
+        return torch.ops.radixmux.argmax_rows(logits)
+    return logits.float().max(-1).indices
+
+
+def _argmax_kernel() -> bool:
+    return paged_decode.loaded() and bool(torch.ops.radixmux.has_argmax_rows())
+
+
+def _only_greedy(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[np.ndarray],
+    biases: Sequence[np.ndarray] | None,
+) -> bool:
+    """Whether every row takes the argmax of its raw logits: greedy, nothing
+    that changes a logit (penalties over its output so far, a logit bias) and
+    no log-probabilities to report."""
+    for i, p in enumerate(params):
+        if not (p.temperature <= 0 or p.top_k == 1) or p.logprobs or p.top_logprobs:
+            return False
+        penalised = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+        if penalised and len(output_ids[i]):
+            return False
+        biased = len(biases[i]) if biases is not None else p.logit_bias
+        if biased:
+            return False
+    return True
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -157,6 +193,8 @@ def sample(
     output) before anything is picked, so the draw and the logprobs are those
     of the masked distribution.
     """
+    if constrain is None and _only_greedy(params, output_ids, biases):
+        return Sampled(greedy_tokens(logits), None, None, None)
     if steps is None:
         steps = [len(o) for o in output_ids]
     logits = apply_penalties(logits.float(), params, output_ids)
@@ -164,8 +202,8 @@ def sample(
     if constrain is not None:
         constrain(logits)
     # max(-1).indices is argmax (the first index of the largest value, NaN
-    # first) at a third of its time on CPU: 0.9 ms per step at 16 rows of a
-    # 49k vocabulary, 2 ms at 64.
+    # first) at a third of its time on CPU (greedy_tokens says what greedy
+    # rows with nothing else to do take instead).
     tokens = logits.max(-1).indices
     greedy = (_column(params, "temperature", torch.float32) <= 0) | (
         _column(params, "top_k", torch.int64) == 1

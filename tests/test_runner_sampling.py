@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from conftest import SlotPool, make_runner, seq, tiny_model
 
-from radixmux.model_runners.sampling import apply_penalties, sample
+from radixmux.model_runners import paged_decode
+from radixmux.model_runners.sampling import apply_penalties, greedy_tokens, sample
 from radixmux.protocol import ForwardBatch, SamplingParams
 
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -22,6 +23,46 @@ def test_greedy_and_top_k_one_pick_argmax():
     assert torch.equal(draw(logits, SamplingParams()).tokens, logits.argmax(-1))
     hot = SamplingParams(temperature=1.5, top_k=1)
     assert torch.equal(draw(logits, hot).tokens, logits.argmax(-1))
+
+
+def test_greedy_bfloat16_rows_pick_what_float_argmax_picks():
+    """Greedy rows with nothing else to do take the argmax of the bfloat16
+    logits without widening them to float first (the kernel where it is
+    built): the same index as the float path, ties to the first, -0 equal to
+    +0, the first NaN over anything, whatever the vocabulary's length."""
+    assert paged_decode.load()
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 16), (3, 17), (15, 49152), (64, 4099)]:
+        logits = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16)
+        expected = logits.float().max(-1).indices
+        assert torch.equal(greedy_tokens(logits), expected), (rows, vocab)
+        assert torch.equal(draw(logits, SamplingParams()).tokens, expected), (rows, vocab)
+    odd = torch.zeros(6, 100, dtype=torch.bfloat16)
+    odd[0, 50] = odd[0, 70] = 1  # a tie: the first
+    odd[1] = -0.0
+    odd[1, 40] = 0.0  # -0 == +0: index 0
+    odd[2, 10] = float("inf")
+    odd[2, 33] = odd[2, 90] = float("nan")  # NaN over inf, the first NaN
+    odd[3] = float("-inf")  # all -inf: index 0
+    odd[4, 99] = float("nan")  # in the tail past the last whole vector
+    odd[5, 97] = odd[5, 98] = 5  # a tie in the tail
+    assert greedy_tokens(odd).tolist() == [50, 0, 33, 0, 99, 97]
+    assert torch.equal(greedy_tokens(odd), odd.float().max(-1).indices)
+    # Strided rows (a slice of a batch's logits) read in place.
+    assert torch.equal(greedy_tokens(logits[::2]), logits[::2].float().max(-1).indices)
+
+
+def test_only_plain_greedy_rows_skip_the_float_path():
+    """A penalty with outputs to count, a logit bias, logprobs or a sampled row
+    send the batch through the float path, which must then change the pick."""
+    logits = torch.tensor([[4.0, 3.9, -1.0, 0.5]], dtype=torch.bfloat16)
+    outs = [np.array([0], dtype=np.int64)]
+    assert sample(logits, [SamplingParams()], outs).tokens.tolist() == [0]
+    assert sample(logits, [SamplingParams(presence_penalty=1.0)], outs).tokens.tolist() == [1]
+    biased = SamplingParams(logit_bias=[(3, 9.0)])
+    assert sample(logits, [biased], [EMPTY]).tokens.tolist() == [3]
+    with_lp = sample(logits, [SamplingParams(logprobs=True)], [EMPTY])
+    assert with_lp.tokens.tolist() == [0] and with_lp.logprobs is not None
 
 
 def test_temperature_draws_follow_softmax():
