@@ -27,12 +27,12 @@ BLOCK_N = 16  # outputs per tile block (kernels/amx_linear.cpp, kBlockN)
 def gather_rows(tiles: torch.Tensor, ids: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
     """``weight[ids]`` (shape ``[*ids.shape, dim]``) of the ``[rows, dim]`` weight
     that ``amx_pack`` tiled into ``tiles``."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
         raise IndexError(f"token id out of range [0, {rows})")
-    picked = tiles[flat // BLOCK_N, :, flat % BLOCK_N, :]  # [T, K/2 padded, 2]
-    picked = picked.reshape(flat.numel(), tiles.shape[1] * 2)[:, :dim]
-    return picked.reshape(*ids.shape, dim).contiguous()
+    # A word (a k pair) at a time (kernels/amx_linear.cpp): torch's indexing
+    # of the 4-d tiles copied element by element, 2.7 ms for 1,000 tokens.
+    return torch.ops.radixmux.amx_gather_rows(tiles, flat, dim).reshape(*ids.shape, dim)
 
 
 def _lookup(embed: nn.Embedding, tiles: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
