@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixmux.bench.bench_step import BLOCK_BYTES
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, load_model
@@ -39,9 +40,6 @@ from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.protocol import ForwardBatch, SeqInput, pack_ids
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Whole K/V rows per block (SmolLM2's are 384 bytes), which the C++ kernels'
-# row tables need: the server's block sizes keep to the same rule.
-BLOCK_BYTES = 3 << 20
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,12 @@ def _argmax_kernel() -> bool:
     return paged_decode.loaded() and bool(torch.ops.radixmux.has_argmax_rows())
 
 
+def _greedy(p: SamplingParams) -> bool:
+    """Whether a row takes the argmax rather than a draw (the temperature as
+    the draw would use it: a float32, so one that rounds to 0 is greedy)."""
+    return bool(np.float32(p.temperature) <= 0) or p.top_k == 1
+
+
 def _only_greedy(
     params: Sequence[SamplingParams],
     output_ids: Sequence[np.ndarray],
@@ -164,7 +170,7 @@ def _only_greedy(
     that changes a logit (penalties over its output so far, a logit bias) and
     no log-probabilities to report."""
     for i, p in enumerate(params):
-        if not (p.temperature <= 0 or p.top_k == 1) or p.logprobs or p.top_logprobs:
+        if not _greedy(p) or p.logprobs or p.top_logprobs:
             return False
         penalised = p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
         if penalised and len(output_ids[i]):
@@ -205,9 +211,7 @@ def sample(
     # first) at a third of its time on CPU (greedy_tokens says what greedy
     # rows with nothing else to do take instead).
     tokens = logits.max(-1).indices
-    greedy = (_column(params, "temperature", torch.float32) <= 0) | (
-        _column(params, "top_k", torch.int64) == 1
-    )
+    greedy = torch.tensor([_greedy(p) for p in params], dtype=torch.bool)
     if not bool(greedy.all()):
         rows = (~greedy).nonzero()[:, 0]
         sub = [params[i] for i in rows.tolist()]
