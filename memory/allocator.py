@@ -14,6 +14,7 @@ Everything here is metadata: no tensor is touched.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,14 +33,10 @@ class _Pool:
     blocks: set[int] = field(default_factory=set)
     # Free pages of the owned blocks that have any, by block, so an alloc
     # never walks past full blocks: how many, in dict order of when the block
-    # last got one (alloc takes blocks in this order).
+    # last got one (alloc takes blocks in this order). Which pages are free
+    # is ``page_used`` itself: a bitmap row per block, read by alloc in one
+    # numpy op for all the blocks it takes from.
     free_pages: dict[int, int] = field(default_factory=dict)
-    # Each owned block's free page indices (within the block) as a stack: the
-    # first ``free_pages[block]`` items are free, the last freed on top. A
-    # numpy row rather than a list, so alloc and free move a run of pages
-    # with one slice instead of converting Python ints one by one; int32
-    # (an index within one block), 4 bytes per page of an owned block.
-    stacks: dict[int, np.ndarray] = field(default_factory=dict)
     free_page_count: int = 0
     page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     pages_per_block: int = 0  # geometry.pages_per_block, kept (a property chain)
@@ -214,7 +211,11 @@ class KVAllocator:
         return self.free_slots_for(key) >= self.pages_for(n_tokens) * self.page_size
 
     def alloc(self, key: str, n_tokens: int) -> SlotArray | None:
-        """``n_tokens`` rounded up to whole pages of slots, or None if no room."""
+        """``n_tokens`` rounded up to whole pages of slots, or None if no room.
+
+        Pages come from the pool's blocks with free pages (oldest first),
+        lowest free page first within a block, so a fresh block hands out
+        one ascending run."""
         pool = self._pool(key)
         need = self.pages_for(n_tokens)
         if need == 0:
@@ -224,47 +225,43 @@ class KVAllocator:
         new_blocks = max(0, -(-short // ppb))
         if new_blocks and new_blocks > self._blocks_available(pool):
             return None
+        free_pages = pool.free_pages
         for _ in range(new_blocks):
             block = self._free_blocks.pop()
             self._block_owner[block] = key
             pool.blocks.add(block)
-            pool.free_pages[block] = ppb
-            pool.stacks[block] = np.arange(ppb - 1, -1, -1, dtype=_STACK_DTYPE)
-            pool.free_page_count += ppb
-        tops = []  # per block taken from: the top of its stack (a view)
+            free_pages[block] = ppb
+        pool.free_page_count += new_blocks * ppb
         blocks = []
         takes = []
-        free_pages = pool.free_pages
-        stacks = pool.stacks
-        total = need
+        left = need
         for block, free in free_pages.items():
-            take = need if need < free else free
-            # The top of the stack: the pages freed last, lowest index first
-            # for a fresh block.
-            tops.append(stacks[block][free - take : free])
+            take = left if left < free else free
             blocks.append(block)
             takes.append(take)
-            need -= take
-            if need == 0:
+            left -= take
+            if left == 0:
                 break
         for block, take in zip(blocks, takes, strict=True):
-            left = free_pages[block] - take
-            if left:
-                free_pages[block] = left  # a value change: the order stays
-            else:
+            if free_pages[block] == take:
                 del free_pages[block]
+            else:
+                free_pages[block] -= take  # a value change: the order stays
+        rows = pool.page_used.reshape(self.num_blocks, ppb)
         if len(blocks) == 1:
             block = blocks[0]
-            page_ids = tops[0] + np.int64(block * ppb)  # int64 ids from int32 offsets
-            self._block_used[block] += total
+            offsets = np.flatnonzero(~rows[block])[:need]
+            page_ids = offsets + block * ppb
+            self._block_used[block] += need
         else:
-            # One concatenate and one offset add for all the blocks (the
-            # views are read before any later free writes the stacks).
+            # Every block but the last gives all its free pages, so the
+            # first ``need`` free pages of the blocks' rows, in row order,
+            # are the ones to take: one gather and one scan for all of them.
             where = np.array(blocks, dtype=np.int64)
-            counts = np.array(takes, dtype=np.int64)
-            page_ids = np.concatenate(tops) + np.repeat(where * ppb, counts)
-            self._block_used[where] += counts  # distinct blocks: no lost update
-        pool.free_page_count -= total
+            free = np.flatnonzero(~rows[where])[:need]
+            page_ids = where[free // ppb] * ppb + free % ppb
+            self._block_used[where] += np.array(takes, dtype=np.int64)
+        pool.free_page_count -= need
         pool.page_used[page_ids] = True
         return self._page_slots(page_ids)
 
@@ -295,50 +292,41 @@ class KVAllocator:
             if page_ids.size * p != n:
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
         used = pool.page_used
-        if page_ids[0] < 0 or page_ids[-1] >= used.size:
+        lowest, highest = page_ids[0].item(), page_ids[-1].item()
+        if lowest < 0 or highest >= used.size:
             raise ValueError("slot id out of the arena's range")
         if np.count_nonzero(used[page_ids]) != page_ids.size:  # cheaper than .all()
             raise ValueError(f"double free or foreign slots for pool {key!r}")
         used[page_ids] = False
         ppb = pool.pages_per_block
-        of_block = page_ids // ppb
-        size = page_ids.size
-        if of_block[0] == of_block[-1]:  # one block (sorted): no run split needed
-            block = int(of_block[0])
-            runs = [(block, 0, size, int(self._block_used[block]) - size)]
-            self._block_used[block] = runs[0][3]
+        first, last = lowest // ppb, highest // ppb
+        if first == last:  # one block (sorted): a scalar update
+            left = int(self._block_used[first]) - page_ids.size
+            self._block_used[first] = left
+            runs: Iterable[tuple[int, int, int]] = ((first, page_ids.size, left),)
         else:
-            first = _run_starts(of_block).nonzero()[0]
-            blocks = of_block[first]
-            ends = np.empty_like(first)
-            ends[:-1] = first[1:]
-            ends[-1] = size
-            # One gather and one scatter for every block's count, not a numpy
-            # scalar op per block (an evicted entry spans many blocks).
-            left = self._block_used[blocks] - (ends - first)
-            self._block_used[blocks] = left
-            runs = zip(blocks.tolist(), first.tolist(), ends.tolist(), left.tolist(), strict=True)
-        in_block: np.ndarray | None = None  # page index within its block, built on need
+            # Pages per block over the blocks the sorted pages span: one
+            # bincount, one gather and one scatter of the blocks' counts,
+            # not a numpy op per block (an evicted entry spans many).
+            per_block = np.bincount(page_ids // ppb - first)
+            touched = np.flatnonzero(per_block)
+            freed = per_block[touched]
+            touched += first
+            left_used = self._block_used[touched] - freed
+            self._block_used[touched] = left_used
+            runs = zip(touched.tolist(), freed.tolist(), left_used.tolist(), strict=True)
         free_pages = pool.free_pages
-        stacks = pool.stacks
         count = pool.free_page_count
-        for block, start, end, left_used in runs:
-            if left_used == 0:
+        for block, freed_here, left_here in runs:
+            if left_here == 0:
                 count -= free_pages.pop(block, 0)
-                del stacks[block]
                 pool.blocks.remove(block)
                 self._block_owner[block] = None
                 self._free_blocks.append(block)
             else:
-                if in_block is None:
-                    in_block = page_ids - of_block * ppb
-                # Pushed in ascending order, as a list's extend did; a block
-                # that was full joins the end of the dict's order.
-                top = free_pages.get(block, 0)
-                new_top = top + end - start
-                stacks[block][top:new_top] = in_block[start:end]
-                free_pages[block] = new_top
-                count += end - start
+                # A block that was full joins the end of the dict's order.
+                free_pages[block] = free_pages.get(block, 0) + freed_here
+                count += freed_here
         pool.free_page_count = count
 
     # ---- accounting ----------------------------------------------------------
@@ -381,18 +369,17 @@ class KVAllocator:
             ppb = pool.geometry.pages_per_block
             assert len(pool.blocks) <= pool.cap_blocks, f"pool {pool.key} over its cap"
             assert set(pool.free_pages) <= pool.blocks, "free pages listed for a foreign block"
-            assert set(pool.stacks) == pool.blocks, "free-page stacks of blocks not owned"
             assert all(pool.free_pages.values()), "a full block kept on the free-page index"
             free_count = 0
             for block in pool.blocks:
-                free = pool.stacks[block][: pool.free_pages.get(block, 0)].tolist()
                 assert self._block_owner[block] == pool.key, f"block {block} owner mismatch"
-                used = pool.page_used[block * ppb : (block + 1) * ppb]
-                assert len(set(free)) == len(free), f"page listed free twice in block {block}"
-                assert not used[free].any(), f"block {block}: a used page is on the free list"
-                assert int(used.sum()) == self._block_used[block] == ppb - len(free)
-                assert self._block_used[block] > 0, f"empty block {block} not returned"
-                free_count += len(free)
+                used = int(pool.page_used[block * ppb : (block + 1) * ppb].sum())
+                assert used == self._block_used[block], f"block {block}: used pages drifted"
+                assert used > 0, f"empty block {block} not returned"
+                assert pool.free_pages.get(block, 0) == ppb - used, (
+                    f"block {block}: free-page count drifted"
+                )
+                free_count += ppb - used
             assert free_count == pool.free_page_count, f"pool {pool.key} free count drifted"
             mask = np.ones(self.num_blocks, dtype=bool)
             mask[list(pool.blocks)] = False
@@ -401,14 +388,11 @@ class KVAllocator:
             )
 
 
-_STACK_DTYPE = np.int32
-
-
 def distinct_sorted(values: np.ndarray) -> np.ndarray:
     """``np.unique`` for the small int arrays a free or a batch's slot check
     sees: a sort and a neighbour compare (no hashing, no index bookkeeping;
     numpy 2's hashing ``unique`` took 65 us on 1,100 slots, this 6)."""
-    # Slots come back as the runs ``alloc`` handed out (descending within a
+    # Slots come back as the runs ``alloc`` handed out (ascending within a
     # block): the stable sort (a merge of runs) is several times faster on
     # them than the default quicksort.
     values = np.sort(values, kind="stable")
