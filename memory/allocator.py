@@ -305,16 +305,18 @@ class KVAllocator:
             self._block_used[first] = left
             runs: Iterable[tuple[int, int, int]] = ((first, page_ids.size, left),)
         else:
-            # Pages per block over the blocks the sorted pages span: one
-            # bincount, one gather and one scatter of the blocks' counts,
-            # not a numpy op per block (an evicted entry spans many).
-            per_block = np.bincount(page_ids // ppb - first)
+            # Pages per block as one bincount over every block: the blocks'
+            # counts drop in one vector op, not a numpy op per block (an
+            # evicted entry spans many).
+            per_block = np.bincount(page_ids // ppb, minlength=self.num_blocks)
+            self._block_used -= per_block
             touched = np.flatnonzero(per_block)
-            freed = per_block[touched]
-            touched += first
-            left_used = self._block_used[touched] - freed
-            self._block_used[touched] = left_used
-            runs = zip(touched.tolist(), freed.tolist(), left_used.tolist(), strict=True)
+            runs = zip(
+                touched.tolist(),
+                per_block[touched].tolist(),
+                self._block_used[touched].tolist(),
+                strict=True,
+            )
         free_pages = pool.free_pages
         count = pool.free_page_count
         for block, freed_here, left_here in runs:
