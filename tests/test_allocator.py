@@ -112,3 +112,28 @@ def test_register_conflicting_layout_rejected() -> None:
     alloc = make()
     with pytest.raises(ValueError, match="another layout"):
         alloc.register("a", BIG)
+
+
+def test_alloc_hands_out_ascending_runs_and_reuses_the_lowest_free_pages() -> None:
+    # Kernels read a context's K/V rows in slot order: a fresh block gives one
+    # ascending run, and a block with holes fills them lowest first (oldest
+    # block with free pages first), so a request's slots stay runs.
+    alloc = make()
+    s = alloc.alloc("a", 20)  # a whole block of 16, then 4 of a fresh one
+    assert s is not None
+    assert s.tolist() == list(range(s[0], s[0] + 16)) + list(range(s[16], s[16] + 4))
+    assert s[0] % 16 == 0 and s[16] % 16 == 0
+    holes = s[[3, 4, 5, 9]]
+    alloc.free("a", holes)
+    alloc.check()
+    # The first block (now holding the holes) joined the free-page order after
+    # the second block, which has had free pages since it was taken.
+    t = alloc.alloc("a", 14)
+    assert t is not None
+    assert t.tolist() == list(range(s[16] + 4, s[16] + 16)) + holes[:2].tolist()
+    u = alloc.alloc("a", 2)
+    assert u is not None and u.tolist() == holes[2:].tolist()
+    alloc.check()
+    alloc.free("a", np.concatenate([s[:3], s[6:9], s[10:], t, u]))
+    alloc.check()
+    assert alloc.usage().free_blocks == 8
