@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 import threading
@@ -46,7 +47,28 @@ HEADERS = tuple(
 )  # build key
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+# The instruction set the kernels are built for: this CPU's own by default.
+# RADIXMUX_KERNEL_ARCH names another gcc -march (x86-64-v3: AVX2 + FMA + F16C,
+# x86-64-v4: AVX-512 without BF16 or AMX), so one machine can build, test and
+# measure the paths an older CPU takes; every ISA choice downstream (AMX
+# tiles, bf16 dot products, vector widths) follows the library's build.
+ARCH_ENV = "RADIXMUX_KERNEL_ARCH"
+_ARCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def target_arch() -> str:
+    """The ``-march`` the kernels are built for (``native`` unless overridden)."""
+    arch = os.environ.get(ARCH_ENV, "") or "native"
+    if not _ARCH_NAME.fullmatch(arch):
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not a gcc -march name")
+    return arch
+
+
+def cflags() -> list[str]:
+    """The compiler flags of this build (``CFLAGS`` and the target arch)."""
+    return [*CFLAGS, f"-march={target_arch()}"]
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -71,7 +93,7 @@ def build_dir() -> Path:
         _cpu_flags().encode(),
     ):
         key.update(part)
-    key.update(" ".join(CFLAGS).encode())
+    key.update(" ".join(cflags()).encode())
     root = os.environ.get("RADIXMUX_CACHE") or Path.home() / ".cache" / "radixmux"
     return Path(root) / "kernels" / f"paged_decode-{key.hexdigest()[:16]}"
 
@@ -98,7 +120,11 @@ def _build(target: Path, library: Path) -> None:
     from torch.utils import cpp_extension
 
     target.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the paged decode kernel into %s (once per machine)", target)
+    log.info(
+        "compiling the paged decode kernel for -march=%s into %s (once per machine)",
+        target_arch(),
+        target,
+    )
     t0 = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="build-", dir=target))
     try:
@@ -106,7 +132,7 @@ def _build(target: Path, library: Path) -> None:
             name=NAME,
             sources=[str(s) for s in SOURCES],
             build_directory=str(scratch),
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -141,6 +167,11 @@ def load() -> bool:
             if not built:
                 torch.ops.load_library(str(library))
             _state["ok"] = True
+            log.info(
+                "kernels loaded: -march=%s, %s paths",
+                target_arch(),
+                torch.ops.radixmux.built_isa(),
+            )
         except Exception as exc:  # any build failure means: use the torch path
             log.warning("paged decode kernel unavailable (%s); using gather + SDPA", exc)
             _state["ok"] = False
@@ -234,6 +265,13 @@ def has_tiled_path(head_dim: int) -> bool:
     per-key scalar loops for other sizes are slower than SDPA.
     """
     return bool(torch.ops.radixmux.has_tiled_path(head_dim))
+
+
+def built_isa() -> str:
+    """The widest vector paths the loaded library was built with: ``amx``,
+    ``avx512bf16``, ``avx512f``, ``avx2`` or ``scalar`` (its ``-march``
+    decides, see :func:`target_arch`; '' when the library is not loaded)."""
+    return str(torch.ops.radixmux.built_isa()) if loaded() else ""
 
 
 def paged_extend(

@@ -20,6 +20,10 @@ from radixmux.model_runners import paged_decode as pd
 from radixmux.scheduler.bootstrap import layer_sharing
 
 needs_kernel = pytest.mark.skipif(not pd.load(), reason="C++ kernels not built here")
+# --deterministic needs the kernel's vector tiles (an AVX-512 build).
+needs_tiles = pytest.mark.skipif(
+    not (pd.load() and pd.has_tiled_path(16)), reason="deterministic mode needs vector tiles"
+)
 FP8 = torch.float8_e4m3fn
 
 
@@ -103,7 +107,7 @@ def test_the_flag_halves_a_tokens_bytes_and_turns_layer_sharing_off() -> None:
         ServerArgs(kv_cache_dtype="int8")
 
 
-@needs_kernel
+@needs_tiles
 def test_a_float8_arena_keeps_greedy_tokens_alone_batched_and_cached(tmp_path: Path) -> None:
     from radixmux.runtime.client.engine import Engine
 

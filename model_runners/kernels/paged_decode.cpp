@@ -31,6 +31,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <climits>
 #include <cstring>
 #include <memory>
@@ -411,6 +412,21 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
       });
 }
 
+// Deterministic (batch-invariant) mode, asked per call: every query row,
+// decode or extend, takes the one tiled path, over key tiles aligned to
+// absolute context positions (kAlignKeys), decodes uncut and without
+// shared-prefix groups, so a row's result depends only on its own query and
+// keys: not on its batch, its chunk, or whether its prefix was cached.
+// Key runs start at a multiple of kAlignKeys there: the tiled path's kTile
+// and the AMX path's step (kAmxKeys) both divide it.
+constexpr int64_t kAlignKeys = 128;
+inline int64_t aligned_begin(int64_t begin, bool det) {
+  return det ? begin / kAlignKeys * kAlignKeys : begin;
+}
+// The AMX path's keys per step (a multiple of 32); the extend packs'
+// layout (PackLayout) is in these steps on every build.
+constexpr int64_t kAmxKeys = 128;
+
 #ifdef __AVX512F__
 // ---- many query rows at once: register-blocked tiles --------------------------------------
 // When one key is scored against many query rows (a group's shared prefix)
@@ -425,17 +441,6 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
 constexpr int64_t kTile = 32;
 // Fewest query rows for the tiled path: fewer leave too many lanes idle.
 constexpr int64_t kTiledRows = 12;
-// Deterministic (batch-invariant) mode, asked per call: every query row,
-// decode or extend, takes the one tiled path, over key tiles aligned to
-// absolute context positions (kAlignKeys), decodes uncut and without
-// shared-prefix groups, so a row's result depends only on its own query and
-// keys: not on its batch, its chunk, or whether its prefix was cached.
-// Key runs start at a multiple of kAlignKeys there: the tiled path's kTile
-// and the AMX path's step (kAmxKeys) both divide it.
-constexpr int64_t kAlignKeys = 128;
-inline int64_t aligned_begin(int64_t begin, bool det) {
-  return det ? begin / kAlignKeys * kAlignKeys : begin;
-}
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
 #else
@@ -827,7 +832,6 @@ struct PackedKV {
 // in a fixed order, so a row's result does not depend on which other rows
 // share its task (a prompt's tokens come out the same computed whole or over
 // its cached prefix).
-constexpr int64_t kAmxKeys = 128;  // keys per step (a multiple of 32)
 
 // dst[j * ldd + i] = src[i * lds + j] for a 16 x 16 block of 32-bit values.
 inline void transpose16(const uint32_t* src, int64_t lds, uint32_t* dst, int64_t ldd) {
@@ -1751,6 +1755,22 @@ bool has_tiled_path(int64_t head_dim) {
   return tiled;
 }
 
+// The widest vector paths this library was built with (its -march decides,
+// not the CPU it runs on): what the kernels' choices between paths follow.
+std::string built_isa() {
+#if defined(RADIXMUX_AMX)
+  return "amx";
+#elif defined(__AVX512BF16__)
+  return "avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512f";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixmux, m) {
@@ -1766,6 +1786,7 @@ TORCH_LIBRARY(radixmux, m) {
       "Tensor q_offsets, float scale, float softcap, int window, bool deterministic=False) "
       "-> Tensor");
   m.def("has_tiled_path(int head_dim) -> bool", &has_tiled_path);
+  m.def("built_isa() -> str", &built_isa);
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
