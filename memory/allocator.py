@@ -258,8 +258,8 @@ class KVAllocator:
             # first ``need`` free pages of the blocks' rows, in row order,
             # are the ones to take: one gather and one scan for all of them.
             where = np.array(blocks, dtype=np.int64)
-            free = np.flatnonzero(~rows[where])[:need]
-            page_ids = where[free // ppb] * ppb + free % ppb
+            found = np.flatnonzero(~rows[where])[:need]
+            page_ids = where[found // ppb] * ppb + found % ppb
             self._block_used[where] += np.array(takes, dtype=np.int64)
         pool.free_page_count -= need
         pool.page_used[page_ids] = True
