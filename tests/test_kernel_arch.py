@@ -1,8 +1,9 @@
 """The kernels built for an older instruction set than this CPU's (``RADIXMUX_KERNEL_ARCH``).
 
-A CPU without AVX-512 runs the kernels' AVX2 or scalar paths, which a build
-for this machine (``-march=native``) never compiles: an AVX2-only CPU once
-got no kernels at all, because the AVX2 build did not compile. Here each
+A CPU without AMX or AVX512-BF16 runs paths that a build for this machine
+(``-march=native``) never compiles: AVX-512F without bfloat16 dot products
+(Skylake-X to Ice Lake servers), AVX2, scalar loops. An AVX2-only CPU once got
+no kernels at all, because the AVX2 build did not compile. Here each
 older build is made on this machine, reports the paths it has, and passes the
 kernel tests (the same tests, against the same references), in a process of
 its own (a process loads one build).
@@ -30,9 +31,17 @@ KERNEL_TESTS = [
 ]
 # gcc -march: (what built_isa reports, the CPU flags its code needs to run)
 BUILDS = {
+    "x86-64-v4": ("avx512f", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
     "x86-64-v3": ("avx2", {"avx2", "fma", "f16c"}),
     "x86-64": ("scalar", set()),
 }
+
+
+def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """This interpreter run with ``args`` in the repository, under ``env``."""
+    return subprocess.run(
+        [sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(BUILDS))
@@ -45,30 +54,16 @@ def test_an_older_build_has_its_paths_and_passes_the_kernel_tests(arch: str) -> 
     # The inner run is a pytest of its own, not a worker of this one's.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env[paged_decode.ARCH_ENV] = arch
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from radixmux.model_runners import paged_decode as k\n"
-            "assert k.load(), k.error()\n"
-            "print(k.built_isa())",
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    probe = _python(
+        env,
+        "-c",
+        "from radixmux.model_runners import paged_decode as k\n"
+        "assert k.load(), k.error()\n"
+        "print(k.built_isa())",
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert probe.stdout.split()[-1] == isa
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    tests = _python(env, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout.splitlines()[-1]
 
