@@ -320,6 +320,16 @@ def gated_activation(
     return gate_up_act
 
 
+def packs_float32() -> bool:
+    """Whether float32 weights go to oneDNN's packed layout here: only where
+    torch runs AVX-512 code. Below it oneDNN's float32 kernels on a packed
+    weight were slower than its plain product at every decode size (SmolLM2's
+    30 layers, 2 threads, torch and oneDNN capped to AVX2: 1 row 35.5 against
+    21.5 ms, 4 rows 46.0 / 38.2, 16 rows 64.2 / 52.5); with AVX-512 they win
+    from 4 rows (1 row 33.1 / 22.8, 4 rows 35.5 / 40.2, 16 rows 48.2 / 54.0)."""
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
+
+
 @torch.no_grad()
 def pack_linear_weights(
     model: nn.Module, amx: bool = True, onednn_copy: bool = False, deterministic: bool = False
@@ -351,6 +361,9 @@ def pack_linear_weights(
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
     ok: dict[torch.dtype, bool] = {}
+    if not packs_float32():
+        ok[torch.float32] = False
+        log.info("float32 linear layers stay plain: oneDNN's packed layout is slower below AVX-512")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -267,3 +267,23 @@ def test_model_info_counts_the_weights_as_loaded():
     buffers = sum(b.nbytes for b in untied.model.buffers())
     assert untied.info.weight_bytes == params + buffers
     assert tied.info.weight_bytes == untied.info.weight_bytes - 211 * 64 * 2
+
+
+def test_float32_layers_stay_plain_below_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    # oneDNN's packed float32 layout loses to its plain product on AVX2 (packs_float32).
+    from radixmux.model_runners import packed_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    model = tiny_model("llama", dtype="float32").model
+    x = torch.randint(0, 100, (1, 7))
+    want = model(x).logits
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not packed_linear.packs_float32()
+    assert packed_linear.pack_linear_weights(model) == 0
+    assert not any(isinstance(m, packed_linear.PackedLinear) for m in model.modules())
+    assert torch.equal(model(x).logits, want)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert packed_linear.packs_float32()
+    bf16 = tiny_model("llama", dtype="bfloat16").model
+    assert packed_linear.pack_linear_weights(bf16) > 0  # bfloat16 packs whatever the ISA
