@@ -361,9 +361,6 @@ def pack_linear_weights(
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
     ok: dict[torch.dtype, bool] = {}
-    if not packs_float32():
-        ok[torch.float32] = False
-        log.info("float32 linear layers stay plain: oneDNN's packed layout is slower below AVX-512")
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -372,6 +369,9 @@ def pack_linear_weights(
             dtype = child.weight.dtype
             if dtype not in _DTYPES:
                 continue
+            if dtype not in ok and dtype == torch.float32 and not packs_float32():
+                ok[dtype] = False
+                log.info("float32 linear layers stay plain: oneDNN's packed layout is slower here")
             if dtype not in ok:
                 ok[dtype] = packing_works(dtype)
                 if not ok[dtype]:

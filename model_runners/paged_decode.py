@@ -167,11 +167,7 @@ def load() -> bool:
             if not built:
                 torch.ops.load_library(str(library))
             _state["ok"] = True
-            log.info(
-                "kernels loaded: -march=%s, %s paths",
-                target_arch(),
-                torch.ops.radixmux.built_isa(),
-            )
+            log.info("kernels loaded: -march=%s, %s paths", target_arch(), built_isa())
         except Exception as exc:  # any build failure means: use the torch path
             log.warning("paged decode kernel unavailable (%s); using gather + SDPA", exc)
             _state["ok"] = False
