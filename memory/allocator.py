@@ -14,12 +14,12 @@ Everything here is metadata: no tensor is touched.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixmux.memory.layout import BlockGeometry, KVLayout
+from radixmux.memory.page_bitmap import DUPLICATE, NOT_IN_USE, PageRows, ReleaseError, make_rows
 
 SlotArray = np.ndarray  # 1-D int64 slot ids of one pool
 
@@ -34,12 +34,16 @@ class _Pool:
     # Free pages of the owned blocks that have any, by block, so an alloc
     # never walks past full blocks: how many, in dict order of when the block
     # last got one (alloc takes blocks in this order). Which pages are free
-    # is ``page_used`` itself: a bitmap row per block, read by alloc in one
-    # numpy op for all the blocks it takes from.
+    # is ``page_used`` itself: a bitmap row per block (``page_bitmap``).
     free_pages: dict[int, int] = field(default_factory=dict)
     free_page_count: int = 0
-    page_used: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    rows: PageRows | None = None  # the bitmap and its bulk ops (set by register)
     pages_per_block: int = 0  # geometry.pages_per_block, kept (a property chain)
+
+    @property
+    def page_used(self) -> np.ndarray:
+        assert self.rows is not None
+        return self.rows.used
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,15 @@ class KVAllocator:
     cap (bytes it may not exceed) keep a cold model warm and a hot one bounded.
     """
 
-    def __init__(self, num_blocks: int, block_bytes: int, page_size: int = 1) -> None:
+    def __init__(
+        self, num_blocks: int, block_bytes: int, page_size: int = 1, native: bool | None = None
+    ) -> None:
         if num_blocks <= 0 or block_bytes <= 0 or page_size <= 0:
             raise ValueError("num_blocks, block_bytes and page_size must be positive")
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.page_size = page_size
+        self._native = native  # page_bitmap.make_rows: None picks the C version where it loads
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self._block_owner: list[str | None] = [None] * num_blocks
         self._block_used = np.zeros(num_blocks, dtype=np.int64)  # pages used by owner
@@ -123,14 +130,14 @@ class KVAllocator:
         reserved = sum(p.floor_blocks for p in self._pools.values()) + floor_blocks
         if reserved > self.num_blocks:
             raise ValueError(f"pool floors need {reserved} blocks; the arena has {self.num_blocks}")
-        pages = self.num_blocks * geometry.pages_per_block
+        ppb = geometry.pages_per_block
         self._pools[key] = _Pool(
             key,
             geometry,
             floor_blocks,
             cap_blocks,
-            page_used=np.zeros(pages, dtype=bool),
-            pages_per_block=geometry.pages_per_block,
+            rows=make_rows(self.num_blocks, ppb, self._block_used, self._native),
+            pages_per_block=ppb,
         )
         self._floors = self._floors or floor_blocks > 0
         return geometry
@@ -232,37 +239,23 @@ class KVAllocator:
             pool.blocks.add(block)
             free_pages[block] = ppb
         pool.free_page_count += new_blocks * ppb
-        blocks = []
-        takes = []
+        plan = []  # block, pages taken there, ...
         left = need
         for block, free in free_pages.items():
             take = left if left < free else free
-            blocks.append(block)
-            takes.append(take)
+            plan += (block, take)
             left -= take
             if left == 0:
                 break
-        for block, take in zip(blocks, takes, strict=True):
+        for i in range(0, len(plan), 2):
+            block, take = plan[i], plan[i + 1]
             if free_pages[block] == take:
                 del free_pages[block]
             else:
                 free_pages[block] -= take  # a value change: the order stays
-        rows = pool.page_used.reshape(self.num_blocks, ppb)
-        if len(blocks) == 1:
-            block = blocks[0]
-            offsets = np.flatnonzero(~rows[block])[:need]
-            page_ids = offsets + block * ppb
-            self._block_used[block] += need
-        else:
-            # Every block but the last gives all its free pages, so the
-            # first ``need`` free pages of the blocks' rows, in row order,
-            # are the ones to take: one gather and one scan for all of them.
-            where = np.array(blocks, dtype=np.int64)
-            found = np.flatnonzero(~rows[where])[:need]
-            page_ids = where[found // ppb] * ppb + found % ppb
-            self._block_used[where] += np.array(takes, dtype=np.int64)
+        assert pool.rows is not None
+        page_ids = pool.rows.take(plan, need)
         pool.free_page_count -= need
-        pool.page_used[page_ids] = True
         return self._page_slots(page_ids)
 
     def _page_slots(self, page_ids: np.ndarray) -> SlotArray:
@@ -280,46 +273,24 @@ class KVAllocator:
         pool = self._pool(key)
         p = self.page_size
         if p == 1:
-            # Slots are pages: distinct means no equal neighbours once sorted
-            # (a compare, not the dedup the page case needs). Slots come back
-            # as the runs ``alloc`` handed out: the stable sort (a merge of
-            # runs) is several times faster on them than the default one.
-            page_ids = np.sort(slots, kind="stable")
-            if n > 1 and np.count_nonzero(page_ids[1:] == page_ids[:-1]):
-                raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
+            page_ids = slots  # slots are pages: release checks they are distinct
         else:
             page_ids = distinct_sorted(slots // p)
             if page_ids.size * p != n:
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
-        used = pool.page_used
-        lowest, highest = page_ids[0].item(), page_ids[-1].item()
-        if lowest < 0 or highest >= used.size:
-            raise ValueError("slot id out of the arena's range")
-        if np.count_nonzero(used[page_ids]) != page_ids.size:  # cheaper than .all()
-            raise ValueError(f"double free or foreign slots for pool {key!r}")
-        used[page_ids] = False
-        ppb = pool.pages_per_block
-        first, last = lowest // ppb, highest // ppb
-        if first == last:  # one block (sorted): a scalar update
-            left = int(self._block_used[first]) - page_ids.size
-            self._block_used[first] = left
-            runs: Iterable[tuple[int, int, int]] = ((first, page_ids.size, left),)
-        else:
-            # Pages per block as one bincount over every block: the blocks'
-            # counts drop in one vector op, not a numpy op per block (an
-            # evicted entry spans many).
-            per_block = np.bincount(page_ids // ppb, minlength=self.num_blocks)
-            self._block_used -= per_block
-            touched = np.flatnonzero(per_block)
-            runs = zip(
-                touched.tolist(),
-                per_block[touched].tolist(),
-                self._block_used[touched].tolist(),
-                strict=True,
-            )
+        assert pool.rows is not None
+        try:
+            touched = pool.rows.release(page_ids)
+        except ReleaseError as exc:
+            if exc.code == DUPLICATE:
+                raise ValueError(f"free of {n} slots is not whole distinct pages of {p}") from None
+            if exc.code == NOT_IN_USE:
+                raise ValueError(f"double free or foreign slots for pool {key!r}") from None
+            raise ValueError("slot id out of the arena's range") from None
         free_pages = pool.free_pages
         count = pool.free_page_count
-        for block, freed_here, left_here in runs:
+        for i in range(0, len(touched), 3):
+            block, freed_here, left_here = touched[i], touched[i + 1], touched[i + 2]
             if left_here == 0:
                 count -= free_pages.pop(block, 0)
                 pool.blocks.remove(block)

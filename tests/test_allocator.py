@@ -1,13 +1,34 @@
-"""The logical arena: blocks owned by one pool at a time, pages, floors and caps."""
+"""The logical arena: blocks owned by one pool at a time, pages, floors and caps.
+
+Every test runs twice: with the page bitmap's C operations and with numpy's
+(``page_bitmap``), which must behave the same."""
+
+import shutil
 
 import numpy as np
 import pytest
 
+from radixmux.memory import page_bitmap
 from radixmux.memory.allocator import KVAllocator
 from radixmux.memory.layout import KVLayout
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=1, head_dim=16)  # 256 B/token -> 16 per block
 BIG = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16)  # 1 KiB/token -> 4 per block
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def bitmap_ops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which ``PageRows`` every allocator of the test gets (through the env switch)."""
+    native = request.param == "native"
+    if native and page_bitmap.load() is None:
+        if shutil.which(page_bitmap.compiler()) is None:
+            pytest.skip("no C compiler: the allocator runs on numpy only")
+        pytest.fail("a C compiler is here but the page bitmap library did not load")
+    monkeypatch.setenv(page_bitmap.NATIVE_ENV, "1" if native else "0")
+    probe = KVAllocator(1, 4096)
+    probe.register("probe", SMALL)
+    assert isinstance(probe._pools["probe"].rows, page_bitmap.NativePageRows) == native
+    return request.param
 
 
 def make(num_blocks: int = 8, page_size: int = 1) -> KVAllocator:
