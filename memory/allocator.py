@@ -30,6 +30,7 @@ class _Pool:
     geometry: BlockGeometry
     floor_blocks: int
     cap_blocks: int
+    rows: PageRows  # the page bitmap and its bulk operations
     blocks: set[int] = field(default_factory=set)
     # Free pages of the owned blocks that have any, by block, so an alloc
     # never walks past full blocks: how many, in dict order of when the block
@@ -37,12 +38,10 @@ class _Pool:
     # is ``page_used`` itself: a bitmap row per block (``page_bitmap``).
     free_pages: dict[int, int] = field(default_factory=dict)
     free_page_count: int = 0
-    rows: PageRows | None = None  # the bitmap and its bulk ops (set by register)
     pages_per_block: int = 0  # geometry.pages_per_block, kept (a property chain)
 
     @property
     def page_used(self) -> np.ndarray:
-        assert self.rows is not None
         return self.rows.used
 
 
@@ -136,7 +135,7 @@ class KVAllocator:
             geometry,
             floor_blocks,
             cap_blocks,
-            rows=make_rows(self.num_blocks, ppb, self._block_used, self._native),
+            make_rows(self.num_blocks, ppb, self._block_used, self._native),
             pages_per_block=ppb,
         )
         self._floors = self._floors or floor_blocks > 0
@@ -215,7 +214,10 @@ class KVAllocator:
         return min(self.num_blocks, pool.cap_blocks) * pool.geometry.slots_per_block
 
     def can_alloc(self, key: str, n_tokens: int) -> bool:
-        return self.free_slots_for(key) >= self.pages_for(n_tokens) * self.page_size
+        """Whether ``alloc`` would succeed now (eviction asks after every entry it frees)."""
+        pool = self._pool(key)
+        short = -(-n_tokens // self.page_size) - pool.free_page_count
+        return short <= 0 or short <= self._blocks_available(pool) * pool.pages_per_block
 
     def alloc(self, key: str, n_tokens: int) -> SlotArray | None:
         """``n_tokens`` rounded up to whole pages of slots, or None if no room.
@@ -253,7 +255,6 @@ class KVAllocator:
                 del free_pages[block]
             else:
                 free_pages[block] -= take  # a value change: the order stays
-        assert pool.rows is not None
         page_ids = pool.rows.take(plan, need)
         pool.free_page_count -= need
         return self._page_slots(page_ids)
@@ -278,7 +279,6 @@ class KVAllocator:
             page_ids = distinct_sorted(slots // p)
             if page_ids.size * p != n:
                 raise ValueError(f"free of {n} slots is not whole distinct pages of {p}")
-        assert pool.rows is not None
         try:
             touched = pool.rows.release(page_ids)
         except ReleaseError as exc:
@@ -289,8 +289,8 @@ class KVAllocator:
             raise ValueError("slot id out of the arena's range") from None
         free_pages = pool.free_pages
         count = pool.free_page_count
-        for i in range(0, len(touched), 3):
-            block, freed_here, left_here = touched[i], touched[i + 1], touched[i + 2]
+        triples = iter(touched)
+        for block, freed_here, left_here in zip(triples, triples, triples, strict=True):
             if left_here == 0:
                 count -= free_pages.pop(block, 0)
                 pool.blocks.remove(block)

@@ -152,6 +152,10 @@ class Evictor:
         # leaf or touched since: dropped or re-pushed), so the hot paths only
         # push when an entry becomes an unlocked leaf.
         self._heaps: dict[str, list[Candidate]] = {}
+        # A heap is rebuilt once its stale items outnumber the live ones.
+        # Counting the live ones walks the pool's generations, so it is done
+        # only when the heap outgrows the bound set at the last count.
+        self._compact_at: dict[str, int] = {}
         self._seq = itertools.count()
         n = allocator.num_blocks
         self._tally = np.zeros(n, dtype=np.int64)  # slots live entries hold
@@ -205,10 +209,12 @@ class Evictor:
         heap = self._heaps.get(pool)
         if not heap:
             return None
-        live = sum(len(g.leaves) for g in self._generations.values() if g.pool == pool)
-        if len(heap) > 2 * live + 64:
-            self._compact_heap(pool)
-            heap = self._heaps[pool]
+        if len(heap) > self._compact_at.get(pool, 64):
+            live = sum(len(g.leaves) for g in self._generations.values() if g.pool == pool)
+            if len(heap) > 2 * live + 64:
+                self._compact_heap(pool)
+                heap = self._heaps[pool]
+            self._compact_at[pool] = 2 * live + 64
         while heap:
             key, _, node, gid, entry = heap[0]
             if node.entries.get(gid) is not entry or entry.lock_ref or entry.child_refs:
@@ -416,9 +422,12 @@ class Evictor:
         blocks: Iterator[BlockOption] | None = None  # built on first need
         option: BlockOption | None = None  # the next of ``blocks``, if any
         freed = 0
+        # Another pool's block is an option only once another pool has cached
+        # (with one pool, as mostly, the scan and its checks are skipped).
+        others = len(self._pool_ids) > (pool in self._pool_ids)
         while not alloc.can_alloc(pool, num_tokens):
             own = self._head(pool)
-            if blocks is None and alloc.may_grow(pool):
+            if others and blocks is None and alloc.may_grow(pool):
                 blocks = self.emptiable_blocks(pool)
                 option = next(blocks, None)
             offer = None
