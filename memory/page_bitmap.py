@@ -28,8 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from radixmux.common import file_lock
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("page_bitmap.c")
@@ -236,10 +234,11 @@ def load() -> ctypes.CDLL | None:
         try:
             library = library_path()
             if not library.exists():
+                # No lock between processes that start together: each builds
+                # into its own file (a fraction of a second) and renames it
+                # into place, so a reader only ever sees a whole library.
                 library.parent.mkdir(parents=True, exist_ok=True)
-                with file_lock.held(library.with_suffix(".lock")):
-                    if not library.exists():
-                        _build(library)
+                _build(library)
             lib = ctypes.CDLL(str(library))
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             lib.rm_release.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
