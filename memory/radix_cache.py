@@ -28,6 +28,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from radixmux.memory.allocator import KVAllocator
@@ -99,8 +100,9 @@ _ENTRY_BYTES = sys.getsizeof(_Entry(np.zeros(0, np.int64), 0.0)) + sys.getsizeof
 _SLOT_BYTES = np.dtype(np.int64).itemsize
 
 
-@dataclass(frozen=True)
-class CacheHandle:
+# The two below are made on every match, on the scheduler's loop: as frozen
+# Structs they cost a seventh of a frozen dataclass (0.15 against 1.0 us each).
+class CacheHandle(msgspec.Struct, frozen=True):
     """A matched path in one generation: what a request locks and later inserts from."""
 
     node: Node
@@ -108,8 +110,7 @@ class CacheHandle:
     length: int
 
 
-@dataclass(frozen=True)
-class MatchResult:
+class MatchResult(msgspec.Struct, frozen=True):
     """The longest cached prefix: its length, its slot ids, and a handle to lock."""
 
     length: int
