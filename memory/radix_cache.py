@@ -329,7 +329,7 @@ class RadixCache:
             if child is None or gid not in child.entries:
                 break
             klen = len(child.key)
-            partial = pos + klen > limit or q[pos : pos + klen] != child.key
+            partial = pos + klen > limit or not q.startswith(child.key, pos)
             if partial:
                 # The first page matched (it is the child's dict key), so the
                 # page-aligned common part is at least one page.
@@ -559,12 +559,10 @@ class RadixCache:
                 node.children[q[b : b + self._page_bytes]] = child
                 self._nodes += 1
                 self._edge_bytes += len(child.key)
-            else:
-                common = common_prefix_tokens(child.key, q[b:])
-                common -= common % self.page_size
-                if common < child.num_tokens:
-                    child = self._split(child, common)
-            klen = child.num_tokens
+            elif not q.startswith(child.key, b):  # (startswith: a memcmp, no copy of q)
+                common = common_prefix_tokens(child.key, q[b : b + len(child.key)])
+                child = self._split(child, common - common % self.page_size)
+            klen = len(child.key) // 4
             entry = child.entries.get(gid)
             if entry is None:
                 self._add_entry(child, gid, slots[pos : pos + klen].copy(), now)
