@@ -12,6 +12,19 @@
  */
 #include <stdint.h>
 
+/* One pool's arrays, set up once (page_bitmap.NativePageRows): a call passes its
+ * address and a count, since ctypes spends ~0.07 us on each argument. */
+typedef struct {
+    uint8_t *used;
+    int64_t npages;
+    int64_t *block_used;
+    int64_t *scratch;
+    int64_t ppb;
+    int64_t *pages; /* pages in (release) or out (take) */
+    int64_t *out;   /* release's triples */
+    int64_t *plan;  /* take's (block, count) pairs */
+} rm_rows;
+
 enum { RELEASE_OUT_OF_RANGE = -1, RELEASE_NOT_IN_USE = -2, RELEASE_DUPLICATE = -3 };
 
 /* Clears `pages` in `used` and takes them off their blocks' counts.
@@ -23,8 +36,8 @@ enum { RELEASE_OUT_OF_RANGE = -1, RELEASE_NOT_IN_USE = -2, RELEASE_DUPLICATE = -
  * pages still used there. Returns how many blocks were touched, or an error
  * (which one, where several apply, is not specified).
  */
-int64_t rm_release(uint8_t *used, int64_t npages, int64_t *block_used, int64_t *scratch,
-                   int64_t ppb, const int64_t *pages, int64_t n, int64_t *out) {
+static int64_t release(uint8_t *used, int64_t npages, int64_t *block_used, int64_t *scratch,
+                       int64_t ppb, const int64_t *pages, int64_t n, int64_t *out) {
     for (int64_t i = 0; i < n; i++) {
         int64_t p = pages[i];
         if (p < 0 || p >= npages) return RELEASE_OUT_OF_RANGE;
@@ -69,8 +82,8 @@ int64_t rm_release(uint8_t *used, int64_t npages, int64_t *block_used, int64_t *
  * many pages it wrote: fewer than asked only if a block's row had fewer free
  * pages than its count said (the caller treats that as corrupt bookkeeping).
  */
-int64_t rm_take(uint8_t *used, int64_t *block_used, int64_t ppb, const int64_t *plan,
-                int64_t nblocks, int64_t *out) {
+static int64_t take(uint8_t *used, int64_t *block_used, int64_t ppb, const int64_t *plan,
+                    int64_t nblocks, int64_t *out) {
     int64_t written = 0;
     for (int64_t k = 0; k < nblocks; k++) {
         int64_t b = plan[2 * k], want = plan[2 * k + 1], got = 0;
@@ -86,4 +99,14 @@ int64_t rm_take(uint8_t *used, int64_t *block_used, int64_t ppb, const int64_t *
         if (got < want) return written;
     }
     return written;
+}
+
+/* The two operations on a pool's arrays: release `n` pages from `pages`, take
+ * `nblocks` planned blocks' pages into `pages`. */
+int64_t rm_release(const rm_rows *r, int64_t n) {
+    return release(r->used, r->npages, r->block_used, r->scratch, r->ppb, r->pages, n, r->out);
+}
+
+int64_t rm_take(const rm_rows *r, int64_t nblocks) {
+    return take(r->used, r->block_used, r->ppb, r->plan, nblocks, r->pages);
 }
