@@ -27,7 +27,8 @@ typedef struct {
 
 enum { RELEASE_OUT_OF_RANGE = -1, RELEASE_NOT_IN_USE = -2, RELEASE_DUPLICATE = -3 };
 
-/* Clears `pages` in `used` and takes them off their blocks' counts.
+/* Clears the first `n` of `r->pages` in `r->used` and takes them off their
+ * blocks' counts.
  *
  * All or nothing: on an error nothing has changed (a page outside the bitmap,
  * one not in use -- a double free or another pool's -- or one listed twice).
@@ -36,8 +37,10 @@ enum { RELEASE_OUT_OF_RANGE = -1, RELEASE_NOT_IN_USE = -2, RELEASE_DUPLICATE = -
  * pages still used there. Returns how many blocks were touched, or an error
  * (which one, where several apply, is not specified).
  */
-static int64_t release(uint8_t *used, int64_t npages, int64_t *block_used, int64_t *scratch,
-                       int64_t ppb, const int64_t *pages, int64_t n, int64_t *out) {
+int64_t rm_release(const rm_rows *r, int64_t n) {
+    uint8_t *used = r->used;
+    int64_t *block_used = r->block_used, *scratch = r->scratch, *out = r->out;
+    const int64_t *pages = r->pages, npages = r->npages, ppb = r->ppb;
     for (int64_t i = 0; i < n; i++) {
         int64_t p = pages[i];
         if (p < 0 || p >= npages) return RELEASE_OUT_OF_RANGE;
@@ -76,14 +79,17 @@ static int64_t release(uint8_t *used, int64_t npages, int64_t *block_used, int64
     return touched;
 }
 
-/* Takes the lowest free pages of blocks: `plan` holds `nblocks` pairs (block,
- * pages to take there). Writes the page ids, ascending within each block, to
- * `out`, marks them used and adds them to their blocks' counts. Returns how
- * many pages it wrote: fewer than asked only if a block's row had fewer free
- * pages than its count said (the caller treats that as corrupt bookkeeping).
+/* Takes the lowest free pages of blocks: `r->plan` holds `nblocks` pairs
+ * (block, pages to take there). Writes the page ids, ascending within each
+ * block, to `r->pages`, marks them used and adds them to their blocks' counts.
+ * Returns how many pages it wrote: fewer than asked only if a block's row had
+ * fewer free pages than its count said (the caller treats that as corrupt
+ * bookkeeping).
  */
-static int64_t take(uint8_t *used, int64_t *block_used, int64_t ppb, const int64_t *plan,
-                    int64_t nblocks, int64_t *out) {
+int64_t rm_take(const rm_rows *r, int64_t nblocks) {
+    uint8_t *used = r->used;
+    int64_t *block_used = r->block_used, *out = r->pages;
+    const int64_t *plan = r->plan, ppb = r->ppb;
     int64_t written = 0;
     for (int64_t k = 0; k < nblocks; k++) {
         int64_t b = plan[2 * k], want = plan[2 * k + 1], got = 0;
@@ -101,12 +107,3 @@ static int64_t take(uint8_t *used, int64_t *block_used, int64_t ppb, const int64
     return written;
 }
 
-/* The two operations on a pool's arrays: release `n` pages from `pages`, take
- * `nblocks` planned blocks' pages into `pages`. */
-int64_t rm_release(const rm_rows *r, int64_t n) {
-    return release(r->used, r->npages, r->block_used, r->scratch, r->ppb, r->pages, n, r->out);
-}
-
-int64_t rm_take(const rm_rows *r, int64_t nblocks) {
-    return take(r->used, r->block_used, r->ppb, r->plan, nblocks, r->pages);
-}
