@@ -16,7 +16,8 @@ Bytes of one decode step (``step_bytes``), each counted where it lives in memory
 * weights: every parameter the step reads, as the runner holds it. A linear
   layer (a ``PackedLinear`` after ``load_model``) is counted once, in the copy
   its call at the step's row count reads: the small-batch kernel's tiles
-  where the row count is within the layer's kernel limit, else oneDNN's
+  where the row count is within the layer's kernel limit, a float32 layer's
+  bfloat16 copy where it is widened per call, else oneDNN's
   packed copy (a layer holding both is counted in the one it reads;
   ``WeightBytes.held`` counts every copy). The output projection counts in
   full (it multiplies every sampled row). The input embedding counts only the
@@ -114,6 +115,8 @@ def _linear_read(module: nn.Module, rows: int) -> tuple[str, int]:
     """The copy a linear layer's call at ``rows`` rows reads, and its bytes."""
     if isinstance(module, PackedLinear):
         bias = _nbytes(module.bias)
+        if module.widen is not None:
+            return "bfloat16 widened", _nbytes(module.widen) + bias
         if module.amx is not None and (rows <= module.amx_max_rows or module.packed is None):
             # Above the limit without a oneDNN copy, the tiles are unpacked per call.
             return "kernel tiles", _nbytes(module.amx) + bias
@@ -131,7 +134,8 @@ def weight_bytes(model: nn.Module, rows: int) -> WeightBytes:
             copies[kind] += 1
             read += n
             held += sum(
-                _nbytes(getattr(module, a, None)) for a in ("amx", "packed", "weight", "bias")
+                _nbytes(getattr(module, a, None))
+                for a in ("amx", "packed", "widen", "weight", "bias")
             )
         elif isinstance(module, nn.Embedding):
             # Only the looked-up rows (from the head's tiles where tied and packed).

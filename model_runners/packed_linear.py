@@ -31,12 +31,22 @@ is held once.
 
 Without AMX but with AVX512-BF16, the same kernel runs the same layout with
 dot-product instructions, to lower row limits (``DOT_LIMITS``).
+
+Below AVX-512 (AVX2 + FMA), where models run in float32, a float32 layer whose
+weights are all bfloat16 values (a model published in bfloat16) keeps them as
+bfloat16 and ``kernels/widen_linear.cpp`` widens them in registers for every
+call (``widen``): half the bytes per step, float32 products and sums, one copy.
+On a 2-core AMD EPYC (AVX2, no AVX-512) SmolLM2's 30 layers took 11-15 ms at 1-4
+rows against 41-75 ms through torch's float32 product (MKL takes a generic
+path on AMD), 34 vs 95 ms at 16 rows, 378-391 vs 439-497 ms at 256
+(``bench/bench_linear.py --widen``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -106,6 +116,7 @@ DOT_HEAD_ROWS = AMX_ALL_ROWS
 # order than its matrix kernel's (float32, K=1536, seen here), so a decode
 # alone would round differently from the same row in a batch.
 DETERMINISTIC_MIN_ROWS = 2
+WIDEN_ENV = "RADIXMUX_WIDEN_LINEAR"
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,8 @@ DOT_LIMITS = SmallKernelLimits(
 
 class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout, or (bfloat16,
-    where the small-batch kernel runs) in the kernel's tiles."""
+    where the small-batch kernel runs) in the kernel's tiles, or (float32 with
+    ``widen``) as bfloat16 widened per call."""
 
     def __init__(
         self,
@@ -141,8 +153,15 @@ class PackedLinear(nn.Module):
         amx_max_rows: int = 0,
         onednn_copy: bool = True,
         min_rows: int = 1,
+        widen: bool = False,
     ) -> None:
         super().__init__()
+        # Float32 calls of any row count on the widening kernel (None: not used).
+        self.widen: torch.Tensor | None = None
+        if widen:
+            if linear.weight.dtype != torch.float32 or not holds_bfloat16(linear.weight):
+                raise ValueError("widen: the weight must be float32 holding bfloat16 values")
+            self.widen = torch.ops.radixmux.widen_pack(linear.weight.detach())
         self.min_rows = min_rows  # oneDNN calls are padded to at least this many rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -152,6 +171,9 @@ class PackedLinear(nn.Module):
         # Calls of at most this many rows use the AMX tile copy (0: none kept).
         self.amx_max_rows = amx_max_rows if weight.dtype == torch.bfloat16 else 0
         self.amx = torch.ops.radixmux.amx_pack(weight) if self.amx_max_rows else None
+        if self.widen is not None:
+            self.packed = None
+            return
         # Calls above the limit run on oneDNN: from its own packed copy, or
         # without one from the tiles unpacked for the call (same results).
         # The batch-size hint only picks the blocking; any row count works after.
@@ -161,9 +183,11 @@ class PackedLinear(nn.Module):
     @property
     def onednn_rows(self) -> bool:
         """Whether some calls (above ``amx_max_rows``) run on oneDNN."""
-        return self.amx is None or self.amx_max_rows != AMX_ALL_ROWS
+        return self.widen is None and (self.amx is None or self.amx_max_rows != AMX_ALL_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widen is not None:
+            return torch.ops.radixmux.widen_linear(x, self.widen, self.bias, self.out_features)
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
@@ -188,6 +212,8 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         amx = f", amx up to {self.amx_max_rows} rows" if self.amx_max_rows else ""
         copy = ", oneDNN copy" if self.packed is not None and self.amx is not None else ""
+        if self.widen is not None:
+            amx, copy = "", ", bfloat16 widened per call"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, packed{amx}{copy}"
 
@@ -330,6 +356,26 @@ def packs_float32() -> bool:
     return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
 
 
+def holds_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether every value of a float32 ``weight`` is a bfloat16 (its low 16 bits
+    zero): true of a model published in bfloat16 and run in float32."""
+    return not bool((weight.detach().view(torch.int32) & 0xFFFF).any())
+
+
+def widens_float32() -> bool:
+    """Whether float32 layers holding bfloat16 values take the widening kernel
+    here: where oneDNN does not pack float32 (below AVX-512) and the kernel
+    library has AVX2 + FMA (``RADIXMUX_WIDEN_LINEAR=0`` turns it off, to
+    measure against)."""
+    from radixmux.model_runners import paged_decode
+
+    if os.environ.get(WIDEN_ENV, "1") == "0":
+        return False
+    return (
+        not packs_float32() and paged_decode.load() and bool(torch.ops.radixmux.has_widen_linear())
+    )
+
+
 @torch.no_grad()
 def pack_linear_weights(
     model: nn.Module, amx: bool = True, onednn_copy: bool = False, deterministic: bool = False
@@ -342,10 +388,12 @@ def pack_linear_weights(
     (``AMX_LIMITS``, ``DOT_LIMITS``) and to a second, oneDNN copy above them.
     An input embedding tied to the output projection then reads the
     projection's kernel copy (``tied_embedding.py``) and its own is freed.
+    Float32 layers holding bfloat16 values keep them as bfloat16 for the
+    widening kernel where :func:`widens_float32` (others stay plain there).
     ``deterministic``: one arithmetic per layer whatever the row count (the
-    kernel for every bfloat16 call, whose per-row sums run in a fixed order;
-    oneDNN padded to ``DETERMINISTIC_MIN_ROWS`` for the others); the runner
-    checks it (``batch_invariance.py``)."""
+    kernel for every bfloat16 call, and the widening kernel, whose per-row sums
+    run in a fixed order; oneDNN padded to ``DETERMINISTIC_MIN_ROWS`` for the
+    others); the runner checks it (``batch_invariance.py``)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     limits = small_kernel_limits() if amx or deterministic else None
@@ -361,13 +409,20 @@ def pack_linear_weights(
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
     ok: dict[torch.dtype, bool] = {}
-    swapped = 0
+    widen = widens_float32()
+    swapped = widened = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
             dtype = child.weight.dtype
             if dtype not in _DTYPES:
+                continue
+            if widen and dtype == torch.float32:
+                if holds_bfloat16(child.weight):
+                    setattr(parent, name, PackedLinear(child, widen=True))
+                    swapped += 1
+                    widened += 1
                 continue
             if dtype not in ok and dtype == torch.float32 and not packs_float32():
                 ok[dtype] = False
@@ -380,6 +435,8 @@ def pack_linear_weights(
                 rows = limits.for_layer(child, child is head) if limits else 0
                 setattr(parent, name, PackedLinear(child, rows, onednn_copy, min_rows))
                 swapped += 1
+    if widened:
+        log.info("%d float32 linear layers hold their bfloat16 values, widened per call", widened)
     if limits and ok.get(torch.bfloat16):
         log.info(
             "small-batch kernel (%s) for bfloat16 linear calls of up to %d rows",

@@ -35,11 +35,19 @@ from radixmux.common import file_lock
 log = logging.getLogger("radixmux.kernels")
 
 # One library: the attention kernels, the fused element-wise layers (fused_ops.py),
-# the small-batch AMX linear layers (packed_linear.py), the arena's K/V row
+# the small-batch AMX linear layers and float32 layers over bfloat16 weights
+# (packed_linear.py), the arena's K/V row
 # writes (kv_store.py) and greedy sampling's argmax (sampling.py).
 SOURCES = tuple(
     Path(__file__).parent / "kernels" / f
-    for f in ("paged_decode.cpp", "fused_ops.cpp", "amx_linear.cpp", "kv_write.cpp", "argmax.cpp")
+    for f in (
+        "paged_decode.cpp",
+        "fused_ops.cpp",
+        "amx_linear.cpp",
+        "widen_linear.cpp",
+        "kv_write.cpp",
+        "argmax.cpp",
+    )
 )
 HEADERS = tuple(
     Path(__file__).parent / "kernels" / f
