@@ -450,6 +450,8 @@ def pack_linear_weights(
         if act is not None and isinstance(getattr(module, "gate_up_proj", None), PackedLinear):
             module.radixmux_gate_up_act = gated_activation(module.gate_up_proj, act)
     packed_head = model.get_output_embeddings() if tied else None
-    if isinstance(packed_head, PackedLinear) and packed_head.amx is not None:
-        embed_from_tiles(embed, packed_head.amx)
+    if isinstance(packed_head, PackedLinear):
+        copy = packed_head.amx if packed_head.amx is not None else packed_head.widen
+        if copy is not None:
+            embed_from_tiles(embed, copy)
     return swapped

@@ -161,7 +161,13 @@ def test_echo_and_logprob_start_len_score_the_prompt_like_transformers(
             math.isclose(a, b, abs_tol=1e-3)
             for a, b in zip(lp.token_logprobs[1:n], want, strict=True)
         )
-        assert lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+        # Bit-equal where linear layers' per-row results do not depend on the
+        # row count (packed, widened); torch's plain float32 product (below
+        # AVX-512) may round the echoed call's last rows otherwise.
+        assert all(
+            math.isclose(a, b, abs_tol=1e-5)
+            for a, b in zip(lp.token_logprobs[n:], plain.logprobs.token_logprobs, strict=True)
+        )
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     streamed: list[float | None] = []
     text = ""

@@ -139,3 +139,36 @@ def test_float32_models_of_bfloat16_values_widen(monkeypatch: pytest.MonkeyPatch
     random = tiny_model("qwen2", dtype="float32").model  # float32 values: nothing to halve
     assert pack_linear_weights(random) == 0
     assert not any(isinstance(m, PackedLinear) for m in random.modules())
+
+
+def test_gather_rows_reads_the_packed_values() -> None:
+    """A tied embedding's look-up from the packed copy is the row-major look-up."""
+    from radixmux.model_runners.tied_embedding import gather_rows
+
+    rows, dim = 37, 24
+    w = _bf16_valued(rows, dim)
+    packed = torch.ops.radixmux.widen_pack(w)
+    ids = torch.tensor([[0, 36, 5], [16, 17, 8]])
+    got = gather_rows(packed, ids, rows, dim)
+    assert got.dtype == torch.float32 and torch.equal(got, w[ids])
+    assert gather_rows(packed, torch.zeros(0, dtype=torch.long), rows, dim).shape == (0, dim)
+    for bad in (-1, rows):
+        with pytest.raises(IndexError, match="out of range"):
+            gather_rows(packed, torch.tensor([bad]), rows, dim)
+
+
+def test_a_tied_embedding_reads_the_widened_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2-style tied weights: the embedding drops its float32 copy and looks
+    its rows up in the head's bfloat16 one; the logits stay the model's."""
+    _avx2(monkeypatch)
+    plain = tiny_model("llama", dtype="bfloat16", tie_word_embeddings=True).model.float()
+    model = tiny_model("llama", dtype="bfloat16", tie_word_embeddings=True).model.float()
+    ids = torch.randint(0, 211, (1, 23))
+    with torch.no_grad():
+        want = plain(ids).logits
+        assert pack_linear_weights(model) > 0
+        got = model(ids).logits
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert embed.weight.is_meta and head.widen is not None
+    assert torch.equal(embed(ids), plain.get_input_embeddings()(ids))
+    assert (got - want).abs().max().item() < 1e-4

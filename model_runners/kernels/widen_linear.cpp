@@ -36,6 +36,12 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // outputs per packed block
 
+// Where output `row` of a packed weight sits within its block's 16 values at one k.
+inline int64_t slot_of(int64_t row) {
+  const int64_t j = row % kBlock;
+  return j < 8 ? 2 * j : 2 * (j - 8) + 1;
+}
+
 bool has_widen_linear() {
 #ifdef RADIXMUX_WIDEN
   return true;
@@ -61,11 +67,38 @@ at::Tensor widen_pack(const at::Tensor& weight) {
         const int64_t row = b * kBlock + j;
         if (row >= n) break;
         // Output j of the block goes to the low half of word j, 8 + j to the high half of word j - 8.
-        const int64_t slot = j < 8 ? 2 * j : 2 * (j - 8) + 1;
-        uint16_t* col = dst + b * k * kBlock + slot;
+        uint16_t* col = dst + b * k * kBlock + slot_of(row);
         const uint16_t* r = src + row * k;
         for (int64_t kk = 0; kk < k; ++kk) col[kk * kBlock] = r[kk];
       }
+  });
+  return out;
+}
+
+// weight[ids] as float32 ([n, k]) from the packed copy: a tied input embedding
+// reads its rows here, the values it held, so its own float32 copy can go.
+at::Tensor widen_gather_rows(const at::Tensor& packed, const at::Tensor& ids) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 &&
+                  packed.size(2) == kBlock && packed.is_contiguous(),
+              "widen_gather_rows: weights not packed by widen_pack");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+              "widen_gather_rows: a 1-d int64 tensor of row ids, got ", ids.sizes(), " ",
+              ids.scalar_type());
+  const int64_t k = packed.size(1), capacity = packed.size(0) * kBlock, n = ids.size(0);
+  const at::Tensor id = ids.contiguous();
+  const int64_t* row = id.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < capacity, "widen_gather_rows: row ", row[i],
+                " outside the packed ", capacity);
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const auto* src = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(out.data_ptr());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* s = src + row[i] / kBlock * k * kBlock + slot_of(row[i]);
+      uint32_t* d = dst + i * k;
+      for (int64_t kk = 0; kk < k; ++kk) d[kk] = static_cast<uint32_t>(s[kk * kBlock]) << 16;
+    }
   });
   return out;
 }
@@ -226,10 +259,12 @@ at::Tensor widen_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("has_widen_linear() -> bool", &has_widen_linear);
   m.def("widen_pack(Tensor weight) -> Tensor");
+  m.def("widen_gather_rows(Tensor packed, Tensor ids) -> Tensor");
   m.def("widen_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
   m.impl("widen_pack", &widen_pack);
+  m.impl("widen_gather_rows", &widen_gather_rows);
   m.impl("widen_linear", &widen_linear);
 }
