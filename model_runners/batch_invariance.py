@@ -11,8 +11,10 @@ else shares its call, so output depends on the request alone:
   (``paged_decode.DETERMINISTIC``): one tiled path for decodes and prefill
   chunks, key tiles aligned to absolute positions, decodes never split or
   grouped by shared prefix;
-* linear layers: the small-batch kernel for every bfloat16 call, oneDNN
-  padded to at least two rows for the rest (``packed_linear.py``); since
+* linear layers: the small-batch kernel for every bfloat16 call, the
+  widening kernel for float32 layers of bfloat16 values (its per-row sums run
+  in k order at any row count), oneDNN padded to at least two rows for the
+  rest (``packed_linear.py``); since
   which kernel oneDNN picks is its own business, each layer shape is probed
   here at many row counts and a shape that varies is refused;
 * norms, rotary, activations, sampling: per row or per element already
