@@ -6,6 +6,7 @@ after the timeout and not before, and a failing load answers every waiter."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -498,17 +499,20 @@ def runner_pids(url: str, model: str) -> list[int]:
 
 
 def private_bytes(pids: list[int]) -> int:
-    """The private dirty memory of ``pids`` (what their exit frees), from /proc."""
+    """The anonymous memory of ``pids`` (what their exit frees), from /proc. Not
+    Private_Dirty: that also counts page-cache pages of a file written moments
+    ago (a model folder) that only this process maps, which stay cached after
+    it exits."""
     total = 0
     for pid in pids:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Private_Dirty:"):
+            if line.startswith("Anonymous:"):
                 total += int(line.split()[1]) * 1024
     return total
 
 
-def register(url: str, source: Path, name: str) -> None:
-    body = {"source": str(source), "name": name, "load": "on_demand", "dtype": "float32"}
+def register(url: str, source: Path, name: str, dtype: str = "float32") -> None:
+    body = {"source": str(source), "name": name, "load": "on_demand", "dtype": dtype}
     r = httpx.post(f"{url}/models", json=body, timeout=60)
     assert r.status_code == 200, r.text
 
@@ -524,12 +528,17 @@ def test_a_load_refused_for_memory_unloads_one_idle_model_and_retries(
     loaded and less than without it (its weights are counted from a header
     alone, and it cannot load): the retry is admitted, so the answer is the
     runner's failure, not the 507 a load without the retry would get."""
-    # ~1.1 GB of float32 weights: b's runner holds more than 2 GB, a margin far
+    # ~2.5 GB of float32 weights loaded as bfloat16: b's runner holds more than
+    # 1 GB of its own (a converted copy on every CPU; float32 weights can stay
+    # mapped from the file's page cache where nothing packs them), a margin far
     # above what the rest of the machine moves in the second or two between
-    # reading the free memory and the launcher's checks.
-    big = make_tiny_model_dir(tmp_path / "big", seed=9, hidden=2048)
+    # reading the free memory and the launcher's checks. Written out to disk
+    # first: dirty page cache is not available memory until it is, and its
+    # writeback would move the free memory mid-test.
+    big = make_tiny_model_dir(tmp_path / "big", seed=9, hidden=3072)
+    os.sync()
     url = serve("")
-    register(url, big, "b")
+    register(url, big, "b", "bfloat16")
     assert complete(url, "b").status_code == 200
     held = private_bytes(runner_pids(url, "b"))  # what b's exit gives back
     assert held > 1 << 30, held
