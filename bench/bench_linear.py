@@ -6,9 +6,10 @@ counts where the kernel stops winning are what ``packed_linear.py``'s limits
 come from. Saves ``bench/results/linear.json``.
 
 ``--widen``: float32 instead, torch's product on float32 weights against the
-widening kernel on the same values held as bfloat16 (``kernels/widen_linear.cpp``),
-per step: every linear call of SmolLM2's 30 decoder layers, weights cycled as a
-step reads them (cold in cache, as in serving). Saves ``linear-widen.json``.
+widening kernel (``kernels/widen_linear.cpp``) on values held as bfloat16, as an
+8-bit grid and as a 4-bit grid (what de-quantised GGUF weights hold), per step:
+every linear call of SmolLM2's 30 decoder layers, weights cycled as a step
+reads them (cold in cache, as in serving). Saves ``linear-widen.json``.
 
     .venv/bin/python -m bench.bench_linear [--rows 1 4 16 64 256] [--threads 2] [--widen]
 """
@@ -129,42 +130,57 @@ def time_step(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], r
     return statistics.median(times) * 1e3
 
 
+def grid_valued(n: int, k: int, bits: int) -> torch.Tensor:
+    """A float32 ``[n, k]`` weight on a ``bits`` grid per 32 k, as a GGUF file
+    de-quantised gives (Q4_1 and alike): ``q * d + m`` with fp16 ``d`` and ``m``."""
+    q = torch.randint(0, 2**bits, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 2**bits - 1  # (the quantizer maps each run's ends to both)
+    d = (torch.rand(n, k // 32, 1) * 0.02 / 2**bits + 1e-4).half().float()
+    m = (-d * 2 ** (bits - 1)).half().float()
+    return (q * d + m).reshape(n, k)
+
+
 def widen_main(args: argparse.Namespace) -> None:
-    """``--widen``: torch's float32 product against the widening kernel, per step."""
+    """``--widen``: torch's float32 product against the widening kernel over the
+    same values held as bfloat16, as an 8-bit grid and as a 4-bit grid, per step."""
     from radixmux.model_runners import paged_decode
 
     if not (paged_decode.load() and torch.ops.radixmux.has_widen_linear()):
         sys.exit("the kernel library has no AVX2 + FMA build here (or no compiler)")
+    ops = torch.ops.radixmux
     torch.manual_seed(0)
-    plain: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
-    widened: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
+    Calls = list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]
+    arms: dict[str, Calls] = {"torch": [], "bfloat16": [], "grid8": [], "grid4": []}
     for _ in range(LAYERS):
         for k, n in LAYER_CALLS:
             w = torch.randn(n, k).to(torch.bfloat16).float()  # bfloat16 values, as published
-            packed = torch.ops.radixmux.widen_pack(w)
-            plain.append((functools.partial(torch.nn.functional.linear, weight=w), k))
-            widened.append(
-                (lambda x, p=packed, n=n: torch.ops.radixmux.widen_linear(x, p, None, n), k)
-            )
+            arms["torch"].append((functools.partial(torch.nn.functional.linear, weight=w), k))
+            for arm, packed in (
+                ("bfloat16", ops.widen_pack(w)),
+                ("grid8", ops.grid_pack(grid_valued(n, k, 8), 8)),
+                ("grid4", ops.grid_pack(grid_valued(n, k, 4), 4)),
+            ):
+                assert packed.numel(), arm
+                arms[arm].append((lambda x, p=packed, n=n: ops.widen_linear(x, p, None, n), k))
     params = sum(k * n for k, n in LAYER_CALLS) * LAYERS
+    bits = {"bfloat16": 16, "grid8": 10, "grid4": 6}  # bits read per weight, scales included
     print(
         f"float32 linear calls of a SmolLM2 decode step ({LAYERS} layers, weights cycled), "
-        f"{torch.get_num_threads()} threads, ms per step"
+        f"{torch.get_num_threads()} threads, ms per step (GB/s read)"
     )
-    print(f"{'rows':>5} {'torch':>9} {'widen':>9} {'speedup':>8} {'widen GB/s':>11} {'GFLOPS':>7}")
+    print(f"{'rows':>5} " + " ".join(f"{a:>16}" for a in arms))
     results = []
     with torch.inference_mode():
         for rows in args.rows:
             # Arms alternate, each timed twice, so a noisy spell hits both.
-            t_plain = min(time_step(plain, rows), time_step(plain, rows))
-            t_widen = min(time_step(widened, rows), time_step(widened, rows))
-            gbs = params * 2 / t_widen / 1e6
-            gflops = rows * params * 2 / t_widen / 1e6
-            print(
-                f"{rows:>5} {t_plain:>9.1f} {t_widen:>9.1f} {t_plain / t_widen:>7.2f}x "
-                f"{gbs:>11.1f} {gflops:>7.1f}"
-            )
-            results.append({"rows": rows, "torch_ms": t_plain, "widen_ms": t_widen})
+            ms = {a: time_step(calls, rows) for a, calls in arms.items()}
+            ms = {a: min(t, time_step(arms[a], rows)) for a, t in ms.items()}
+            cells = [f"{ms['torch']:>16.1f}"] + [
+                f"{ms[a]:>7.1f} ({params * bits[a] / 8 / ms[a] / 1e6:>5.1f})" + " " * 2
+                for a in bits
+            ]
+            print(f"{rows:>5} " + " ".join(cells))
+            results.append({"rows": rows, **{f"{a}_ms": t for a, t in ms.items()}})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -17,7 +17,7 @@ Bytes of one decode step (``step_bytes``), each counted where it lives in memory
   layer (a ``PackedLinear`` after ``load_model``) is counted once, in the copy
   its call at the step's row count reads: the small-batch kernel's tiles
   where the row count is within the layer's kernel limit, a float32 layer's
-  bfloat16 copy where it is widened per call, else oneDNN's
+  compact copy (bfloat16 or a grid) where it is widened per call, else oneDNN's
   packed copy (a layer holding both is counted in the one it reads;
   ``WeightBytes.held`` counts every copy). The output projection counts in
   full (it multiplies every sampled row). The input embedding counts only the
@@ -116,7 +116,7 @@ def _linear_read(module: nn.Module, rows: int) -> tuple[str, int]:
     if isinstance(module, PackedLinear):
         bias = _nbytes(module.bias)
         if module.widen is not None:
-            return "bfloat16 widened", _nbytes(module.widen) + bias
+            return f"{module.widen_kind} widened", _nbytes(module.widen) + bias
         if module.amx is not None and (rows <= module.amx_max_rows or module.packed is None):
             # Above the limit without a oneDNN copy, the tiles are unpacked per call.
             return "kernel tiles", _nbytes(module.amx) + bias

@@ -33,13 +33,16 @@ Without AMX but with AVX512-BF16, the same kernel runs the same layout with
 dot-product instructions, to lower row limits (``DOT_LIMITS``).
 
 Below AVX-512 (AVX2 + FMA), where models run in float32, a float32 layer whose
-weights are all bfloat16 values (a model published in bfloat16) keeps them as
-bfloat16 and ``kernels/widen_linear.cpp`` widens them in registers for every
-call (``widen``): half the bytes per step, float32 products and sums, one copy.
-On a 2-core AMD EPYC (AVX2, no AVX-512) SmolLM2's 30 layers took 11-15 ms at 1-4
-rows against 41-75 ms through torch's float32 product (MKL takes a generic
-path on AMD), 34 vs 95 ms at 16 rows, 378-391 vs 439-497 ms at 256
-(``bench/bench_linear.py --widen``).
+values fit a compact form keeps them in it and ``kernels/widen_linear.cpp``
+widens them in registers for every call (``widen``): the same float32 values,
+float32 products and sums, one copy, fewer bytes per step. The forms, first
+that fits (``compact_copy``): a 4-bit or an 8-bit grid per 32 inputs (a model
+de-quantised from GGUF, as the embedded ones are: 6 or 10 bits a weight read),
+then bfloat16 (a model published in bfloat16: 16 bits). On a 2-core AMD EPYC
+(AVX2, no AVX-512) SmolLM2's 30 layers took 6.5 / 7.9 / 9.8 ms (4-bit grid /
+8-bit grid / bfloat16) at 1 row against 36 ms through torch's float32 product
+(MKL takes a generic path on AMD), 25-29 vs 81 ms at 16 rows, 330-434 vs 465
+ms at 256 (``bench/bench_linear.py --widen``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import functools
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -158,10 +162,14 @@ class PackedLinear(nn.Module):
         super().__init__()
         # Float32 calls of any row count on the widening kernel (None: not used).
         self.widen: torch.Tensor | None = None
+        self.widen_kind = ""
         if widen:
-            if linear.weight.dtype != torch.float32 or not holds_bfloat16(linear.weight):
-                raise ValueError("widen: the weight must be float32 holding bfloat16 values")
-            self.widen = torch.ops.radixmux.widen_pack(linear.weight.detach())
+            copy = compact_copy(linear.weight) if linear.weight.dtype == torch.float32 else None
+            if copy is None:
+                raise ValueError(
+                    "widen: the weight must be float32 holding bfloat16 values or a 4/8-bit grid"
+                )
+            self.widen_kind, self.widen = copy
         self.min_rows = min_rows  # oneDNN calls are padded to at least this many rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -213,7 +221,7 @@ class PackedLinear(nn.Module):
         amx = f", amx up to {self.amx_max_rows} rows" if self.amx_max_rows else ""
         copy = ", oneDNN copy" if self.packed is not None and self.amx is not None else ""
         if self.widen is not None:
-            amx, copy = "", ", bfloat16 widened per call"
+            amx, copy = "", f", {self.widen_kind} widened per call"
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
         return f"{shape}, packed{amx}{copy}"
 
@@ -362,9 +370,24 @@ def holds_bfloat16(weight: torch.Tensor) -> bool:
     return not bool((weight.detach().view(torch.int32) & 0xFFFF).any())
 
 
+def compact_copy(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """A float32 ``weight`` in the smallest form of ``kernels/widen_linear.cpp``
+    that gives back every value exactly, with its name: a 4-bit grid, an 8-bit
+    grid (``grid_pack``: each run of 32 inputs holds ``fma(q, d, m)`` values),
+    bfloat16 (``widen_pack``); None if it fits none."""
+    w = weight.detach()
+    for bits in (4, 8):
+        packed = torch.ops.radixmux.grid_pack(w, bits)
+        if packed.numel():
+            return f"{bits}-bit grid", packed
+    if holds_bfloat16(w):
+        return "bfloat16", torch.ops.radixmux.widen_pack(w)
+    return None
+
+
 def widens_float32() -> bool:
-    """Whether float32 layers holding bfloat16 values take the widening kernel
-    here: where oneDNN does not pack float32 (below AVX-512) and the kernel
+    """Whether float32 layers whose values fit a compact form (``compact_copy``)
+    take the widening kernel here: where oneDNN does not pack float32 (below AVX-512) and the kernel
     library has AVX2 + FMA (``RADIXMUX_WIDEN_LINEAR=0`` turns it off, to
     measure against)."""
     from radixmux.model_runners import paged_decode
@@ -388,8 +411,9 @@ def pack_linear_weights(
     (``AMX_LIMITS``, ``DOT_LIMITS``) and to a second, oneDNN copy above them.
     An input embedding tied to the output projection then reads the
     projection's kernel copy (``tied_embedding.py``) and its own is freed.
-    Float32 layers holding bfloat16 values keep them as bfloat16 for the
-    widening kernel where :func:`widens_float32` (others stay plain there).
+    Float32 layers whose values fit a compact form (``compact_copy``) keep them
+    in it for the widening kernel where :func:`widens_float32` (others stay
+    plain there).
     ``deterministic``: one arithmetic per layer whatever the row count (the
     kernel for every bfloat16 call, and the widening kernel, whose per-row sums
     run in a fixed order; oneDNN padded to ``DETERMINISTIC_MIN_ROWS`` for the
@@ -410,7 +434,8 @@ def pack_linear_weights(
     tied = head is not None and getattr(embed, "weight", None) is getattr(head, "weight", False)
     ok: dict[torch.dtype, bool] = {}
     widen = widens_float32()
-    swapped = widened = 0
+    swapped = 0
+    widened: Counter[str] = Counter()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
@@ -419,10 +444,13 @@ def pack_linear_weights(
             if dtype not in _DTYPES:
                 continue
             if widen and dtype == torch.float32:
-                if holds_bfloat16(child.weight):
-                    setattr(parent, name, PackedLinear(child, widen=True))
-                    swapped += 1
-                    widened += 1
+                try:
+                    packed = PackedLinear(child, widen=True)
+                except ValueError:
+                    continue  # (no compact form holds its values: stays plain)
+                setattr(parent, name, packed)
+                swapped += 1
+                widened[packed.widen_kind] += 1
                 continue
             if dtype not in ok and dtype == torch.float32 and not packs_float32():
                 ok[dtype] = False
@@ -436,7 +464,8 @@ def pack_linear_weights(
                 setattr(parent, name, PackedLinear(child, rows, onednn_copy, min_rows))
                 swapped += 1
     if widened:
-        log.info("%d float32 linear layers hold their bfloat16 values, widened per call", widened)
+        forms = ", ".join(f"{n} as {kind}" for kind, n in sorted(widened.items()))
+        log.info("float32 linear layers held compact, widened per call: %s", forms)
     if limits and ok.get(torch.bfloat16):
         log.info(
             "small-batch kernel (%s) for bfloat16 linear calls of up to %d rows",

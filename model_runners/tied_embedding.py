@@ -7,9 +7,10 @@ twice once the projection is packed for the small-batch kernel
 projection. The tiled copy holds every element (``[N/16][K/2][16][2]``:
 element ``(n, c)`` at ``[n // 16, c // 2, n % 16, c % 2]``), so the look-up
 gathers its rows from there (the same values, bit for bit) and the row-major
-copy is freed. A float32 projection held as bfloat16 values for the widening
-kernel (``[N/16][K][16]``, ``kernels/widen_linear.cpp``) serves a float32
-embedding the same way: each row widened back, the values it held. Only
+copy is freed. A float32 projection held compact for the widening kernel
+(``kernels/widen_linear.cpp``: bfloat16 ``[N/16][K][16]``, or a 4/8-bit grid)
+serves a float32 embedding the same way: each row widened back, the values it
+held. Only
 embeddings whose forward is known are switched: plain ``nn.Embedding``
 (Llama) and Gemma 3's scaled one (same bytecode as transformers' own); any
 other keeps its weight.
@@ -29,8 +30,8 @@ BLOCK_N = 16  # outputs per tile block (kernels/amx_linear.cpp, kBlockN)
 
 def gather_rows(tiles: torch.Tensor, ids: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
     """``weight[ids]`` (shape ``[*ids.shape, dim]``) of the ``[rows, dim]`` weight
-    that ``amx_pack`` tiled into ``tiles``, or that ``widen_pack`` packed (3-d:
-    the rows come back as float32)."""
+    that ``amx_pack`` tiled into ``tiles``, or that ``widen_pack`` or ``grid_pack``
+    packed (3-d: the rows come back as float32)."""
     flat = ids.reshape(-1).long()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
         raise IndexError(f"token id out of range [0, {rows})")
@@ -70,8 +71,9 @@ def embed_from_tiles(embed: nn.Module, tiles: torch.Tensor) -> bool:
     rows, dim = embed.weight.shape
     if tiles.dim() == 4:
         fits = embed.weight.dtype == tiles.dtype and tiles.shape[1] * 2 >= dim
-    else:
-        fits = embed.weight.dtype == torch.float32 and tiles.dim() == 3 and tiles.shape[1] == dim
+    else:  # widen_pack's [N/16][K][16] bfloat16, grid_pack's [N/16][K/32][group] bytes
+        k = tiles.shape[1] * (32 if tiles.dtype == torch.uint8 else 1) if tiles.dim() == 3 else -1
+        fits = embed.weight.dtype == torch.float32 and k == dim
     if not fits or tiles.shape[0] * BLOCK_N < rows:
         return False
     embed.forward = _lookup(embed, tiles)

@@ -127,13 +127,22 @@ def runner_generate(runner, tokenizer, mode: str) -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["whole", "cached", "chunked"])
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_generate(name, mode, real_models, plain_models, real_arena):
-    from radixmux.model_runners.packed_linear import packs_float32
+    from radixmux.model_runners.packed_linear import PackedLinear, packs_float32, widens_float32
 
     loaded = real_models[name]
-    # Packed where float32 packs (AVX-512); below it these de-quantised weights
-    # (not bfloat16 values) stay plain float32 layers.
-    packed = any(type(m).__name__ == "PackedLinear" for m in loaded.model.modules())
-    assert packed == packs_float32()
+    # Packed where float32 packs (AVX-512); below it (AVX2) these de-quantised
+    # weights are held as 4/8-bit grids and widened per call (but Gemma's Q6_K
+    # layers, on no grid of 32, which stay plain).
+    layers = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    if packs_float32():
+        assert layers and all(m.widen is None for m in layers)
+    elif widens_float32():
+        kinds = {m.widen_kind for m in layers}
+        assert kinds == {"4-bit grid", "8-bit grid"}  # (SmolLM2: Q4_1 layers, a Q8_0 head)
+        plain = [m for m in loaded.model.modules() if type(m) is torch.nn.Linear]
+        assert name != "smollm2" or not plain  # every layer and the head
+    else:
+        assert not layers
     ref = hf_generate(plain_models[name], name)
     runner = make_runner(loaded, real_arena)
     got = runner_generate(runner, loaded.tokenizer, mode)
