@@ -12,9 +12,9 @@ else shares its call, so output depends on the request alone:
   chunks, key tiles aligned to absolute positions, decodes never split or
   grouped by shared prefix;
 * linear layers: the small-batch kernel for every bfloat16 call, the
-  widening kernel for float32 layers of bfloat16 values (its per-row sums run
-  in k order at any row count), oneDNN padded to at least two rows for the
-  rest (``packed_linear.py``); since
+  widening kernel for every call of a float32 layer held compact (bfloat16 or
+  a 4/8-bit grid: its per-row sums run in k order at any row count), oneDNN
+  padded to at least two rows for the rest (``packed_linear.py``); since
   which kernel oneDNN picks is its own business, each layer shape is probed
   here at many row counts and a shape that varies is refused;
 * norms, rotary, activations, sampling: per row or per element already
@@ -166,6 +166,8 @@ def distinct_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
             _dtype(module),
             getattr(module, "amx_max_rows", None),
             getattr(module, "min_rows", None),
+            getattr(module, "widen_kind", None),
+            getattr(module, "widen_max_rows", None),
         )
         seen.setdefault(key, (name, module))
     return list(seen.values())

@@ -438,6 +438,57 @@ at::Tensor widen_gather_rows(const at::Tensor& packed, const at::Tensor& ids) {
   return out;
 }
 
+#ifdef RADIXMUX_WIDEN
+// The packed weight widened into out ([K, N'] floats, N' <= the packed rows): its transpose.
+template <class F>
+void unpack_into(const uint8_t* w, int64_t blocks, int64_t k, float* out, int64_t n) {
+  const int64_t stride = F::block_bytes(k);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = w + b * stride;
+      const int64_t c0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - c0);
+      const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i mask_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), first);
+      const __m256i mask_hi =
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), first);
+      for (int64_t g = 0; g < k / F::kGroup; ++g) {
+        const typename F::Scales s = F::scales(wb, g);
+        for (int64_t i = 0; i < F::kGroup; ++i) {
+          __m256 lo, hi;
+          F::decode(F::at(wb, g, i), s, lo, hi);
+          float* row = out + (g * F::kGroup + i) * n + c0;
+          _mm256_maskstore_ps(row, mask_lo, lo);
+          _mm256_maskstore_ps(row + 8, mask_hi, hi);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The transpose of a packed weight's first out.size(1) rows, as floats, into
+// `out` ([K, N]): large calls multiply it with torch's own product.
+void widen_unpack(const at::Tensor& packed, at::Tensor out) {
+#ifdef RADIXMUX_WIDEN
+  const int64_t k = packed_k(packed, "widen_unpack"), blocks = packed.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() &&
+                  out.size(0) == k && out.size(1) <= blocks * kBlock &&
+                  out.size(1) > (blocks - 1) * kBlock,
+              "widen_unpack: out must be a contiguous float32 [", k, ", N] for the packed rows");
+  const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t n = out.size(1);
+  if (packed.scalar_type() == at::kBFloat16)
+    unpack_into<Bf16Form>(wp, blocks, k, op, n);
+  else if (packed.size(2) == group_bytes(4))
+    unpack_into<GridForm<4>>(wp, blocks, k, op, n);
+  else
+    unpack_into<GridForm<8>>(wp, blocks, k, op, n);
+#else
+  TORCH_CHECK(false, "widen_unpack: this build has no AVX2 + FMA (see has_widen_linear)");
+#endif
+}
+
 // x @ weight.T (+ bias) in float32, weight from widen_pack or grid_pack.
 at::Tensor widen_linear(const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
@@ -485,6 +536,7 @@ TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("grid_pack(Tensor weight, int bits) -> Tensor");
   m.def("widen_gather_rows(Tensor packed, Tensor ids) -> Tensor");
   m.def("widen_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("widen_unpack(Tensor packed, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
@@ -492,4 +544,5 @@ TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
   m.impl("grid_pack", &grid_pack);
   m.impl("widen_gather_rows", &widen_gather_rows);
   m.impl("widen_linear", &widen_linear);
+  m.impl("widen_unpack", &widen_unpack);
 }
