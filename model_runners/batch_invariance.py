@@ -167,7 +167,6 @@ def distinct_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
             getattr(module, "amx_max_rows", None),
             getattr(module, "min_rows", None),
             getattr(module, "widen_kind", None),
-            getattr(module, "widen_max_rows", None),
         )
         seen.setdefault(key, (name, module))
     return list(seen.values())

@@ -39,12 +39,10 @@ float32 products and sums, one copy, fewer bytes per step. The forms, first
 that fits (``compact_copy``): a 4-bit or an 8-bit grid per 32 inputs (a model
 de-quantised from GGUF, as the embedded ones are: 6 or 10 bits a weight read),
 then bfloat16 (a model published in bfloat16: 16 bits). On a 2-core AMD EPYC
-(AVX2, no AVX-512) SmolLM2's 30 layers took 6.5 / 7.9 / 9.8 ms (4-bit grid /
-8-bit grid / bfloat16) at 1 row against 36 ms through torch's float32 product
-(MKL takes a generic path on AMD), 25-29 vs 81 ms at 16 rows, 330-434 vs 465
-ms at 256 (``bench/bench_linear.py --widen``). A grid-held layer's calls of
-more than ``GRID_MAX_ROWS`` rows widen the weight whole and take torch's
-product instead (outside deterministic mode).
+(AVX2, no AVX-512) SmolLM2's 30 layers took 6.6 / 8.6 / 10.2 ms (4-bit grid /
+8-bit grid / bfloat16) at 1 row against 35 ms through torch's float32 product
+(MKL takes a generic path on AMD), 24-32 vs 80-95 ms at 16 rows, 317-352 vs
+452-459 ms at 256 (``bench/bench_linear.py --widen``, kernels.md).
 """
 
 from __future__ import annotations
@@ -123,15 +121,6 @@ DOT_HEAD_ROWS = AMX_ALL_ROWS
 # alone would round differently from the same row in a batch.
 DETERMINISTIC_MIN_ROWS = 2
 WIDEN_ENV = "RADIXMUX_WIDEN_LINEAR"
-# Calls of more rows than this on a grid-held layer widen the whole weight
-# (``widen_unpack``, its transpose) and take torch's float32 product: there the
-# grid's per-weight decoding costs more than MKL's deeper blocking gains.
-# SmolLM2's 30 layers as 4-bit grids, weights cycled, kernel / widened whole
-# (2-core AMD EPYC, AVX2): 192 rows 333 / 423 ms, 256 469 / 514, 384 655 /
-# 633, 512 955 / 871 (torch on float32 weights: 465 at 256, 775 at 512, 1,427
-# at 1,024, where the kernel took 1,775). The bfloat16 form stays ahead of
-# torch (643 / 775 at 512 rows, 1,335 / 1,427 at 1,024): no limit there.
-GRID_MAX_ROWS = 384
 
 
 @dataclass(frozen=True)
@@ -169,14 +158,11 @@ class PackedLinear(nn.Module):
         onednn_copy: bool = True,
         min_rows: int = 1,
         widen: bool = False,
-        widen_max_rows: int = GRID_MAX_ROWS,
     ) -> None:
         super().__init__()
-        # Float32 calls on the widening kernel (None: not used), up to
-        # widen_max_rows rows for a grid (more: widened whole, then torch).
+        # Float32 calls of any row count on the widening kernel (None: not used).
         self.widen: torch.Tensor | None = None
         self.widen_kind = ""
-        self.widen_max_rows = AMX_ALL_ROWS
         if widen:
             copy = compact_copy(linear.weight) if linear.weight.dtype == torch.float32 else None
             if copy is None:
@@ -184,8 +170,6 @@ class PackedLinear(nn.Module):
                     "widen: the weight must be float32 holding bfloat16 values or a 4/8-bit grid"
                 )
             self.widen_kind, self.widen = copy
-            if self.widen.dtype == torch.uint8:
-                self.widen_max_rows = widen_max_rows
         self.min_rows = min_rows  # oneDNN calls are padded to at least this many rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -210,11 +194,9 @@ class PackedLinear(nn.Module):
         return self.widen is None and (self.amx is None or self.amx_max_rows != AMX_ALL_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if self.widen is not None:
-            if rows > self.widen_max_rows:
-                return self._widened_whole(x)
             return torch.ops.radixmux.widen_linear(x, self.widen, self.bias, self.out_features)
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         if rows <= self.amx_max_rows and self.amx is not None:  # (0 rows, no copy: oneDNN)
             return torch.ops.radixmux.amx_linear(x, self.amx, self.bias, self.out_features)
         grain = max(padded_rows(rows), self.min_rows)
@@ -235,17 +217,6 @@ class PackedLinear(nn.Module):
         weight = unpack_tiles(self.amx, self.out_features, self.in_features)
         return torch.nn.functional.linear(x, weight, self.bias)
 
-    def _widened_whole(self, x: torch.Tensor) -> torch.Tensor:
-        # The weight's transpose in floats, in a scratch buffer, then torch's product.
-        k, n = self.in_features, self.out_features
-        if _Scratch.floats.numel() < k * n:
-            _Scratch.floats = torch.empty(k * n, dtype=torch.float32)
-        weight_t = _Scratch.floats[: k * n].view(k, n)
-        torch.ops.radixmux.widen_unpack(self.widen, weight_t)
-        x2 = x.reshape(-1, k)
-        y = torch.mm(x2, weight_t) if self.bias is None else torch.addmm(self.bias, x2, weight_t)
-        return y.reshape(*x.shape[:-1], n)
-
     def extra_repr(self) -> str:
         amx = f", amx up to {self.amx_max_rows} rows" if self.amx_max_rows else ""
         copy = ", oneDNN copy" if self.packed is not None and self.amx is not None else ""
@@ -260,7 +231,6 @@ class _Scratch:
     makes one call at a time): sized to the largest weight unpacked so far."""
 
     buffer = torch.empty(0, dtype=torch.int32)
-    floats = torch.empty(0, dtype=torch.float32)  # a grid-held weight widened whole
 
 
 def unpack_tiles(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -479,9 +449,7 @@ def pack_linear_weights(
                 continue
             if widen and dtype == torch.float32:
                 try:
-                    # (Deterministic: the kernel at every row count, one arithmetic.)
-                    most = AMX_ALL_ROWS if deterministic else GRID_MAX_ROWS
-                    packed = PackedLinear(child, widen=True, widen_max_rows=most)
+                    packed = PackedLinear(child, widen=True)
                 except ValueError:
                     continue  # (no compact form holds its values: stays plain)
                 setattr(parent, name, packed)

@@ -178,30 +178,3 @@ def test_a_dequantised_model_widens_from_grids(monkeypatch: pytest.MonkeyPatch) 
     linear_bytes = sum(m.in_features * m.out_features * 4 for m in layers)
     assert read.held < weight_bytes(plain, 4).held - 0.75 * linear_bytes  # 6 of 32 bits kept
 
-
-def test_large_calls_widen_the_whole_weight() -> None:
-    """Above ``widen_max_rows`` rows a grid-held layer widens its weight whole
-    (``widen_unpack``, the transpose) for torch's product: the same values, so
-    the float32 product up to the order of its sums; with the limit at every
-    row count (deterministic mode) the kernel takes all calls."""
-    torch.manual_seed(5)
-    n, k = 200, 96
-    linear = torch.nn.Linear(k, n).requires_grad_(False)
-    linear.weight.copy_(gguf_valued(n, k, "Q4_1"))
-    whole = PackedLinear(linear, widen=True, widen_max_rows=4)
-    kernel = PackedLinear(linear, widen=True, widen_max_rows=10**9)
-    assert whole.widen_kind == kernel.widen_kind == "4-bit grid"
-    for rows in (3, 4, 5, 40):
-        x = torch.randn(2, rows, k)
-        want = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
-        for layer in (whole, kernel):
-            got = layer(x)
-            assert got.shape == (2, rows, n)
-            assert torch.allclose(got.double(), want, rtol=0, atol=1e-5 * k**0.5)
-    out = torch.empty(k, n)
-    ops.widen_unpack(whole.widen, out)
-    assert torch.equal(out, linear.weight.t())
-    ops.widen_unpack(ops.widen_pack(linear.weight.bfloat16().float()), out)
-    assert torch.equal(out, linear.weight.bfloat16().float().t())
-    with pytest.raises(RuntimeError, match="out must be"):
-        ops.widen_unpack(whole.widen, torch.empty(k, n - 16))

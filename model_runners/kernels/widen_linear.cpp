@@ -262,6 +262,41 @@ struct GridForm {
   }
 };
 
+// A panel of blocks already widened to floats ([k][16] a block): a grid's
+// calls of several row groups widen each panel once (widen_panel) and every
+// group reads it from L2, instead of decoding it again per group.
+struct F32Form {
+  static constexpr int64_t kGroup = 1;
+  struct Scales {};
+  static int64_t block_bytes(int64_t k) { return k * kBlock * 4; }
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static void prefetch(const uint8_t*, int64_t) {}
+  static const uint8_t* at(const uint8_t* block, int64_t g, int64_t) { return block + g * 64; }
+  static void decode(const uint8_t* p, const Scales&, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+    hi = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
+  }
+};
+
+// Blocks [b0, b1) of a packed weight widened into `out` in F32Form's layout.
+template <class F>
+void widen_panel(const uint8_t* w, int64_t b0, int64_t b1, int64_t k, float* out) {
+  const int64_t stride = F::block_bytes(k);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* wb = w + b * stride;
+    float* ob = out + (b - b0) * k * kBlock;
+    for (int64_t g = 0; g < k / F::kGroup; ++g) {
+      const typename F::Scales s = F::scales(wb, g);
+      for (int64_t i = 0; i < F::kGroup; ++i) {
+        __m256 lo, hi;
+        F::decode(F::at(wb, g, i), s, lo, hi);
+        _mm256_storeu_ps(ob + (g * F::kGroup + i) * kBlock, lo);
+        _mm256_storeu_ps(ob + (g * F::kGroup + i) * kBlock + 8, hi);
+      }
+    }
+  }
+}
+
 // The first `cols` (at most 16) of 8 + 8 outputs (lo, hi) plus their bias.
 inline void store_block(__m256 lo, __m256 hi, const float* bias, float* y, int64_t cols) {
   const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -276,20 +311,20 @@ inline void store_block(__m256 lo, __m256 hi, const float* bias, float* y, int64
 }
 
 // R rows of x ([R][k] floats, row stride ldx) times NB consecutive packed
-// blocks starting at block b0: R x NB x 2 accumulators stay in registers over
+// blocks starting at block b0 (w points at block wfirst): R x NB x 2 accumulators stay in registers over
 // all of k, and each weight decoded serves every row. Every loop over R and
 // NB unrolled, the partial block stored through masks and the tile not
 // inlined: otherwise gcc kept the accumulators in memory and stored them on
 // every k (a third of the speed).
 template <class F, int R, int NB>
 __attribute__((noinline)) void widen_tile(const float* x, int64_t ldx, int64_t k,
-                                          const uint8_t* w, int64_t b0, const float* bias,
-                                          float* y, int64_t ldy, int64_t n) {
+                                          const uint8_t* w, int64_t wfirst, int64_t b0,
+                                          const float* bias, float* y, int64_t ldy, int64_t n) {
   __m256 acc[R][NB][2];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int b = 0; b < NB; ++b) acc[r][b][0] = acc[r][b][1] = _mm256_setzero_ps();
   const int64_t stride = F::block_bytes(k);
-  const uint8_t* wb = w + b0 * stride;
+  const uint8_t* wb = w + (b0 - wfirst) * stride;
   for (int64_t g = 0; g < k / F::kGroup; ++g) {
     typename F::Scales s[NB];
     UNROLL for (int b = 0; b < NB; ++b) {
@@ -330,24 +365,24 @@ constexpr int blocks_for_rows() {
 
 // Rows [m0, m0 + R) (R <= 6) times blocks [b0, b1).
 template <class F, int R>
-void widen_rows(const float* x, int64_t k, const uint8_t* w, int64_t b0, int64_t b1,
-                const float* bias, float* y, int64_t n) {
+void widen_rows(const float* x, int64_t k, const uint8_t* w, int64_t wfirst, int64_t b0,
+                int64_t b1, const float* bias, float* y, int64_t n) {
   constexpr int NB = blocks_for_rows<F, R>();
   int64_t b = b0;
-  for (; b + NB <= b1; b += NB) widen_tile<F, R, NB>(x, k, k, w, b, bias, y, n, n);
-  for (; b < b1; ++b) widen_tile<F, R, 1>(x, k, k, w, b, bias, y, n, n);
+  for (; b + NB <= b1; b += NB) widen_tile<F, R, NB>(x, k, k, w, wfirst, b, bias, y, n, n);
+  for (; b < b1; ++b) widen_tile<F, R, 1>(x, k, k, w, wfirst, b, bias, y, n, n);
 }
 
 template <class F>
-void widen_group(int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t b0,
-                 int64_t b1, const float* bias, float* y, int64_t n) {
+void widen_group(int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t wfirst,
+                 int64_t b0, int64_t b1, const float* bias, float* y, int64_t n) {
   switch (rows) {
-    case 1: return widen_rows<F, 1>(x, k, w, b0, b1, bias, y, n);
-    case 2: return widen_rows<F, 2>(x, k, w, b0, b1, bias, y, n);
-    case 3: return widen_rows<F, 3>(x, k, w, b0, b1, bias, y, n);
-    case 4: return widen_rows<F, 4>(x, k, w, b0, b1, bias, y, n);
-    case 5: return widen_rows<F, 5>(x, k, w, b0, b1, bias, y, n);
-    default: return widen_rows<F, 6>(x, k, w, b0, b1, bias, y, n);
+    case 1: return widen_rows<F, 1>(x, k, w, wfirst, b0, b1, bias, y, n);
+    case 2: return widen_rows<F, 2>(x, k, w, wfirst, b0, b1, bias, y, n);
+    case 3: return widen_rows<F, 3>(x, k, w, wfirst, b0, b1, bias, y, n);
+    case 4: return widen_rows<F, 4>(x, k, w, wfirst, b0, b1, bias, y, n);
+    case 5: return widen_rows<F, 5>(x, k, w, wfirst, b0, b1, bias, y, n);
+    default: return widen_rows<F, 6>(x, k, w, wfirst, b0, b1, bias, y, n);
   }
 }
 
@@ -355,6 +390,8 @@ constexpr int64_t kGroupRows = 6;  // rows sharing each weight load
 // Blocks per thread task: a panel (4 blocks: 72 KB of bfloat16 at k = 576)
 // stays in L2 while every group of rows passes over it.
 constexpr int64_t kPanelBlocks = 4;
+// A grid's panel widened to floats: at most this many bytes (in L2 with the rows).
+constexpr int64_t kWidePanelBytes = 256 << 10;
 
 // x ([m, k]) times every block of a packed weight into y ([m, n]).
 template <class F>
@@ -372,9 +409,28 @@ void widen_product(const float* xp, int64_t m, int64_t k, const uint8_t* wp, int
       const int64_t b1 = std::min(last, b0 + kPanelBlocks);
       // Rows in groups as even as 6 allows (8 rows: 4 + 4, not 6 + 2).
       const int64_t groups = (m + kGroupRows - 1) / kGroupRows;
+      if (F::kGroup > 1 && groups > 1) {
+        // A grid under several row groups: its panel widened once, in slices
+        // that stay in L2. The same floats as decoded in registers, summed in
+        // the same order: a row's bits do not change.
+        thread_local std::vector<float> wide;
+        const int64_t slice = std::clamp<int64_t>(kWidePanelBytes / (k * kBlock * 4), 1, b1 - b0);
+        wide.resize(slice * k * kBlock);
+        for (int64_t s0 = b0; s0 < b1; s0 += slice) {
+          const int64_t s1 = std::min(b1, s0 + slice);
+          widen_panel<F>(wp, s0, s1, k, wide.data());
+          const auto* panel = reinterpret_cast<const uint8_t*>(wide.data());
+          for (int64_t g = 0, m0 = 0; g < groups; ++g) {
+            const int64_t rows = (m - m0) / (groups - g);
+            widen_group<F32Form>(rows, xp + m0 * k, k, panel, s0, s0, s1, bp, yp + m0 * n, n);
+            m0 += rows;
+          }
+        }
+        continue;
+      }
       for (int64_t g = 0, m0 = 0; g < groups; ++g) {
         const int64_t rows = (m - m0) / (groups - g);
-        widen_group<F>(rows, xp + m0 * k, k, wp, b0, b1, bp, yp + m0 * n, n);
+        widen_group<F>(rows, xp + m0 * k, k, wp, 0, b0, b1, bp, yp + m0 * n, n);
         m0 += rows;
       }
     }
@@ -438,57 +494,6 @@ at::Tensor widen_gather_rows(const at::Tensor& packed, const at::Tensor& ids) {
   return out;
 }
 
-#ifdef RADIXMUX_WIDEN
-// The packed weight widened into out ([K, N'] floats, N' <= the packed rows): its transpose.
-template <class F>
-void unpack_into(const uint8_t* w, int64_t blocks, int64_t k, float* out, int64_t n) {
-  const int64_t stride = F::block_bytes(k);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = w + b * stride;
-      const int64_t c0 = b * kBlock, cols = std::min<int64_t>(kBlock, n - c0);
-      const __m256i first = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256i mask_lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), first);
-      const __m256i mask_hi =
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), first);
-      for (int64_t g = 0; g < k / F::kGroup; ++g) {
-        const typename F::Scales s = F::scales(wb, g);
-        for (int64_t i = 0; i < F::kGroup; ++i) {
-          __m256 lo, hi;
-          F::decode(F::at(wb, g, i), s, lo, hi);
-          float* row = out + (g * F::kGroup + i) * n + c0;
-          _mm256_maskstore_ps(row, mask_lo, lo);
-          _mm256_maskstore_ps(row + 8, mask_hi, hi);
-        }
-      }
-    }
-  });
-}
-#endif
-
-// The transpose of a packed weight's first out.size(1) rows, as floats, into
-// `out` ([K, N]): large calls multiply it with torch's own product.
-void widen_unpack(const at::Tensor& packed, at::Tensor out) {
-#ifdef RADIXMUX_WIDEN
-  const int64_t k = packed_k(packed, "widen_unpack"), blocks = packed.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous() &&
-                  out.size(0) == k && out.size(1) <= blocks * kBlock &&
-                  out.size(1) > (blocks - 1) * kBlock,
-              "widen_unpack: out must be a contiguous float32 [", k, ", N] for the packed rows");
-  const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  float* op = out.data_ptr<float>();
-  const int64_t n = out.size(1);
-  if (packed.scalar_type() == at::kBFloat16)
-    unpack_into<Bf16Form>(wp, blocks, k, op, n);
-  else if (packed.size(2) == group_bytes(4))
-    unpack_into<GridForm<4>>(wp, blocks, k, op, n);
-  else
-    unpack_into<GridForm<8>>(wp, blocks, k, op, n);
-#else
-  TORCH_CHECK(false, "widen_unpack: this build has no AVX2 + FMA (see has_widen_linear)");
-#endif
-}
-
 // x @ weight.T (+ bias) in float32, weight from widen_pack or grid_pack.
 at::Tensor widen_linear(const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
@@ -536,7 +541,6 @@ TORCH_LIBRARY_FRAGMENT(radixmux, m) {
   m.def("grid_pack(Tensor weight, int bits) -> Tensor");
   m.def("widen_gather_rows(Tensor packed, Tensor ids) -> Tensor");
   m.def("widen_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("widen_unpack(Tensor packed, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
@@ -544,5 +548,4 @@ TORCH_LIBRARY_IMPL(radixmux, CPU, m) {
   m.impl("grid_pack", &grid_pack);
   m.impl("widen_gather_rows", &widen_gather_rows);
   m.impl("widen_linear", &widen_linear);
-  m.impl("widen_unpack", &widen_unpack);
 }
