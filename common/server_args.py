@@ -27,6 +27,7 @@ KV_PARTITIONS = ("unified", "static")
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
     "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
 }
@@ -249,8 +250,8 @@ _FLAGS: list[tuple[str, type, str]] = [
     (
         "kv-cache-dtype",
         str,
-        f"{tuple(KV_CACHE_DTYPES)}: auto stores K/V in the model's dtype; bfloat16 halves a "
-        "float32 model's K/V bytes (docs/kernels.md#bfloat16-kv-for-float32-models); fp8 "
+        f"{tuple(KV_CACHE_DTYPES)}: auto stores K/V in the model's dtype; bfloat16 (= bf16) "
+        "halves a float32 model's K/V bytes (docs/kernels.md#bfloat16-kv-for-float32-models); fp8 "
         "(= fp8_e4m3) in float8 e4m3, half of bfloat16's bytes, so the arena holds twice the "
         "tokens, at a measured accuracy and decode cost (docs/kernels.md#float8-kv-cache); "
         "either turns layer sharing off",
