@@ -311,11 +311,11 @@ inline void store_block(__m256 lo, __m256 hi, const float* bias, float* y, int64
 }
 
 // R rows of x ([R][k] floats, row stride ldx) times NB consecutive packed
-// blocks starting at block b0 (w points at block wfirst): R x NB x 2 accumulators stay in registers over
-// all of k, and each weight decoded serves every row. Every loop over R and
-// NB unrolled, the partial block stored through masks and the tile not
-// inlined: otherwise gcc kept the accumulators in memory and stored them on
-// every k (a third of the speed).
+// blocks starting at block b0 (w points at block wfirst): R x NB x 2
+// accumulators stay in registers over all of k, and each weight decoded
+// serves every row. Every loop over R and NB unrolled, the partial block
+// stored through masks and the tile not inlined: otherwise gcc kept the
+// accumulators in memory and stored them on every k (a third of the speed).
 template <class F, int R, int NB>
 __attribute__((noinline)) void widen_tile(const float* x, int64_t ldx, int64_t k,
                                           const uint8_t* w, int64_t wfirst, int64_t b0,
