@@ -244,3 +244,29 @@ def tiny_server(folder: Path, name: str = "tiny") -> Iterator[str]:
         yield f"http://127.0.0.1:{engine.args.port}"
     finally:
         engine.shutdown()
+
+
+@pytest.fixture
+def widen_kernel() -> None:
+    """Skip where the kernel library has no AVX2 + FMA build (or no compiler):
+    the widening kernel's tests (kernels/widen_linear.cpp)."""
+    from radixmux.model_runners import paged_decode
+
+    if not (paged_decode.load() and torch.ops.radixmux.has_widen_linear()):
+        pytest.skip("the kernel library has no AVX2 + FMA build here (or no compiler)")
+
+
+@torch.no_grad()
+def pack_every_linear(plain: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor):
+    """Swap ``model``'s linear layers (``pack_linear_weights``), assert every one
+    was swapped, and return the packed layers and the largest difference of its
+    logits over ``ids`` from ``plain``'s (the same weights, unpacked)."""
+    from radixmux.model_runners.packed_linear import PackedLinear, pack_linear_weights
+
+    want = plain(ids).logits
+    swapped = pack_linear_weights(model)
+    got = model(ids).logits
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert swapped == len(layers) > 0
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    return layers, (got - want).abs().max().item()

@@ -9,22 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import pack_every_linear, tiny_model
 from gguf import GGMLQuantizationType, quants
 
 from bench.roofline import weight_bytes
-from radixmux.model_runners import paged_decode
 from radixmux.model_runners.packed_linear import (
-    PackedLinear,
     compact_copy,
-    pack_linear_weights,
     widens_float32,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (paged_decode.load() and torch.ops.radixmux.has_widen_linear()),
-    reason="the kernel library has no AVX2 + FMA build here (or no compiler)",
-)
+pytestmark = pytest.mark.usefixtures("widen_kernel")
 ops = torch.ops.radixmux
 # GGUF's block formats of 32 weights, and the grid each fits.
 FORMATS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8, "Q8_0": 8}
@@ -160,16 +154,9 @@ def test_a_dequantised_model_widens_from_grids(monkeypatch: pytest.MonkeyPatch) 
     plain = _dequantised(tiny_model(**kind).model, "Q4_1")
     model = _dequantised(tiny_model(**kind).model, "Q4_1")
     ids = torch.randint(0, 211, (1, 23))
-    with torch.no_grad():
-        want = plain(ids).logits
-        swapped = pack_linear_weights(model)
-        got = model(ids).logits
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert swapped == len(layers) > 0 and not any(
-        type(m) is torch.nn.Linear for m in model.modules()
-    )
+    layers, diff = pack_every_linear(plain, model, ids)
     assert {m.widen_kind for m in layers} == {"4-bit grid"}
-    assert (got - want).abs().max().item() < 1e-4
+    assert diff < 1e-4
     embed = model.get_input_embeddings()
     assert embed.weight.is_meta
     assert torch.equal(embed(ids), plain.get_input_embeddings()(ids))
@@ -177,4 +164,3 @@ def test_a_dequantised_model_widens_from_grids(monkeypatch: pytest.MonkeyPatch) 
     assert read.copies == {"4-bit grid widened": len(layers)}
     linear_bytes = sum(m.in_features * m.out_features * 4 for m in layers)
     assert read.held < weight_bytes(plain, 4).held - 0.75 * linear_bytes  # 6 of 32 bits kept
-

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import pack_every_linear, tiny_model
 
 from bench.roofline import weight_bytes
-from radixmux.model_runners import paged_decode
 from radixmux.model_runners.packed_linear import (
     WIDEN_ENV,
     PackedLinear,
@@ -17,10 +16,7 @@ from radixmux.model_runners.packed_linear import (
     widens_float32,
 )
 
-pytestmark = pytest.mark.skipif(
-    not (paged_decode.load() and torch.ops.radixmux.has_widen_linear()),
-    reason="the kernel library has no AVX2 + FMA build here (or no compiler)",
-)
+pytestmark = pytest.mark.usefixtures("widen_kernel")
 
 
 def _bf16_valued(*shape: int) -> torch.Tensor:
@@ -116,16 +112,9 @@ def test_float32_models_of_bfloat16_values_widen(monkeypatch: pytest.MonkeyPatch
     plain = tiny_model("qwen2", dtype="bfloat16").model.float()  # q/k/v biases too
     model = tiny_model("qwen2", dtype="bfloat16").model.float()
     ids = torch.randint(0, 211, (1, 19))
-    with torch.no_grad():
-        want = plain(ids).logits
-        swapped = pack_linear_weights(model)
-        got = model(ids).logits
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert swapped == len(layers) > 0 and not any(
-        type(m) is torch.nn.Linear for m in model.modules()
-    )
+    layers, diff = pack_every_linear(plain, model, ids)
     assert all(m.widen is not None and m.packed is None and m.amx is None for m in layers)
-    assert (got - want).abs().max().item() < 1e-4
+    assert diff < 1e-4
     read = weight_bytes(model, 4)
     assert read.copies == {"bfloat16 widened": len(layers)}
     linear_params = sum(m.in_features * m.out_features for m in layers)
