@@ -1,8 +1,8 @@
 """Does a greedy answer depend on the cache, the batch or the chunking? Default vs deterministic.
 
 For each mode (the default, then ``--deterministic``) radixmux serves a real
-model (SmolLM2, bfloat16) twice, one server at a time: with the prefix cache
-and its default chunk size, then with ``--disable-radix-cache`` and
+model (SmolLM2, bfloat16 unless ``--dtype`` says otherwise) twice, one server
+at a time: with the prefix cache and its default chunk size, then with ``--disable-radix-cache`` and
 ``--chunked-prefill-size 64``. Prompts share a system prompt; each is asked
 greedily with logprobs in three ways:
 
@@ -20,7 +20,7 @@ logprobs) in any two of the three, and writes a JSON and a PNG under
 ``bench/results/``. The throughput the mode costs is measured by vLLM's own
 client::
 
-    .venv/bin/python -m bench.bench_deterministic [--prompts 16] [--max-tokens 64]
+    .venv/bin/python -m bench.bench_deterministic [--prompts 16] [--max-tokens 64] [--dtype auto]
     .venv/bin/python -m bench.vs_vllm --engines radixmux --server-args "" \\
         --server-args=--deterministic --interleave 2
 """
@@ -118,23 +118,23 @@ async def ask(
         return list(await asyncio.gather(*(one(t) for t in texts)))
 
 
-def serve(model: str, flags: Sequence[str], log: Path) -> ServerProcess:
-    """radixmux serving ``model`` in bfloat16 as ``default``, healthy."""
-    return launch_radixmux(["--model", f"{model},name=default", "--dtype", "bfloat16", *flags], log)
+def serve(model: str, dtype: str, flags: Sequence[str], log: Path) -> ServerProcess:
+    """radixmux serving ``model`` in ``dtype`` as ``default``, healthy."""
+    return launch_radixmux(["--model", f"{model},name=default", "--dtype", dtype, *flags], log)
 
 
 def run_mode(mode: str, args: argparse.Namespace, logs: Path) -> ModeResult:
     texts = prompts(args.prompts)
     flags = MODES[mode]
     print(f"[deterministic] {mode}: cached server", file=sys.stderr, flush=True)
-    server = serve(args.model, flags, logs / f"{mode}-cached.log")
+    server = serve(args.model, args.dtype, flags, logs / f"{mode}-cached.log")
     try:
         alone = [asyncio.run(ask(server.base_url, [t], args.max_tokens))[0] for t in texts]
         batched = asyncio.run(ask(server.base_url, texts, args.max_tokens))
     finally:
         server.stop()
     print(f"[deterministic] {mode}: uncached server", file=sys.stderr, flush=True)
-    server = serve(args.model, (*flags, *UNCACHED), logs / f"{mode}-uncached.log")
+    server = serve(args.model, args.dtype, (*flags, *UNCACHED), logs / f"{mode}-uncached.log")
     try:
         uncached = asyncio.run(ask(server.base_url, texts[::-1], args.max_tokens))[::-1]
     finally:
@@ -167,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2", help="short name or HF folder")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--dtype", default="bfloat16", help="the model's --dtype (auto: float32 below AVX512-BF16)"
+    )
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
     args = p.parse_args(argv)
@@ -181,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": args.model,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
         "modes": [
             {
                 "mode": r.mode,

@@ -6,7 +6,8 @@ float32 with it; float32 with ``--kv-cache-dtype bfloat16``), every run in
 ``--deterministic`` mode so that only the dtypes differ, asks the same 16
 prompts for 64 greedy tokens, and reports for each run how many answers
 equal the float32 one and the mean length of the common start. Where the
-mode is not available (it needs AVX-512 tiles), ``--no-deterministic``: the
+mode is not available (it needs the kernel's AVX2 or AVX-512 tiles),
+``--no-deterministic``: the
 second float32 run then shows how far answers move from run to run alone.
 Prints a table and saves JSON (docs/kernels.md#float8-kv-cache).
 """
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--no-deterministic",
         action="store_true",
-        help="serve without --deterministic (CPUs without AVX-512 tiles)",
+        help="serve without --deterministic (CPUs without the kernel's vector tiles)",
     )
     args = p.parse_args(argv)
     runs = {}

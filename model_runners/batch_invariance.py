@@ -63,7 +63,8 @@ def check_deterministic(
     if not paged_decode.has_tiled_path(head_dim):
         raise DeterminismUnsupported(
             f"--deterministic needs the attention kernel's vector tiles for head size {head_dim} "
-            "(AVX-512 and a head size of 16, 32, 64, 80, 96, 128 or 256); this CPU or model "
+            "(AVX2 + FMA or AVX-512, and a head size of 16, 32, 64, 80, 96, 128 or 256); this "
+            "CPU or model "
             "has none"
         )
     for shape in attention:

@@ -44,7 +44,7 @@ def _tiled(head_dim: int) -> bool:
 
 
 needs_tiles = pytest.mark.skipif(
-    not _tiled(16), reason="deterministic mode needs the kernel's AVX-512 tiles"
+    not _tiled(16), reason="deterministic mode needs the kernel's vector tiles"
 )
 
 

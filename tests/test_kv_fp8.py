@@ -20,7 +20,7 @@ from radixmux.model_runners import paged_decode as pd
 from radixmux.scheduler.bootstrap import layer_sharing
 
 needs_kernel = pytest.mark.skipif(not pd.load(), reason="C++ kernels not built here")
-# --deterministic needs the kernel's vector tiles (an AVX-512 build).
+# --deterministic needs the kernel's vector tiles (an AVX2 or AVX-512 build).
 needs_tiles = pytest.mark.skipif(
     not (pd.load() and pd.has_tiled_path(16)), reason="deterministic mode needs vector tiles"
 )

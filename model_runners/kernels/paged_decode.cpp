@@ -137,6 +137,9 @@ constexpr int kLanes = 16;
 template <typename T>
 inline vfloat vload(const T* p) { return load16(p); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vzero() { return _mm512_setzero_ps(); }
@@ -178,6 +181,9 @@ inline vfloat vload(const c10::Float8_e4m3fn* p) {  // load16's rule, 8 lanes
   return _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
 }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vset1(float x) { return _mm256_set1_ps(x); }
 inline vfloat vzero() { return _mm256_setzero_ps(); }
@@ -427,7 +433,7 @@ inline int64_t aligned_begin(int64_t begin, bool det) {
 // layout (PackLayout) is in these steps on every build.
 constexpr int64_t kAmxKeys = 128;
 
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
 // ---- many query rows at once: register-blocked tiles --------------------------------------
 // When one key is scored against many query rows (a group's shared prefix)
 // the per-key loops above spend most of their time reducing vectors to
@@ -440,7 +446,32 @@ constexpr int64_t kAmxKeys = 128;
 // Keys per tile: its K and V rows as floats stay in L1 (16 KB at head_dim 64).
 constexpr int64_t kTile = 32;
 // Fewest query rows for the tiled path: fewer leave too many lanes idle.
+// With AVX2 the per-key path holds out longer (cascade decodes over 1,000
+// shared + 100 own float32 keys, SmolLM2's shapes, 30 layers, 2 threads, a
+// Zen 3 EPYC: groups of 4 sequences, 12 rows, 30.6 ms a step per key against
+// 43.8 tiled; groups of 16, 48 rows, 24.3 against 25.1), while extends'
+// 96-row blocks gain (bench_decode_attention --parts extend: 1.25-1.9x SDPA).
+#ifdef __AVX512F__
 constexpr int64_t kTiledRows = 12;
+#else
+constexpr int64_t kTiledRows = 64;
+#endif
+// Keys scored per block, and accumulator vectors held in registers: AVX-512's
+// 32 registers take 8 keys x 2 row vectors of scores and a whole head row of
+// P.V for up to 24 / NV rows; AVX2's 16 take 4 keys x 2 and 12 accumulators,
+// P.V's head row in turns of at most 4 vectors (kColsAtOnce). The order of
+// every sum is the same either way: key by key, per row and element.
+#ifdef __AVX512F__
+constexpr int kScoreKeys = 8;
+constexpr int kAccRegs = 24;
+template <int W>
+constexpr int kColsAtOnce = W;
+#else
+constexpr int kScoreKeys = 4;
+constexpr int kAccRegs = 12;
+template <int W>
+constexpr int kColsAtOnce = W % 4 == 0 ? 4 : W % 2 == 0 ? 2 : 1;
+#endif
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
 #else
@@ -463,7 +494,7 @@ inline void rows_to_float(const T* base, const int64_t* addr, int64_t row_stride
                           float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const T* src = base + addr[j] * row_stride;
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(dst + (j * NV + c) * 16, load16(src + 16 * c));
+    for (int c = 0; c < kVecs<NV>; ++c) vstore(dst + j * NV * 16 + c * kLanes, vload(src + kLanes * c));
   }
 }
 
@@ -490,14 +521,14 @@ __attribute__((always_inline)) inline void prefetch_tile(const T* k_base, const 
 // exact in float, so its scores are as accurate as the float path's).
 struct FloatLanes {
   using Elem = float;  // one lane of an operand row
-  using Vec = __m512;
+  using Vec = vfloat;
   using Keys = const float*;  // a block's keys: float rows [KB, dim]
   static constexpr int kPer = 1;  // values per lane
   template <int NV>
   static Elem key(Keys kf, int k, int d) { return kf[k * NV * 16 + d]; }
-  static Vec load(const Elem* p) { return _mm512_loadu_ps(p); }
-  static Vec broadcast(Elem x) { return _mm512_set1_ps(x); }
-  static __m512 madd(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+  static Vec load(const Elem* p) { return vload(p); }
+  static Vec broadcast(Elem x) { return vset1(x); }
+  static vfloat madd(vfloat acc, Vec a, Vec b) { return vfma(a, b, acc); }
 };
 
 #ifdef __AVX512BF16__
@@ -518,24 +549,24 @@ struct Bf16PairLanes {
 };
 #endif
 
-// st[k, 16 * RV lanes] = q . k_k for KB keys and queries qt [dim / L::kPer,
-// rp]: per step d, RV loads and KB broadcasts of lane d of key k into KB * RV
-// accumulators.
+// st[k, kLanes * RV lanes] = q . k_k for KB keys and queries qt [dim /
+// L::kPer, rp]: per step d, RV loads and KB broadcasts of lane d of key k into
+// KB * RV accumulators.
 template <typename L, int NV, int KB, int RV>
 inline void score_block(const typename L::Elem* qt, int64_t rp, typename L::Keys keys, float* st) {
-  __m512 acc[KB][RV];
+  vfloat acc[KB][RV];
   for (int k = 0; k < KB; ++k)
-    for (int v = 0; v < RV; ++v) acc[k][v] = _mm512_setzero_ps();
+    for (int v = 0; v < RV; ++v) acc[k][v] = vzero();
   for (int d = 0; d < NV * 16 / L::kPer; ++d) {
     typename L::Vec qv[RV];
-    for (int v = 0; v < RV; ++v) qv[v] = L::load(qt + d * rp + 16 * v);
+    for (int v = 0; v < RV; ++v) qv[v] = L::load(qt + d * rp + kLanes * v);
     for (int k = 0; k < KB; ++k) {
       const typename L::Vec kb = L::broadcast(L::template key<NV>(keys, k, d));
       for (int v = 0; v < RV; ++v) acc[k][v] = L::madd(acc[k][v], qv[v], kb);
     }
   }
   for (int k = 0; k < KB; ++k)
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(st + k * rp + 16 * v, acc[k][v]);
+    for (int v = 0; v < RV; ++v) vstore(st + k * rp + kLanes * v, acc[k][v]);
 }
 
 #ifdef __AVX512BF16__
@@ -577,33 +608,72 @@ inline void pair_weights(const float* pa, const float* pb, int64_t rp, uint32_t*
 #endif
 
 // acc[r0 + i] = acc[r0 + i] * rescale[r0 + i] + sum_k pt[k, r0 + i] * v_k for
-// RB rows: the accumulators stay in registers for the whole tile. A step k
-// is one key (FloatLanes: pt [n, rp], vt [n, dim] floats) or a key pair
-// (Bf16PairLanes: pt and vt from pair_weights and interleave_rows).
+// RB rows: the accumulators stay in registers for the whole tile (for each
+// turn of kColsAtOnce vectors of the head row). A step k is one key
+// (FloatLanes: pt [n, rp], vt [n, dim] floats) or a key pair (Bf16PairLanes:
+// pt and vt from pair_weights and interleave_rows).
 template <typename L, int NV, int RB>
 inline void accumulate_block(const typename L::Elem* pt, int64_t rp, const typename L::Elem* vt,
                              int64_t steps, const float* rescale, int64_t r0, float* acc) {
-  __m512 a[RB][NV];
-  for (int i = 0; i < RB; ++i) {
-    const __m512 c = _mm512_set1_ps(rescale[r0 + i]);
-    for (int v = 0; v < NV; ++v)
-      a[i][v] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + ((r0 + i) * NV + v) * 16));
-  }
-  for (int64_t k = 0; k < steps; ++k) {
-    const typename L::Elem* pk = pt + k * rp + r0;
-    for (int v = 0; v < NV; ++v) {
-      const typename L::Vec vv = L::load(vt + (k * NV + v) * 16);
-      for (int i = 0; i < RB; ++i) a[i][v] = L::madd(a[i][v], L::broadcast(pk[i]), vv);
+  constexpr int W = kVecs<NV>, CW = kColsAtOnce<W>;
+  for (int c0 = 0; c0 < W; c0 += CW) {
+    vfloat a[RB][CW];
+    for (int i = 0; i < RB; ++i) {
+      const vfloat c = vset1(rescale[r0 + i]);
+      for (int v = 0; v < CW; ++v)
+        a[i][v] = vmul(c, vload(acc + (r0 + i) * NV * 16 + (c0 + v) * kLanes));
     }
+    for (int64_t k = 0; k < steps; ++k) {
+      const typename L::Elem* pk = pt + k * rp + r0;
+      for (int v = 0; v < CW; ++v) {
+        const typename L::Vec vv = L::load(vt + (k * W + c0 + v) * kLanes);
+        for (int i = 0; i < RB; ++i) a[i][v] = L::madd(a[i][v], L::broadcast(pk[i]), vv);
+      }
+    }
+    for (int i = 0; i < RB; ++i)
+      for (int v = 0; v < CW; ++v) vstore(acc + (r0 + i) * NV * 16 + (c0 + v) * kLanes, a[i][v]);
   }
-  for (int i = 0; i < RB; ++i)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + ((r0 + i) * NV + v) * 16, a[i][v]);
 }
 
 // e^x for the softmax: x in [kMinExponent, 0] (vec_exp.h).
-inline __m512 exp_nonpositive(__m512 x) { return radixmux::exp16(x); }
+#ifdef __AVX512F__
+inline vfloat exp_nonpositive(vfloat x) { return radixmux::exp16(x); }
+#else
+inline vfloat exp_nonpositive(vfloat x) { return radixmux::exp8(x); }
+#endif
 
-// One tile of the online softmax over st [n, rp], 16 rows per vector: scale
+// The softmax's lane masks of visible keys: AVX-512's mask registers, or
+// AVX2's vectors of all-ones lanes.
+#ifdef __AVX512F__
+using vmask = __mmask16;
+inline vmask all_lanes() { return 0xffff; }
+// Lanes r whose rows see key j: first[r] <= j <= last[r].
+inline vmask lanes_seeing(int32_t j, const int32_t* first, const int32_t* last) {
+  const __m512i jv = _mm512_set1_epi32(j);
+  return _mm512_cmp_epi32_mask(jv, _mm512_loadu_si512(first), _MM_CMPINT_NLT) &
+         _mm512_cmp_epi32_mask(jv, _mm512_loadu_si512(last), _MM_CMPINT_LE);
+}
+// max(t, x) in the lanes of m, t in the others.
+inline vfloat vmax_where(vfloat t, vmask m, vfloat x) { return _mm512_mask_max_ps(t, m, t, x); }
+// x in the lanes of m, 0 in the others.
+inline vfloat vkeep(vmask m, vfloat x) { return _mm512_maskz_mov_ps(m, x); }
+#else
+using vmask = __m256;
+inline vmask all_lanes() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+inline vmask lanes_seeing(int32_t j, const int32_t* first, const int32_t* last) {
+  const __m256i jv = _mm256_set1_epi32(j);
+  const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first));
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last));
+  const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(f, jv), _mm256_cmpgt_epi32(jv, l));
+  return _mm256_castsi256_ps(_mm256_xor_si256(hidden, _mm256_set1_epi32(-1)));
+}
+inline vfloat vmax_where(vfloat t, vmask m, vfloat x) {
+  return _mm256_blendv_ps(t, _mm256_max_ps(t, x), m);
+}
+inline vfloat vkeep(vmask m, vfloat x) { return _mm256_and_ps(m, x); }
+#endif
+
+// One tile of the online softmax over st [n, rp], kLanes rows per vector: scale
 // (and soft-cap) the scores, raise each row's running max m over the tile's
 // visible keys (j0 + k in [first[r], last[r]]; every key when !masked),
 // rescale its sum s, leave in rescale[r] the factor its accumulator needs,
@@ -625,21 +695,18 @@ __attribute__((noinline)) void softmax_tile(float* st, int64_t n, int64_t rp, in
     for (int64_t i = 0; i < n * rp; ++i) st[i] = std::tanh(st[i] * inner) * softcap;
     scale = 1.f;
   }
-  const __m512 sc = _mm512_set1_ps(scale), floor = _mm512_set1_ps(kMinExponent);
-  for (int64_t r = 0; r < rp; r += 16) {
-    const __m512i f = _mm512_loadu_si512(first + r), l = _mm512_loadu_si512(last + r);
-    auto seen = [&](int64_t k) -> __mmask16 {
-      if (!masked) return 0xffff;
-      const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + k));
-      return _mm512_cmp_epi32_mask(j, f, _MM_CMPINT_NLT) &
-             _mm512_cmp_epi32_mask(j, l, _MM_CMPINT_LE);
+  const vfloat sc = vset1(scale), floor = vset1(kMinExponent);
+  for (int64_t r = 0; r < rp; r += kLanes) {
+    auto seen = [&](int64_t k) -> vmask {
+      if (!masked) return all_lanes();
+      return lanes_seeing(static_cast<int32_t>(j0 + k), first + r, last + r);
     };
-    auto score = [&](int64_t k) { return _mm512_mul_ps(_mm512_loadu_ps(st + k * rp + r), sc); };
-    const __m512 old_max = _mm512_loadu_ps(m + r);
+    auto score = [&](int64_t k) { return vmul(vload(st + k * rp + r), sc); };
+    const vfloat old_max = vload(m + r);
     // Named chains, not an array indexed by k & 3: that one lived on the
     // stack, each step waiting on a store-to-load forward.
-    __m512 t0 = old_max, t1 = old_max, t2 = old_max, t3 = old_max;
-    auto raise = [&](__m512& t, int64_t k) { t = _mm512_mask_max_ps(t, seen(k), t, score(k)); };
+    vfloat t0 = old_max, t1 = old_max, t2 = old_max, t3 = old_max;
+    auto raise = [&](vfloat& t, int64_t k) { t = vmax_where(t, seen(k), score(k)); };
     int64_t k4 = 0;
     for (; k4 + 4 <= n; k4 += 4) {
       raise(t0, k4);
@@ -650,16 +717,15 @@ __attribute__((noinline)) void softmax_tile(float* st, int64_t n, int64_t rp, in
     if (k4 < n) raise(t0, k4);
     if (k4 + 1 < n) raise(t1, k4 + 1);
     if (k4 + 2 < n) raise(t2, k4 + 2);
-    const __m512 top = _mm512_max_ps(_mm512_max_ps(t0, t1), _mm512_max_ps(t2, t3));
+    const vfloat top = vmax(vmax(t0, t1), vmax(t2, t3));
     // Both -FLT_MAX (nothing seen yet): factor 1 on a zero sum.
-    const __m512 c = exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(old_max, top), floor));
+    const vfloat c = exp_nonpositive(vmax(vsub(old_max, top), floor));
     // Key k's weight joins chain k mod 4 (named, as for the maxima).
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    auto weight = [&](int64_t k, __m512& part) {
-      if (k >= n) return _mm512_setzero_ps();
-      const __m512 p = _mm512_maskz_mov_ps(
-          seen(k), exp_nonpositive(_mm512_max_ps(_mm512_sub_ps(score(k), top), floor)));
-      part = _mm512_add_ps(part, p);
+    vfloat s0 = vzero(), s1 = s0, s2 = s0, s3 = s0;
+    auto weight = [&](int64_t k, vfloat& part) {
+      if (k >= n) return vzero();
+      const vfloat p = vkeep(seen(k), exp_nonpositive(vmax(vsub(score(k), top), floor)));
+      part = vadd(part, p);
       return p;
     };
 #ifdef __AVX512BF16__
@@ -686,19 +752,19 @@ __attribute__((noinline)) void softmax_tile(float* st, int64_t n, int64_t rp, in
     {
       int64_t k = 0;
       for (; k + 4 <= n; k += 4) {
-        _mm512_storeu_ps(st + k * rp + r, weight(k, s0));
-        _mm512_storeu_ps(st + (k + 1) * rp + r, weight(k + 1, s1));
-        _mm512_storeu_ps(st + (k + 2) * rp + r, weight(k + 2, s2));
-        _mm512_storeu_ps(st + (k + 3) * rp + r, weight(k + 3, s3));
+        vstore(st + k * rp + r, weight(k, s0));
+        vstore(st + (k + 1) * rp + r, weight(k + 1, s1));
+        vstore(st + (k + 2) * rp + r, weight(k + 2, s2));
+        vstore(st + (k + 3) * rp + r, weight(k + 3, s3));
       }
-      if (k < n) _mm512_storeu_ps(st + k * rp + r, weight(k, s0));
-      if (k + 1 < n) _mm512_storeu_ps(st + (k + 1) * rp + r, weight(k + 1, s1));
-      if (k + 2 < n) _mm512_storeu_ps(st + (k + 2) * rp + r, weight(k + 2, s2));
+      if (k < n) vstore(st + k * rp + r, weight(k, s0));
+      if (k + 1 < n) vstore(st + (k + 1) * rp + r, weight(k + 1, s1));
+      if (k + 2 < n) vstore(st + (k + 2) * rp + r, weight(k + 2, s2));
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
-    _mm512_storeu_ps(m + r, top);
-    _mm512_storeu_ps(s + r, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r), c), sum));
-    _mm512_storeu_ps(rescale + r, c);
+    const vfloat sum = vadd(vadd(s0, s1), vadd(s2, s3));
+    vstore(m + r, top);
+    vstore(s + r, vadd(vmul(vload(s + r), c), sum));
+    vstore(rescale + r, c);
   }
 }
 
@@ -714,7 +780,7 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
                                                   const int32_t* last, float scale, float softcap,
                                                   Scratch& sc, float* m, float* s, float* acc) {
   constexpr int64_t dim = NV * 16;
-  constexpr int RB = std::max(1, std::min(8, 24 / NV));  // accumulator rows in registers
+  constexpr int RB = std::max(1, std::min(8, kAccRegs / kColsAtOnce<kVecs<NV>>));  // acc rows
   sc.kf.resize(static_cast<size_t>(std::max(kTile * dim, kTile / 2 * rp)));  // or P pairs
   sc.vf.resize(kTile * dim);
   sc.scores.resize(static_cast<size_t>(kTile * rp));
@@ -740,8 +806,8 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
     prefetch_tile(k_base, v_base, row_stride, addr, j0 + kTile, kTile, len, bytes);
     auto score_rows = [&](auto rv, int64_t v) {
       constexpr int RV = decltype(rv)::value;
-      // Blocks of 8 keys, a piece's last few one by one (two block shapes
-      // compile in half the time of a halving series, for a rare tail).
+      // Blocks of kScoreKeys keys, a piece's last few one by one (two block
+      // shapes compile in half the time of a halving series, for a rare tail).
       auto block = [&](auto kb, int64_t k0) {
         constexpr int KB = decltype(kb)::value;
 #ifdef __AVX512BF16__
@@ -760,7 +826,8 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
                                             st + k0 * rp + v);
       };
       int64_t k0 = 0;
-      for (; k0 + 8 <= n; k0 += 8) block(std::integral_constant<int, 8>{}, k0);
+      for (; k0 + kScoreKeys <= n; k0 += kScoreKeys)
+        block(std::integral_constant<int, kScoreKeys>{}, k0);
       for (; k0 < n; ++k0) block(std::integral_constant<int, 1>{}, k0);
     };
     if constexpr (!DP) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
@@ -773,7 +840,7 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
     }
 #endif
     int64_t v = 0;
-    for (; v + 32 <= rp; v += 32) score_rows(std::integral_constant<int, 2>{}, v);
+    for (; v + 2 * kLanes <= rp; v += 2 * kLanes) score_rows(std::integral_constant<int, 2>{}, v);
     if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
@@ -1052,7 +1119,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
                  const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
                  Scratch& s, float* m, float* sum, float* acc, bool amx_any = false,
                  bool det = false, PackedKV packed = {}) {
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
   // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
   // use); float queries over them take the per-key path rather than add a
   // rarely used set of tiled instantiations to the build.
@@ -1745,11 +1812,11 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_rows, const at:
 }
 
 // Whether attention over head_dim-wide heads gets the tiled vector path
-// (AVX-512 and a head size with unrolled code). Extends are faster than
-// torch's SDPA only there; the per-key scalar loops are slower.
+// (AVX-512 or AVX2 + FMA, and a head size with unrolled code). Extends are
+// faster than torch's SDPA only there; the per-key scalar loops are slower.
 bool has_tiled_path(int64_t head_dim) {
   bool tiled = false;
-#ifdef __AVX512F__
+#ifdef RADIXMUX_KEY_VECTORS
   dispatch_dim(head_dim, [&](auto nv) { tiled = decltype(nv)::value > 0; });
 #endif
   return tiled;
