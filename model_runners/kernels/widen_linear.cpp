@@ -436,6 +436,14 @@ void widen_product(const float* xp, int64_t m, int64_t k, const uint8_t* wp, int
     }
   }
 }
+
+// fn(F{}) for the form of a packed weight (checked by packed_k).
+template <typename Fn>
+void with_form(const at::Tensor& packed, Fn&& fn) {
+  if (packed.scalar_type() == at::kBFloat16) fn(Bf16Form{});
+  else if (packed.size(2) == group_bytes(4)) fn(GridForm<4>{});
+  else fn(GridForm<8>{});
+}
 #endif
 
 // The unpacked K of a packed weight (bfloat16 or grid), checking its form.
@@ -461,37 +469,28 @@ at::Tensor widen_gather_rows(const at::Tensor& packed, const at::Tensor& ids) {
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(row[i] >= 0 && row[i] < capacity, "widen_gather_rows: row ", row[i],
                 " outside the packed ", capacity);
+#ifdef RADIXMUX_WIDEN
   at::Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   const auto* src = reinterpret_cast<const uint8_t*>(packed.data_ptr());
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  const int64_t gbytes = packed.size(2), bits = (gbytes - kHeader) * 8 / (kGroupK * kBlock);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = row[i] / kBlock, j = row[i] % kBlock;
-      float* out_row = dst + i * k;
-      if (bf16) {
-        const auto* s = reinterpret_cast<const uint16_t*>(src) + b * k * kBlock + slot_of(row[i]);
-        for (int64_t kk = 0; kk < k; ++kk) {
-          const uint32_t u = static_cast<uint32_t>(s[kk * kBlock]) << 16;
-          std::memcpy(out_row + kk, &u, sizeof u);
-        }
-        continue;
+  // Each row's block widened by its form's own decode (as the products read
+  // it), then the row's column of it taken.
+  with_form(packed, [&](auto form) {
+    using F = decltype(form);
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> wide;
+      wide.resize(static_cast<size_t>(k * kBlock));
+      for (int64_t i = begin; i < end; ++i) {
+        widen_panel<F>(src, row[i] / kBlock, row[i] / kBlock + 1, k, wide.data());
+        const int64_t j = row[i] % kBlock;
+        for (int64_t kk = 0; kk < k; ++kk) dst[i * k + kk] = wide[kk * kBlock + j];
       }
-      for (int64_t g = 0; g < k / kGroupK; ++g) {
-        const uint8_t* grp = src + (b * (k / kGroupK) + g) * gbytes;
-        float d, m;
-        std::memcpy(&d, grp + j * sizeof(float), sizeof d);
-        std::memcpy(&m, grp + (kBlock + j) * sizeof(float), sizeof m);
-        for (int64_t t = 0; t < kGroupK; ++t) {
-          const uint8_t* data = grp + kHeader + t * (kBlock * bits / 8);
-          const int q = bits == 8 ? data[j] : (data[j % 8] >> (j < 8 ? 0 : 4)) & 0xf;
-          out_row[g * kGroupK + t] = std::fmaf(static_cast<float>(q), d, m);
-        }
-      }
-    }
+    });
   });
   return out;
+#else
+  TORCH_CHECK(false, "widen_gather_rows: this build has no AVX2 + FMA (see has_widen_linear)");
+#endif
 }
 
 // x @ weight.T (+ bias) in float32, weight from widen_pack or grid_pack.
@@ -521,12 +520,9 @@ at::Tensor widen_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  if (packed.scalar_type() == at::kBFloat16)
-    widen_product<Bf16Form>(xp, m, k, wp, blocks, bp, yp, n);
-  else if (packed.size(2) == group_bytes(4))
-    widen_product<GridForm<4>>(xp, m, k, wp, blocks, bp, yp, n);
-  else
-    widen_product<GridForm<8>>(xp, m, k, wp, blocks, bp, yp, n);
+  with_form(packed, [&](auto form) {
+    widen_product<decltype(form)>(xp, m, k, wp, blocks, bp, yp, n);
+  });
   return y;
 #else
   TORCH_CHECK(false, "widen_linear: this build has no AVX2 + FMA (see has_widen_linear)");
