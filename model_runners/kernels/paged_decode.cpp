@@ -439,9 +439,10 @@ constexpr int64_t kAmxKeys = 128;
 // the per-key loops above spend most of their time reducing vectors to
 // scalars and reloading accumulators. Here the query rows lie in the vector
 // lanes instead: the queries are transposed once per task (rows padded to a
-// multiple of 16, `rp`), scores come out as st [keys, rp] from broadcast
-// multiply-adds, the softmax runs online (per tile, across rows in lanes),
-// and P.V accumulates into registers that stay put for a whole tile.
+// multiple of the lanes, `rp`: 16, or 8 with AVX2), scores come out as
+// st [keys, rp] from broadcast multiply-adds, the softmax runs online (per
+// tile, across rows in lanes), and P.V accumulates into registers that stay
+// put for a whole tile.
 
 // Keys per tile: its K and V rows as floats stay in L1 (16 KB at head_dim 64).
 constexpr int64_t kTile = 32;
@@ -1145,7 +1146,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
     if (rows >= kTiledRows || (amx && amx_any) || det || dot_tiles) {
       // Queries transposed, rows in lanes: bfloat16 pairs when both sides are
       // bfloat16 (vdpbf16ps), else floats; padding rows zero and seeing nothing.
-      const int64_t rp = (rows + 15) / 16 * 16;
+      const int64_t rp = (rows + kLanes - 1) / kLanes * kLanes;
       s.first32.assign(static_cast<size_t>(rp), INT32_MAX);
       s.last32.assign(static_cast<size_t>(rp), -1);
       s.qt.assign(static_cast<size_t>((dp ? dim / 2 : dim) * rp), 0.f);
