@@ -381,7 +381,13 @@ def run(
         arena.populate()  # as the server's runner does: no page faults on K/V writes
         # The lean stack skips the module calls the timing hooks ride on: with it
         # only the whole step is measured (the parts read 0, "other" the step).
-        runner = ModelRunner(loaded, arena.view(geometry), args.attention_backend, lean=args.lean)
+        runner = ModelRunner(
+            loaded,
+            arena.view(geometry),
+            args.attention_backend,
+            lean=args.lean,
+            deterministic=args.deterministic,
+        )
         if "cascade" in args.layouts and not runner.use_kernel:
             progress("decode kernel not in use: the cascade layout runs as plain shared")
         timer = StepTimer(loaded.model)
@@ -448,6 +454,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=STREAM_BYTES >> 20,
         help="array size of the bandwidth measurement (well above the L3 cache)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the server's --deterministic arithmetic (docs/kernels.md#deterministic-mode)",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/)")
     return p.parse_args(argv)
 
@@ -479,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fuse_ops=not args.no_fused_ops,
         amx_linear=not args.no_amx,
         kv_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        deterministic=args.deterministic,
     )
     if "cascade" in args.layouts and not cascade_available():
         print("note: no ForwardBatch.prefix_groups in this runtime: the cascade layout is skipped")
@@ -489,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"fused ops {'off' if args.no_fused_ops else 'on'}, "
         f"AMX linear {'off' if args.no_amx or args.no_fused_ops else 'on'}, "
         f"{'lean stack (parts not measured)' if args.lean else 'transformers forward'}, "
-        "decode step at context "
+        f"{'deterministic, ' if args.deterministic else ''}decode step at context "
         f"{args.prefix}+{args.own} (shared: first {args.prefix} slots identical); "
         f"20th-percentile of {args.steps} steps; other = step - weights - logits - attention"
     )

@@ -462,6 +462,16 @@ constexpr int64_t kTiledRows = 64;
 // P.V for up to 24 / NV rows; AVX2's 16 take 4 keys x 2 and 12 accumulators,
 // P.V's head row in turns of at most 4 vectors (kColsAtOnce). The order of
 // every sum is the same either way: key by key, per row and element.
+// Tiles of K and V asked for ahead. With AVX2, one tile ahead left a few
+// rows' work (a decode in deterministic mode: 3 rows a KV head) waiting on
+// memory: --deterministic decodes of 16 float32 contexts of 1,100 keys,
+// SmolLM2's shapes, 30 layers, Zen 3: 120-122 ms a step at one tile ahead,
+// 106 at two, 106-124 at three, 121-141 at four (the default arithmetic: 81-93).
+#ifdef __AVX512F__
+constexpr int64_t kTilesAhead = 1;
+#else
+constexpr int64_t kTilesAhead = 2;
+#endif
 #ifdef __AVX512F__
 constexpr int kScoreKeys = 8;
 constexpr int kAccRegs = 24;
@@ -800,11 +810,11 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
     sc.k16.resize(kTile * dim);
     sc.v16.resize(kTile * dim);
   }
-  prefetch_tile(k_base, v_base, row_stride, addr, 0, kTile, len, bytes);
+  prefetch_tile(k_base, v_base, row_stride, addr, 0, kTilesAhead * kTile, len, bytes);
   for (int64_t j0 = 0; j0 < len; j0 += kTile) {
     const int64_t n = std::min(kTile, len - j0);
-    // The next tile's K and V arrive while this one is computed.
-    prefetch_tile(k_base, v_base, row_stride, addr, j0 + kTile, kTile, len, bytes);
+    // Later tiles' K and V arrive while this one is computed.
+    prefetch_tile(k_base, v_base, row_stride, addr, j0 + kTilesAhead * kTile, kTile, len, bytes);
     auto score_rows = [&](auto rv, int64_t v) {
       constexpr int RV = decltype(rv)::value;
       // Blocks of kScoreKeys keys, a piece's last few one by one (two block
