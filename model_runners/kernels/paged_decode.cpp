@@ -682,6 +682,80 @@ inline vfloat vmax_where(vfloat t, vmask m, vfloat x) {
   return _mm256_blendv_ps(t, _mm256_max_ps(t, x), m);
 }
 inline vfloat vkeep(vmask m, vfloat x) { return _mm256_and_ps(m, x); }
+
+// ---- few query rows on AVX2: the keys in the lanes ------------------------------------------
+// A decode in deterministic mode has a KV head's few query rows (3 for
+// SmolLM2, 4 for Gemma 3 or Llama 3 8B) in 8 lanes: score_block spends a
+// broadcast and an FMA per key and input for 3 useful lanes of 8. With at
+// most kFewRows rows the tile's K rows go transposed instead (kt [dim,
+// kTile]: 8x8 blocks in registers), and a row's scores of 16 keys come from
+// two loads and two FMAs per input, each (row, key) the same FMA chain over
+// the inputs from zero as score_block's: the same bits.
+constexpr int64_t kFewRows = 4;
+
+// r[i] lane j <- r[j] lane i.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// kt [dim, kTile]: the K rows of keys addr[0 .. n) as floats, transposed
+// (keys past n: zeros, never read).
+template <typename T, int NV>
+inline void keys_to_lanes(const T* base, const int64_t* addr, int64_t row_stride, int64_t n,
+                          float* kt) {
+  constexpr int64_t dim = NV * 16;
+  for (int64_t k0 = 0; k0 < kTile; k0 += 8) {
+    const T* rows[8];
+    for (int i = 0; i < 8; ++i) rows[i] = k0 + i < n ? base + addr[k0 + i] * row_stride : nullptr;
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = rows[i] ? vload(rows[i] + d) : vzero();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) vstore(kt + (d + i) * kTile + k0, r[i]);
+    }
+  }
+}
+
+// st [n, rp] = scores of the R query rows of qt [dim, rp] against kt's keys
+// (padding lanes 0).
+template <int NV, int R>
+inline void score_few_rows(const float* qt, int64_t rp, const float* kt, int64_t n, float* st) {
+  constexpr int64_t dim = NV * 16;
+  alignas(32) float out[R][kTile];
+  for (int64_t h = 0; h < kTile; h += 16) {
+    vfloat acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+    for (int64_t d = 0; d < dim; ++d) {
+      const vfloat k0 = vload(kt + d * kTile + h), k1 = vload(kt + d * kTile + h + 8);
+      for (int r = 0; r < R; ++r) {
+        const vfloat q = vset1(qt[d * rp + r]);
+        acc[r][0] = vfma(q, k0, acc[r][0]);
+        acc[r][1] = vfma(q, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      vstore(out[r] + h, acc[r][0]);
+      vstore(out[r] + h + 8, acc[r][1]);
+    }
+  }
+  for (int64_t k = 0; k < n; ++k)
+    for (int64_t r = 0; r < rp; ++r) st[k * rp + r] = r < R ? out[r][k] : 0.f;
+}
 #endif
 
 // One tile of the online softmax over st [n, rp], kLanes rows per vector: scale
@@ -841,7 +915,21 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
         block(std::integral_constant<int, kScoreKeys>{}, k0);
       for (; k0 < n; ++k0) block(std::integral_constant<int, 1>{}, k0);
     };
-    if constexpr (!DP) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
+    bool scored = false;
+#ifndef __AVX512F__
+    if (rows <= kFewRows) {
+      keys_to_lanes<T, NV>(k_base, addr + j0, row_stride, n, kf);
+      const float* q = static_cast<const float*>(qt);
+      if (rows == 1) score_few_rows<NV, 1>(q, rp, kf, n, st);
+      else if (rows == 2) score_few_rows<NV, 2>(q, rp, kf, n, st);
+      else if (rows == 3) score_few_rows<NV, 3>(q, rp, kf, n, st);
+      else score_few_rows<NV, 4>(q, rp, kf, n, st);
+      scored = true;
+    }
+#endif
+    if constexpr (!DP) {
+      if (!scored) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
+    }
 #ifdef __AVX512BF16__
     if constexpr (DP && fp8) {
       for (int64_t k = 0; k < n; ++k) {
@@ -850,7 +938,7 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
       }
     }
 #endif
-    int64_t v = 0;
+    int64_t v = scored ? rp : 0;
     for (; v + 2 * kLanes <= rp; v += 2 * kLanes) score_rows(std::integral_constant<int, 2>{}, v);
     if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
