@@ -451,7 +451,7 @@ constexpr int64_t kTile = 32;
 // shared + 100 own float32 keys, SmolLM2's shapes, 30 layers, 2 threads, a
 // Zen 3 EPYC: groups of 4 sequences, 12 rows, 30.6 ms a step per key against
 // 43.8 tiled; groups of 16, 48 rows, 24.3 against 25.1), while extends'
-// 96-row blocks gain (bench_decode_attention --parts extend: 1.25-1.9x SDPA).
+// 96-row blocks gain (bench_decode_attention --parts extend: 1.1-2.3x SDPA).
 #ifdef __AVX512F__
 constexpr int64_t kTiledRows = 12;
 #else
@@ -505,7 +505,8 @@ inline void rows_to_float(const T* base, const int64_t* addr, int64_t row_stride
                           float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const T* src = base + addr[j] * row_stride;
-    for (int c = 0; c < kVecs<NV>; ++c) vstore(dst + j * NV * 16 + c * kLanes, vload(src + kLanes * c));
+    for (int c = 0; c < kVecs<NV>; ++c)
+      vstore(dst + j * NV * 16 + c * kLanes, vload(src + kLanes * c));
   }
 }
 
