@@ -2,9 +2,9 @@
 
 For each mode (the default, then ``--deterministic``) radixmux serves a real
 model (SmolLM2, bfloat16 unless ``--dtype`` says otherwise) twice, one server
-at a time: with the prefix cache and its default chunk size, then with ``--disable-radix-cache`` and
-``--chunked-prefill-size 64``. Prompts share a system prompt; each is asked
-greedily with logprobs in three ways:
+at a time: with the prefix cache and its default chunk size, then with
+``--disable-radix-cache`` and ``--chunked-prefill-size 64``. Prompts share a
+system prompt; each is asked greedily with logprobs in three ways:
 
 ``alone``
     one at a time on the cached server (the first cold, the rest over the

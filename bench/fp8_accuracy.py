@@ -7,8 +7,8 @@ float32 with it; float32 with ``--kv-cache-dtype bfloat16``), every run in
 prompts for 64 greedy tokens, and reports for each run how many answers
 equal the float32 one and the mean length of the common start. Where the
 mode is not available (it needs the kernel's AVX2 or AVX-512 tiles),
-``--no-deterministic``: the
-second float32 run then shows how far answers move from run to run alone.
+``--no-deterministic``: the second float32 run then shows how far answers
+move from run to run alone.
 Prints a table and saves JSON (docs/kernels.md#float8-kv-cache).
 """
 

@@ -64,8 +64,7 @@ def check_deterministic(
         raise DeterminismUnsupported(
             f"--deterministic needs the attention kernel's vector tiles for head size {head_dim} "
             "(AVX2 + FMA or AVX-512, and a head size of 16, 32, 64, 80, 96, 128 or 256); this "
-            "CPU or model "
-            "has none"
+            "CPU or model has none"
         )
     for shape in attention:
         where = attention_varies(shape)

@@ -267,7 +267,7 @@ def has_tiled_path(head_dim: int) -> bool:
     AVX2 + FMA, common sizes).
 
     :func:`paged_extend` beats torch's SDPA only there (2-8x on AVX-512 hosts,
-    1.3-1.9x on an AVX2 one); its per-key scalar loops for other sizes are
+    1.1-2.3x on an AVX2 one); its per-key scalar loops for other sizes are
     slower than SDPA.
     """
     return bool(torch.ops.radixmux.has_tiled_path(head_dim))
