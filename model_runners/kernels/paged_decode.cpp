@@ -916,32 +916,34 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
         block(std::integral_constant<int, kScoreKeys>{}, k0);
       for (; k0 < n; ++k0) block(std::integral_constant<int, 1>{}, k0);
     };
-    bool scored = false;
 #ifndef __AVX512F__
-    if (rows <= kFewRows) {
+    const bool few = rows <= kFewRows;  // the keys in the lanes (AVX2 only)
+#else
+    constexpr bool few = false;
+#endif
+    if (few) {
+#ifndef __AVX512F__
       keys_to_lanes<T, NV>(k_base, addr + j0, row_stride, n, kf);
       const float* q = static_cast<const float*>(qt);
       if (rows == 1) score_few_rows<NV, 1>(q, rp, kf, n, st);
       else if (rows == 2) score_few_rows<NV, 2>(q, rp, kf, n, st);
       else if (rows == 3) score_few_rows<NV, 3>(q, rp, kf, n, st);
       else score_few_rows<NV, 4>(q, rp, kf, n, st);
-      scored = true;
-    }
 #endif
-    if constexpr (!DP) {
-      if (!scored) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
-    }
+    } else {
+      if constexpr (!DP) rows_to_float<T, NV>(k_base, addr + j0, row_stride, n, kf);
 #ifdef __AVX512BF16__
-    if constexpr (DP && fp8) {
-      for (int64_t k = 0; k < n; ++k) {
-        fp8_to_bf16(k_base + addr[j0 + k] * row_stride, sc.k16.data() + k * dim, dim);
-        fp8_to_bf16(v_base + addr[j0 + k] * row_stride, sc.v16.data() + k * dim, dim);
+      if constexpr (DP && fp8) {
+        for (int64_t k = 0; k < n; ++k) {
+          fp8_to_bf16(k_base + addr[j0 + k] * row_stride, sc.k16.data() + k * dim, dim);
+          fp8_to_bf16(v_base + addr[j0 + k] * row_stride, sc.v16.data() + k * dim, dim);
+        }
       }
-    }
 #endif
-    int64_t v = scored ? rp : 0;
-    for (; v + 2 * kLanes <= rp; v += 2 * kLanes) score_rows(std::integral_constant<int, 2>{}, v);
-    if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
+      int64_t v = 0;
+      for (; v + 2 * kLanes <= rp; v += 2 * kLanes) score_rows(std::integral_constant<int, 2>{}, v);
+      if (v < rp) score_rows(std::integral_constant<int, 1>{}, v);
+    }
     const bool masked = j0 < first_all || j0 + n - 1 > last_all;
     softmax_tile(st, n, rp, j0, masked, first, last, scale, softcap, mr, sr, rescale);
 #ifdef __AVX512BF16__
