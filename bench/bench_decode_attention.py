@@ -121,7 +121,7 @@ class Figures:
     speedup: float
 
 
-def measure(case: Case, dtype: torch.dtype, steps: int) -> Figures:
+def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Figures:
     rows, group_of, prefixes = case.contexts()
     per_layer = max(max(r) for r in rows) + 1
     row_bytes = KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
@@ -141,18 +141,19 @@ def measure(case: Case, dtype: torch.dtype, steps: int) -> Figures:
 
     def plain() -> torch.Tensor:
         for addr in addrs:
-            out = kernel.paged_decode(q, k_rows, v_rows, addr, offsets, scale, None, None)
+            out = kernel.paged_decode(q, k_rows, v_rows, addr, offsets, scale, None, None, det)
         return out
 
     def cascade() -> torch.Tensor:
         for addr in addrs:
             out = kernel.paged_decode_cascade(
-                q, k_rows, v_rows, addr, offsets, group_t, prefix_t, scale, None, None
+                q, k_rows, v_rows, addr, offsets, group_t, prefix_t, scale, None, None, det
             )
         return out
 
     diff = (plain().float() - cascade().float()).abs().max().item()
     assert diff < 2e-2, f"cascade differs from the plain kernel by {diff}"
+    assert not det or diff == 0, f"deterministic cascade differs by {diff}"
     times: dict[str, list[float]] = {"plain": [], "cascade": []}
     for _ in range(steps):
         for name, fn in (("plain", plain), ("cascade", cascade)):
@@ -380,6 +381,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="decode: the batch-invariant arithmetic"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="--parts vllm: alternating rounds")
     parser.add_argument(
         "--cases",
@@ -394,7 +398,12 @@ def main() -> None:
         raise SystemExit(f"paged decode kernel not built: {kernel.error()}")
     dtype = getattr(torch, args.dtype)
     report: dict[str, object] = {
-        "meta": {"dtype": args.dtype, "threads": torch.get_num_threads(), "steps": args.steps}
+        "meta": {
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+            "steps": args.steps,
+            "deterministic": args.deterministic,
+        }
     }
     print(
         f"{HEADS}/{KV_HEADS} heads x {HEAD_DIM}, {args.dtype} K/V, "
@@ -414,7 +423,7 @@ def main() -> None:
         )
         decode = []
         for case in cases:
-            f = measure(case, dtype, args.steps)
+            f = measure(case, dtype, args.steps, args.deterministic)
             decode.append(asdict(f))
             print(
                 f"{f.batch:>5} {f.layout:>13} {f.kv_mb_per_layer_plain:>19.1f} "

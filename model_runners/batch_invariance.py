@@ -105,8 +105,8 @@ PROBE_CONTEXT = 300
 def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str | None:
     """Where the kernel's attention (deterministic, or the default arithmetic)
     gives a token other bits than in one whole prefill: in chunks, as a decode
-    alone or in a batch (None: nowhere). Random queries and K/V over scattered
-    slots; milliseconds."""
+    alone, in a batch or in groups sharing a prefix (None: nowhere). Random
+    queries and K/V over scattered slots; milliseconds."""
     n, d = PROBE_CONTEXT, shape.head_dim
     gen = torch.Generator().manual_seed(1)
     kv_dtype = shape.kv_dtype or shape.dtype
@@ -130,11 +130,14 @@ def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str |
             deterministic,
         )
 
-    def decode(positions: list[int]) -> torch.Tensor:
+    def decode(positions: list[int], groups: list[int] = (), prefixes: list[int] = ()):
         ctx = torch.cat([addr[: p + 1] for p in positions])
         offsets = torch.tensor([0] + [p + 1 for p in positions]).cumsum(0)
-        return paged_decode.paged_decode(
-            q[positions].contiguous(), k, v, ctx, offsets, scale, None, window, deterministic
+        args = (q[positions].contiguous(), k, v, ctx, offsets)
+        if not groups:
+            return paged_decode.paged_decode(*args, scale, None, window, deterministic)
+        return paged_decode.paged_decode_cascade(
+            *args, torch.tensor(groups), torch.tensor(prefixes), scale, None, window, deterministic
         )
 
     whole = extend(0, n)
@@ -149,6 +152,14 @@ def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str |
             return f"as a decode at position {p}"
         if not torch.equal(together[i], whole[p]):
             return f"as a decode at position {p} in a batch"
+    # Groups: prefixes past one and two tile boundaries, one within the first
+    # tile (nothing to share at a boundary), one that is all of a member's
+    # context (128 keys: nothing after the shared state), and a loner.
+    grouped = [n - 1, 260, 200, 140, 131, 90, 70, 127, 250, 50]
+    got = decode(grouped, [0, 0, 0, 1, 1, 2, 2, 3, 3, -1], [199, 131, 60, 128])
+    for i, p in enumerate(grouped):
+        if not torch.equal(got[i], whole[p]):
+            return f"as a decode at position {p} in a group sharing a prefix"
     return None
 
 

@@ -350,9 +350,8 @@ class ModelRunner:
 
     def _decode_groups(self, dec: list[int], groups: Sequence[PrefixGroup]) -> DecodeGroups | None:
         """The batch's prefix groups as decode positions (None: nothing shared,
-        or a kernel that could not use them, or deterministic mode: a merged
-        prefix state rounds differently from a whole one)."""
-        if not groups or not self.use_kernel or self.deterministic:
+        or a kernel that could not use them)."""
+        if not groups or not self.use_kernel:
             return None
         position = {seq: j for j, seq in enumerate(dec)}
         try:

@@ -347,7 +347,7 @@ def _decode_by_kernel(
     """Decode attention of ``qd [Bd, H, D]`` (contiguous) in the C++ kernel, groups and all."""
     k_rows, v_rows = batch.store.rows(layer)
     addr, offsets, groups = batch.dec_addr(), batch.dec_offsets, batch.dec_groups
-    if groups is None or batch.deterministic:
+    if groups is None:
         return paged_decode(
             qd, k_rows, v_rows, addr, offsets, scale, softcap, window, batch.deterministic
         )
@@ -362,6 +362,7 @@ def _decode_by_kernel(
         scale,
         softcap,
         window,
+        batch.deterministic,
     )
 
 

@@ -111,10 +111,13 @@ NAME = "radixmux_paged_decode"
 DETERMINISTIC = """With ``deterministic=True`` the kernel gives a query row the same bits
 whatever shares its call: every row, decode or prefill, takes the one tiled
 path over key tiles aligned to absolute context positions, and decodes are
-neither cut into pieces nor grouped by shared prefix (both merge partial
-softmaxes, another rounding). A token's attention is then identical computed
-alone, in any batch, in any chunk, over a cached or a fresh prefix. It needs
-:func:`has_tiled_path` for the head size."""
+not cut into pieces (merging partial softmaxes is another rounding). A group
+of decodes sharing a prefix still reads it once: the prefix's softmax state,
+cut at a tile boundary, is computed for all members together, and each
+member's own keys go on from it, as one pass would (where the AMX path takes
+the rows, which cannot resume a state, groups are ignored). A token's
+attention is then identical computed alone, in any batch, in any chunk, over
+a cached or a fresh prefix. It needs :func:`has_tiled_path` for the head size."""
 
 
 def _build(target: Path, library: Path) -> None:
@@ -234,6 +237,7 @@ def paged_decode_cascade(
     scale: float,
     softcap: float | None,
     window: int | None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """:func:`paged_decode` that reads each group's shared prefix once for all its members.
 
@@ -245,7 +249,8 @@ def paged_decode_cascade(
     caller's promise, which the radix tree keeps: sequences sharing a cached
     prefix hold the same slots for it), and ``group_prefix[g]`` may not exceed
     any member's context length. The result equals :func:`paged_decode`'s up
-    to float rounding, windows and soft-capping included.
+    to float rounding, windows and soft-capping included; with
+    ``deterministic``, bit for bit (:data:`DETERMINISTIC`).
     """
     return torch.ops.radixmux.paged_decode_cascade(
         q,
@@ -258,6 +263,7 @@ def paged_decode_cascade(
         float(scale),
         float(softcap or 0.0),
         int(window or 0),
+        bool(deterministic),
     )
 
 

@@ -19,6 +19,7 @@ from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.loader import LoadedModel, describe
 from radixmux.model_runners.model_runner import ModelRunner
+from radixmux.model_runners.paged_attention import DecodeGroups, PagedBatch
 from radixmux.protocol import SeqInput, pack_ids
 
 # Two cores shared with other work: one thread per test process.
@@ -187,6 +188,21 @@ def make_runner(
     geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, page_size)
     served = fused_copy(loaded) if fused else loaded
     return ModelRunner(served, arena.view(geometry), backend)
+
+
+def force_decode_groups(runner: ModelRunner, groups: DecodeGroups | None) -> None:
+    """Make every batch ``runner`` builds carry ``groups`` (checked against its slots)."""
+    build = type(runner)._paged_batch
+
+    def with_groups(seqs, *args) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, None]:
+        batch, ids, pos, passes = build(runner, seqs, *args)
+        assert passes is None  # one layer group
+        if groups is not None:
+            groups.check(batch.dec_slots, batch.dec_offsets)
+        batch.dec_groups = groups
+        return batch, ids, pos, passes
+
+    runner._paged_batch = with_groups
 
 
 @pytest.fixture(params=["cpp", "torch"])

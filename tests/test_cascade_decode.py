@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SlotPool, make_runner, reference_logits, seq, tiny_model
+from conftest import SlotPool, force_decode_groups, make_runner, reference_logits, seq, tiny_model
 
 from radixmux.model_runners import paged_decode
-from radixmux.model_runners.paged_attention import DecodeGroups, PagedBatch
+from radixmux.model_runners.paged_attention import DecodeGroups
 
 pytestmark = pytest.mark.skipif(
     not paged_decode.load(), reason=f"kernel not built: {paged_decode.error()}"
 )
-
-
-def _grouping(runner, groups: DecodeGroups | None) -> None:
-    """Make every batch the runner builds carry ``groups`` (checked against its slots)."""
-    build = type(runner)._paged_batch
-
-    def with_groups(seqs, *args) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, None]:
-        batch, ids, pos, passes = build(runner, seqs, *args)
-        assert passes is None  # one layer group
-        if groups is not None:
-            groups.check(batch.dec_slots, batch.dec_offsets)
-        batch.dec_groups = groups
-        return batch, ids, pos, passes
-
-    runner._paged_batch = with_groups
 
 
 CASES = [
@@ -71,9 +56,9 @@ def test_logits_equal_with_and_without_groups(kind, dtype, overrides, arena):
             ids[rid].append((step * 31 + len(ids[rid])) % 211)
             slots[rid] += pool.take(1)
             batch.append(seq(rid, [ids[rid][-1]], slots[rid], len(ids[rid]) - 1))
-        _grouping(runner, None)
+        force_decode_groups(runner, None)
         plain = runner.logits(batch)  # writing a token's K/V twice stores the same values
-        _grouping(runner, groups)
+        force_decode_groups(runner, groups)
         grouped = runner.logits(batch)
         err = (grouped - plain).abs().max().item()
         assert err < tol, f"step {step}: max |diff| {err}"

@@ -33,8 +33,16 @@ from radixmux.model_runners.batch_invariance import (
 )
 from radixmux.model_runners.model_runner import ModelRunner
 from radixmux.model_runners.packed_linear import pack_linear_weights
+from radixmux.model_runners.paged_attention import DecodeGroups
 from radixmux.runtime.client.engine import Engine
-from tests.conftest import Sequences, fused_copy, tiny_model
+from tests.conftest import (
+    Sequences,
+    SlotPool,
+    force_decode_groups,
+    fused_copy,
+    seq,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,6 +130,45 @@ def test_runner_logits_identical_in_any_batch_chunking_or_cache_state(kind, over
         got += [c.step({"c": [t]})["c"] for t in follow]
         for step, (w, g) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(w, g), f"{kind}: step {step} differs over a cached prefix"
+    finally:
+        arena.destroy()
+
+
+@needs_tiles
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [("llama", {}), ("gemma3", {"sliding_window": 40}), ("gemma3", {"sliding_window": 30})],
+)
+def test_runner_grouped_decodes_identical_to_ungrouped(kind, overrides):
+    """Six decodes over one cached 150-token prompt, in two prefix groups and
+    in none: the same logits bit for bit at every step. Grouped, each member
+    resumes its group's prefix state at key 128 (with a 30-key window the
+    members' windows start in different tiles, and the group is dropped)."""
+    arena = KVArena.create(num_blocks=96, block_bytes=64 * 1024)
+    try:
+        runner = _runner(kind, arena, **overrides)
+        vocab = runner.info.vocab_size
+        pool = SlotPool(runner.num_slots)
+        prompt = [(5 * i + 1) % vocab for i in range(150)]
+        shared = pool.take(len(prompt))
+        runner.logits([seq("prompt", prompt, shared, 0)])  # the cached prefix
+        ids, slots, batch = {}, {}, []
+        for i in range(6):
+            own = [(13 * i + 7 * j) % vocab for j in range(1 + 2 * i)]
+            ids[i], slots[i] = prompt + own, shared + pool.take(len(own))
+            batch.append(seq(f"r{i}", own, slots[i], len(prompt)))
+        runner.logits(batch)
+        groups = DecodeGroups.build(6, [[0, 1, 2, 3], [4, 5]], [150, 150])
+        for step in range(3):
+            batch = []
+            for i in range(6):
+                ids[i].append((step * 31 + len(ids[i])) % vocab)
+                slots[i] += pool.take(1)
+                batch.append(seq(f"r{i}", ids[i][-1:], slots[i], len(ids[i]) - 1))
+            force_decode_groups(runner, None)
+            plain = runner.logits(batch)  # writing a token's K/V twice stores the same values
+            force_decode_groups(runner, groups)
+            assert torch.equal(runner.logits(batch), plain), f"step {step}"
     finally:
         arena.destroy()
 

@@ -857,14 +857,18 @@ __attribute__((noinline)) void softmax_tile(float* st, int64_t n, int64_t rp, in
 // attend_state for many rows: the same contract, but the queries come
 // transposed and unscaled (qt: [dim, rp] floats, or [dim / 2, rp] bfloat16
 // pairs when DP; padding rows zero), and row r sees keys first[r]..last[r]
-// (padding rows see none). Padding rows' weights are never read.
+// (padding rows see none). Padding rows' weights are never read. With
+// `resume`, m, s and acc come in holding the rows' state over earlier keys,
+// and the online softmax goes on from it: a state left at a tile boundary and
+// resumed gives the same bits as one pass over both runs of keys.
 template <typename T, int NV, bool DP>
 __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, int64_t rp,
                                                   const T* k_base, const T* v_base,
                                                   int64_t row_stride, const int64_t* addr,
                                                   int64_t len, const int32_t* first,
                                                   const int32_t* last, float scale, float softcap,
-                                                  Scratch& sc, float* m, float* s, float* acc) {
+                                                  Scratch& sc, float* m, float* s, float* acc,
+                                                  bool resume) {
   constexpr int64_t dim = NV * 16;
   constexpr int RB = std::max(1, std::min(8, kAccRegs / kColsAtOnce<kVecs<NV>>));  // acc rows
   sc.kf.resize(static_cast<size_t>(std::max(kTile * dim, kTile / 2 * rp)));  // or P pairs
@@ -875,7 +879,12 @@ __attribute__((noinline)) void attend_state_tiled(const void* qt, int64_t rows, 
   float *mr = sc.rowstate.data(), *sr = mr + rp, *rescale = sr + rp;
   std::fill(mr, mr + rp, -FLT_MAX);
   std::fill(sr, sr + rp, 0.f);
-  std::fill(acc, acc + rows * dim, 0.f);
+  if (resume) {
+    std::copy(m, m + rows, mr);
+    std::copy(s, s + rows, sr);
+  } else {
+    std::fill(acc, acc + rows * dim, 0.f);
+  }
   // Tiles inside [first_all, last_all] are seen whole by every row: no masks.
   const int32_t first_all = *std::max_element(first, first + rows);
   const int32_t last_all = *std::min_element(last, last + rows);
@@ -1210,34 +1219,55 @@ struct QueryRow {
   int64_t first, last;
 };
 
+// Which vector paths attend_rows has for query type Q over K/V of type T,
+// head_dim 16 * NV.
+template <typename T, typename Q, int NV>
+struct RowPaths {
+  static constexpr bool fp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
+#ifdef RADIXMUX_KEY_VECTORS
+  // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
+  // use); float queries over them take the per-key path rather than add a
+  // rarely used set of tiled instantiations to the build.
+  static constexpr bool tiled = NV > 0 && (!kBf16Dot || !std::is_same_v<T, c10::BFloat16> ||
+                                           std::is_same_v<Q, c10::BFloat16>);
+  // float8 K/V take the bfloat16 dot products too, each tile's rows
+  // widened to bfloat16 first (exactly) and the queries rounded to it.
+  static constexpr bool dp =
+      kBf16Dot &&
+      ((std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>) || fp8);
+#else
+  static constexpr bool tiled = false, dp = false;
+#endif
+  // The AMX path, for the rows the tiled path would take.
+  static bool amx() {
+#ifdef RADIXMUX_AMX
+    return tiled && dp && !fp8 && NV % 2 == 0 && amx_ready();
+#else
+    return false;
+#endif
+  }
+};
+
 // Softmax state (as attend_state's) of `rows` query rows from anywhere,
 // row(r) giving row r, over the keys addr[0:len] of one KV head (kh, vh):
 // the tiled path for many rows, the per-key path for few. With `amx_any`
 // (extends) every row count takes the AMX path where it applies, so a
 // prompt token's result does not depend on how many tokens its chunk has;
 // with `det` every row count takes the tiled path (AMX where it applies).
+// `resume` (only where can_resume): m, sum and acc hold the rows' state over
+// earlier keys, ending at a tile boundary, and the softmax goes on from it.
 template <typename T, typename Q, int NV, typename RowFn>
 void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t row_stride,
                  const int64_t* addr, int64_t len, int64_t dim, float scale, float softcap,
                  Scratch& s, float* m, float* sum, float* acc, bool amx_any = false,
-                 bool det = false, PackedKV packed = {}) {
+                 bool det = false, PackedKV packed = {}, bool resume = false) {
+  using Paths = RowPaths<T, Q, NV>;
+  TORCH_CHECK(!resume || (det && Paths::tiled && !Paths::amx()),
+              "paged_decode: a softmax state resumes on the tiled path only");
 #ifdef RADIXMUX_KEY_VECTORS
-  // bfloat16 K/V are tiled for bfloat16 queries only (the pairing models
-  // use); float queries over them take the per-key path rather than add a
-  // rarely used set of tiled instantiations to the build.
-  constexpr bool tiled_types = !kBf16Dot || !std::is_same_v<T, c10::BFloat16> ||
-                               std::is_same_v<Q, c10::BFloat16>;
-  if constexpr (NV > 0 && tiled_types) {
-    // float8 K/V take the bfloat16 dot products too, each tile's rows
-    // widened to bfloat16 first (exactly) and the queries rounded to it.
-    constexpr bool fp8 = std::is_same_v<T, c10::Float8_e4m3fn>;
-    constexpr bool dp = kBf16Dot && ((std::is_same_v<T, c10::BFloat16> &&
-                                      std::is_same_v<Q, c10::BFloat16>) || fp8);
-#ifdef RADIXMUX_AMX
-    const bool amx = dp && !fp8 && NV % 2 == 0 && amx_ready();
-#else
-    const bool amx = false;
-#endif
+  if constexpr (Paths::tiled) {
+    constexpr bool fp8 = Paths::fp8, dp = Paths::dp;
+    const bool amx = Paths::amx();
     // Without AMX, bfloat16 K/V take the tiles' dot products at every row
     // count, plain decodes too: one decode step of SmolLM2's shapes, 30
     // layers, 2 threads, AVX512-BF16 EPYC: 4 x 1,100 keys 9.3 -> 6.2 ms,
@@ -1277,7 +1307,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
 #endif
       attend_state_tiled<T, NV, dp>(s.qt.data(), rows, rp, kh, vh, row_stride, addr, len,
                                     s.first32.data(), s.last32.data(), scale, softcap, s, m, sum,
-                                    acc);
+                                    acc, resume);
       return;
     }
   }
@@ -1362,6 +1392,9 @@ inline void dispatch_dim(int64_t dim, F&& fn) {
 struct Job {
   int64_t member0, members;  // its sequences: member_list[member0 : member0 + members]
   int64_t begin, end;        // the key run, as indices into member0's context
+  // Deterministic mode: the job (a group's prefix) whose softmax state this
+  // one's rows go on from, at its row resume_row; -1: none.
+  int64_t resume_job = -1, resume_row = 0;
 };
 struct Piece {
   int64_t job, begin, end;
@@ -1402,6 +1435,18 @@ void run_tasks(int64_t n, F&& task) {
   });
 }
 
+// Whether a deterministic decode can resume a softmax state (attend_rows'
+// `resume`): the tiled path takes every row there, not the AMX one.
+template <typename T, typename Q>
+bool can_resume(int64_t dim) {
+  bool ok = false;
+  dispatch_dim(dim, [&](auto nv) {
+    using P = RowPaths<T, Q, decltype(nv)::value>;
+    ok = P::tiled && !P::amx();
+  });
+  return ok;
+}
+
 template <typename T, typename Q>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
          const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
@@ -1416,9 +1461,12 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   const int64_t* ap = addr.data_ptr<int64_t>();
   const int64_t* offs = offsets.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  // Deterministic mode ignores groups: a merged prefix state rounds differently.
-  const int64_t *group_of = det ? nullptr : groups.of, *group_prefix = groups.prefix;
-  const int64_t num_groups = det ? 0 : groups.count;
+  // Deterministic mode groups only where a member's softmax can go on from
+  // its group's prefix state (resume, below): two states merged by
+  // log-sum-exp round differently from one pass over both key runs.
+  const bool grouping = groups.count > 0 && (!det || can_resume<T, Q>(dim));
+  const int64_t *group_of = grouping ? groups.of : nullptr, *group_prefix = groups.prefix;
+  const int64_t num_groups = grouping ? groups.count : 0;
 
   // Oldest key each sequence sees: positions are consecutive and the newest
   // key is the query's own, so a sliding window keeps the last `window` keys.
@@ -1431,7 +1479,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // ---- jobs --------------------------------------------------------------------------
   std::vector<int64_t> member_list;
   std::vector<Job> jobs;
-  std::vector<int64_t> prefix_job(num_groups, -1);
+  std::vector<int64_t> prefix_job(num_groups, -1), prefix_end(num_groups);
   if (num_groups > 0) {
     std::vector<std::vector<int64_t>> members(num_groups);
     for (int64_t b = 0; b < batch; ++b)
@@ -1439,22 +1487,46 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     for (int64_t g = 0; g < num_groups; ++g) {
       if (members[g].empty()) continue;
       // Keys of the prefix that some member sees (windows cut each differently).
-      int64_t begin = group_prefix[g];
+      int64_t begin = group_prefix[g], end = group_prefix[g];
       for (int64_t b : members[g]) begin = std::min(begin, lo[b]);
-      if (begin >= group_prefix[g]) continue;
+      if (det) {
+        // Members resume the prefix's state, so it ends at an absolute tile
+        // boundary and starts where each member's one pass would: the tiles
+        // are then those of one pass over each member's whole context.
+        end = end / kAlignKeys * kAlignKeys;
+        begin = aligned_begin(begin, true);
+        bool same = true;
+        for (int64_t b : members[g]) same &= aligned_begin(lo[b], true) == begin;
+        if (!same) continue;
+      }
+      if (begin >= end) continue;
       prefix_job[g] = static_cast<int64_t>(jobs.size());
+      prefix_end[g] = end;
       jobs.push_back({static_cast<int64_t>(member_list.size()),
-                      static_cast<int64_t>(members[g].size()), begin, group_prefix[g]});
+                      static_cast<int64_t>(members[g].size()), begin, end});
       member_list.insert(member_list.end(), members[g].begin(), members[g].end());
     }
   }
+  const int64_t own_jobs0 = static_cast<int64_t>(jobs.size());
+  bool resumes = false;
   std::vector<int64_t> own_job(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t g = group_of ? group_of[b] : -1;
-    const int64_t begin = g >= 0 ? std::max(group_prefix[g], lo[b]) : lo[b];
+    const int64_t pj = g >= 0 ? prefix_job[g] : -1;
     own_job[b] = static_cast<int64_t>(jobs.size());
-    jobs.push_back({static_cast<int64_t>(member_list.size()), 1, aligned_begin(begin, det),
-                    offs[b + 1] - offs[b]});
+    // After its group's prefix (in deterministic mode every member's window
+    // starts inside it), else from the first key it sees.
+    Job own{static_cast<int64_t>(member_list.size()), 1,
+            pj >= 0 ? std::max(prefix_end[g], lo[b]) : aligned_begin(lo[b], det),
+            offs[b + 1] - offs[b]};
+    if (det && pj >= 0) {
+      const Job& prefix = jobs[pj];
+      const int64_t* mem = member_list.data() + prefix.member0;
+      own.resume_job = pj;
+      own.resume_row = (std::find(mem, mem + prefix.members, b) - mem) * qpk;
+      resumes = true;
+    }
+    jobs.push_back(own);
     member_list.push_back(b);
   }
 
@@ -1470,13 +1542,17 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     const Job& j = jobs[i];
     first_piece[i] = static_cast<int64_t>(pieces.size());
     const int64_t len = j.end - j.begin, rows = j.members * qpk;
+    // No keys of its own (deterministic mode: a context that ends where its
+    // group's prefix state does): the prefix state alone, merged below.
     if (len <= 0) continue;
     int64_t n = (len * (rows + kKeyCost) + target - 1) / target;
     n = std::min(n, (len + kMinPiece - 1) / kMinPiece);
     n = std::max({n, (rows * len + kMaxScores - 1) / kMaxScores, int64_t{1}});
     if (det) n = 1;  // pieces merge by log-sum-exp: another rounding
-    const bool direct =
-        n == 1 && j.members == 1 && (!group_of || group_of[member_list[j.member0]] < 0);
+    // A sequence's own job, whole, needs no merge unless a prefix state joins it
+    // (in deterministic mode, it resumes that state instead).
+    const bool direct = static_cast<int64_t>(i) >= own_jobs0 && n == 1 &&
+                        (det || !group_of || group_of[member_list[j.member0]] < 0);
     for (int64_t p = 0; p < n; ++p) {
       pieces.push_back({static_cast<int64_t>(i), j.begin + len * p / n,
                         j.begin + len * (p + 1) / n, direct ? -1 : state_size});
@@ -1536,16 +1612,19 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   };
 
   // ---- tasks -------------------------------------------------------------------------
-  // Costliest first, for run_tasks.
+  // Costliest first, for run_tasks; where members resume their group's prefix
+  // state, the prefix pieces go first, in a phase of their own.
   const int64_t num_pieces = static_cast<int64_t>(pieces.size());
+  const int64_t phase2 = resumes ? first_piece[own_jobs0] : num_pieces;
   auto cost = [&](int64_t i) {
     const Piece& p = pieces[i];
     return (p.end - p.begin) * (jobs[p.job].members * qpk + kKeyCost);
   };
   std::vector<int64_t> piece_order(num_pieces);
   for (int64_t i = 0; i < num_pieces; ++i) piece_order[i] = i;
-  std::stable_sort(piece_order.begin(), piece_order.end(),
-                   [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::stable_sort(piece_order.begin(), piece_order.end(), [&](int64_t a, int64_t b) {
+    return (a >= phase2) != (b >= phase2) ? a < phase2 : cost(a) > cost(b);
+  });
 
   auto run_task = [&](int64_t task, Scratch& s) {
     const int64_t piece = task / kv_heads, h = task % kv_heads;
@@ -1561,6 +1640,15 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       block = s.state.data();
     }
     float *m = block, *sum = block + rows, *acc = block + 2 * rows;
+    if (j.resume_job >= 0) {  // the group prefix's state, complete (an earlier phase)
+      const int64_t from_rows = jobs[j.resume_job].members * qpk, r0 = j.resume_row;
+      const float* from =
+          states.data() + pieces[first_piece[j.resume_job]].state + h * from_rows * (dim + 2);
+      std::copy(from + r0, from + r0 + rows, m);
+      std::copy(from + from_rows + r0, from + from_rows + r0 + rows, sum);
+      const float* from_acc = from + 2 * from_rows + r0 * dim;
+      std::copy(from_acc, from_acc + rows * dim, acc);
+    }
     // Query rows: member i's qpk heads of KV head h, each seeing the keys of
     // this piece from its own window start on.
     auto row = [&](int64_t r) {
@@ -1571,7 +1659,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     dispatch_dim(dim, [&](auto nv) {
       attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + h * dim, vp + h * dim, row_stride,
                                              ap + offs[mem[0]] + p.begin, len, dim, sc, cap, s,
-                                             m, sum, acc, /*amx_any=*/false, det);
+                                             m, sum, acc, /*amx_any=*/false, det,
+                                             PackedKV{}, j.resume_job >= 0);
     });
     if (p.state < 0) {
       Q* dst = op + (mem[0] * heads + h * qpk) * dim;
@@ -1586,9 +1675,17 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   // A thread takes a piece's KV heads together: a K or V row holds every
   // head, so the first head's reads bring the others' bytes into this core's
   // L2 (a head per thread made both cores pull every line from memory).
-  run_tasks(num_pieces, [&](int64_t i, Scratch& s) {
-    for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[i] * kv_heads + h, s);
-  });
+  auto run_pieces = [&](int64_t from, int64_t to) {
+    run_tasks(to - from, [&](int64_t i, Scratch& s) {
+      for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[from + i] * kv_heads + h, s);
+    });
+  };
+  if (resumes) {
+    run_tasks(phase2 * kv_heads, [&](int64_t i, Scratch& s) {
+      run_task(piece_order[i / kv_heads] * kv_heads + i % kv_heads, s);
+    });
+  } else if (phase2 > 0) run_pieces(0, phase2);
+  if (phase2 < num_pieces) run_pieces(phase2, num_pieces);
 }
 
 // ---- extends (prefill chunks) ----------------------------------------------------------
@@ -1853,11 +1950,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_rows, const at:
 // (-1: none); group_prefix [G] int64, the number of leading context rows that
 // every member of group g shares (the same addr entries; read through its
 // first member's). 0 <= group_prefix[g] <= every member's context length.
+// deterministic: paged_decode's bits (each member resumes its group's
+// prefix state, cut at a kAlignKeys boundary, rather than merging it).
 at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_rows,
                                 const at::Tensor& v_rows, const at::Tensor& addr,
                                 const at::Tensor& offsets, const at::Tensor& group_of,
                                 const at::Tensor& group_prefix, double scale, double softcap,
-                                int64_t window) {
+                                int64_t window, bool deterministic) {
   check_offsets(q, offsets);
   TORCH_CHECK(group_of.scalar_type() == at::kLong && group_of.is_contiguous() &&
                   group_of.dim() == 1 && group_of.numel() == q.size(0),
@@ -1877,7 +1976,7 @@ at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_rows,
                 "paged_decode_cascade: group ", g, "'s prefix ", groups.prefix[g],
                 " is longer than member ", b, "'s context (", offs[b + 1] - offs[b], ")");
   }
-  return decode(q, k_rows, v_rows, addr, offsets, groups, scale, softcap, window, false);
+  return decode(q, k_rows, v_rows, addr, offsets, groups, scale, softcap, window, deterministic);
 }
 
 // Causal attention of extends (prefill chunks): q [T, H, D] the new tokens of
@@ -1949,7 +2048,7 @@ TORCH_LIBRARY(radixmux, m) {
   m.def(
       "paged_decode_cascade(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, "
       "Tensor offsets, Tensor group_of, Tensor group_prefix, float scale, float softcap, "
-      "int window) -> Tensor");
+      "int window, bool deterministic=False) -> Tensor");
   m.def(
       "paged_extend(Tensor q, Tensor k_rows, Tensor v_rows, Tensor addr, Tensor offsets, "
       "Tensor q_offsets, float scale, float softcap, int window, bool deterministic=False) "
