@@ -420,9 +420,10 @@ __attribute__((noinline)) void attend_state(const float* qf, int64_t rows, const
 
 // Deterministic (batch-invariant) mode, asked per call: every query row,
 // decode or extend, takes the one tiled path, over key tiles aligned to
-// absolute context positions (kAlignKeys), decodes uncut and without
-// shared-prefix groups, so a row's result depends only on its own query and
-// keys: not on its batch, its chunk, or whether its prefix was cached.
+// absolute context positions (kAlignKeys), decodes uncut, and a group's
+// shared prefix (cut at kAlignKeys) a state its members resume rather than
+// merge, so a row's result depends only on its own query and keys: not on its
+// batch, its chunk, its group, or whether its prefix was cached.
 // Key runs start at a multiple of kAlignKeys there: the tiled path's kTile
 // and the AMX path's step (kAmxKeys) both divide it.
 constexpr int64_t kAlignKeys = 128;
