@@ -1675,17 +1675,22 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
   };
   // A thread takes a piece's KV heads together: a K or V row holds every
   // head, so the first head's reads bring the others' bytes into this core's
-  // L2 (a head per thread made both cores pull every line from memory).
+  // L2 (a head per thread made both cores pull every line from memory). With
+  // fewer pieces than threads (deterministic mode never cuts a job: one
+  // decode, or one group's prefix, is one piece) a task per KV head instead,
+  // or cores would idle.
   auto run_pieces = [&](int64_t from, int64_t to) {
-    run_tasks(to - from, [&](int64_t i, Scratch& s) {
-      for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[from + i] * kv_heads + h, s);
+    if (to - from >= threads) {
+      run_tasks(to - from, [&](int64_t i, Scratch& s) {
+        for (int64_t h = 0; h < kv_heads; ++h) run_task(piece_order[from + i] * kv_heads + h, s);
+      });
+      return;
+    }
+    run_tasks((to - from) * kv_heads, [&](int64_t i, Scratch& s) {
+      run_task(piece_order[from + i / kv_heads] * kv_heads + i % kv_heads, s);
     });
   };
-  if (resumes) {
-    run_tasks(phase2 * kv_heads, [&](int64_t i, Scratch& s) {
-      run_task(piece_order[i / kv_heads] * kv_heads + i % kv_heads, s);
-    });
-  } else if (phase2 > 0) run_pieces(0, phase2);
+  if (phase2 > 0) run_pieces(0, phase2);
   if (phase2 < num_pieces) run_pieces(phase2, num_pieces);
 }
 
