@@ -130,7 +130,9 @@ def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str |
             deterministic,
         )
 
-    def decode(positions: list[int], groups: list[int] = (), prefixes: list[int] = ()):
+    def decode(
+        positions: list[int], groups: Sequence[int] = (), prefixes: Sequence[int] = ()
+    ) -> torch.Tensor:
         ctx = torch.cat([addr[: p + 1] for p in positions])
         offsets = torch.tensor([0] + [p + 1 for p in positions]).cumsum(0)
         args = (q[positions].contiguous(), k, v, ctx, offsets)

@@ -1508,8 +1508,10 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       member_list.insert(member_list.end(), members[g].begin(), members[g].end());
     }
   }
+  // Jobs before own_jobs0 are group prefixes; in deterministic mode every
+  // member of one resumes its state.
   const int64_t own_jobs0 = static_cast<int64_t>(jobs.size());
-  bool resumes = false;
+  const bool resumes = det && own_jobs0 > 0;
   std::vector<int64_t> own_job(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t g = group_of ? group_of[b] : -1;
@@ -1525,7 +1527,6 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
       const int64_t* mem = member_list.data() + prefix.member0;
       own.resume_job = pj;
       own.resume_row = (std::find(mem, mem + prefix.members, b) - mem) * qpk;
-      resumes = true;
     }
     jobs.push_back(own);
     member_list.push_back(b);
