@@ -49,10 +49,9 @@ SOURCES = tuple(
         "argmax.cpp",
     )
 )
-HEADERS = tuple(
-    Path(__file__).parent / "kernels" / f
-    for f in ("to_float.h", "amx.h", "vec_exp.h", "bf16_round.h")
-)  # build key
+# Every header under kernels/ is part of the build key: a header added later
+# cannot be left out of it.
+HEADERS = tuple(sorted((Path(__file__).parent / "kernels").rglob("*.h")))
 # Fast math lets gcc vectorise exp/tanh through glibc's vector math library;
 # the kernel never relies on inf/nan (its running max starts at -FLT_MAX).
 CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
