@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.roofline import stream_bandwidth
 from radixmux.model_runners import paged_decode as kernel
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.paged_attention import (
@@ -119,6 +120,8 @@ class Figures:
     plain_ms: float  # one step: every layer once
     cascade_ms: float
     speedup: float
+    plain_gbs: float  # K/V bytes read a step / its time
+    cascade_gbs: float
 
 
 def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Figures:
@@ -164,6 +167,7 @@ def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Fi
     cascade_rows = len(set(base.tolist()))
     mb = 2 * row_bytes / 2**20  # K and V
     p, c = _typical(times["plain"]), _typical(times["cascade"])
+    step_mib = LAYERS * mb  # one row each of every layer's K and V
     return Figures(
         case.batch,
         case.name,
@@ -173,6 +177,8 @@ def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Fi
         round(p * 1e3, 2),
         round(c * 1e3, 2),
         round(p / c, 2),
+        round(plain_rows * step_mib * 2**20 / p / 1e9, 2),
+        round(cascade_rows * step_mib * 2**20 / c / 1e9, 2),
     )
 
 
@@ -416,10 +422,16 @@ def main() -> None:
             for grp in [0, *args.groups]
             if grp <= b and (grp == 0 or b % grp == 0)
         ]
-        print(f"\ndecode: {LAYERS} layers per step, {PREFIX}+{OWN}-token contexts")
+        bw = stream_bandwidth(torch.get_num_threads())
+        print(
+            f"\ndecode: {LAYERS} layers per step, {PREFIX}+{OWN}-token contexts; "
+            f"this machine streams {bw.read_gbs:.1f} GB/s (read, {bw.threads} threads)"
+        )
+        report["stream_read_gbs"] = round(bw.read_gbs, 2)
         print(
             f"{'batch':>5} {'layout':>13} {'K/V MB/layer plain':>19} {'cascade':>8} "
-            f"{'plain ms/step':>14} {'cascade ms/step':>16} {'speed-up':>9}"
+            f"{'plain ms/step':>14} {'cascade ms/step':>16} {'speed-up':>9} "
+            f"{'plain GB/s':>11} {'cascade GB/s':>13}"
         )
         decode = []
         for case in cases:
@@ -428,7 +440,7 @@ def main() -> None:
             print(
                 f"{f.batch:>5} {f.layout:>13} {f.kv_mb_per_layer_plain:>19.1f} "
                 f"{f.kv_mb_per_layer_cascade:>8.1f} {f.plain_ms:>14.1f} {f.cascade_ms:>16.1f} "
-                f"{f.speedup:>8.2f}x"
+                f"{f.speedup:>8.2f}x {f.plain_gbs:>11.1f} {f.cascade_gbs:>13.1f}"
             )
         report["decode"] = decode
     if "extend" in args.parts:
