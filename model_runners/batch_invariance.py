@@ -9,8 +9,8 @@ else shares its call, so output depends on the request alone:
 
 * attention: the C++ kernel's batch-invariant arithmetic
   (``paged_decode.DETERMINISTIC``): one tiled path for decodes and prefill
-  chunks, key tiles aligned to absolute positions, decodes never split or
-  grouped by shared prefix;
+  chunks, key tiles aligned to absolute positions, decodes never split, and a
+  prefix group's members resuming its shared prefix's softmax state;
 * linear layers: the small-batch kernel for every bfloat16 call, the
   widening kernel for every call of a float32 layer held compact (bfloat16 or
   a 4/8-bit grid: its per-row sums run in k order at any row count), oneDNN
@@ -20,7 +20,10 @@ else shares its call, so output depends on the request alone:
 * norms, rotary, activations, sampling: per row or per element already
   (sampling draws from each request's own seed).
 
-What this CPU or model cannot give is refused at load, naming the reason.
+What this CPU or model cannot give is refused at load, naming the reason,
+except prefix groups: where grouped decodes alone give other bits (the resume
+path runs only on some instruction sets), the mode keeps its promise without
+them (every decode reads its prefix itself) and the load says so.
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ def check_deterministic(
     use_kernel: bool,
     head_dim: int,
     attention: Sequence[AttentionShape] = (),
-) -> None:
+) -> str | None:
     """Raise :class:`DeterminismUnsupported` unless ``model``'s forward can be
     batch-invariant here: the attention kernel with vector tiles for
     ``head_dim`` (and, for each of ``attention``, a token's result the same as
     a decode, in chunks and in a batch), and linear layers whose rows do not
-    depend on the row count."""
+    depend on the row count. Returns why decodes must not be grouped by
+    shared prefix in the mode (a shape whose grouped decodes give other
+    bits), or None where groups keep the bits."""
     if not use_kernel:
         raise DeterminismUnsupported(
             "--deterministic needs the C++ attention kernel (--attention-backend auto or cpp, "
@@ -66,13 +71,17 @@ def check_deterministic(
             "(AVX2 + FMA or AVX-512, and a head size of 16, 32, 64, 80, 96, 128 or 256); this "
             "CPU or model has none"
         )
+    no_groups = None
     for shape in attention:
-        where = attention_varies(shape)
+        where = attention_varies(shape, grouped=False)
         if where is not None:
             raise DeterminismUnsupported(
                 f"--deterministic: the attention kernel gives {shape} a different result {where} "
                 "on this CPU; serve without --deterministic"
             )
+        where = attention_varies(shape)
+        if where is not None and no_groups is None:
+            no_groups = f"the attention kernel gives {shape} a different result {where}"
     for name, layer in distinct_linears(model):
         rows = varying_rows(layer)
         if rows is not None:
@@ -82,6 +91,7 @@ def check_deterministic(
                 "CPU; serve the model in bfloat16 on a CPU with AVX512-BF16 or AMX (the "
                 "small-batch kernel), or without --deterministic"
             )
+    return no_groups
 
 
 @dataclass(frozen=True)
@@ -102,11 +112,13 @@ PROBE_CONTEXT = 300
 
 
 @torch.inference_mode()
-def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str | None:
+def attention_varies(
+    shape: AttentionShape, deterministic: bool = True, grouped: bool = True
+) -> str | None:
     """Where the kernel's attention (deterministic, or the default arithmetic)
     gives a token other bits than in one whole prefill: in chunks, as a decode
-    alone, in a batch or in groups sharing a prefix (None: nowhere). Random
-    queries and K/V over scattered slots; milliseconds."""
+    alone, in a batch or (``grouped``) in groups sharing a prefix (None:
+    nowhere). Random queries and K/V over scattered slots; milliseconds."""
     n, d = PROBE_CONTEXT, shape.head_dim
     gen = torch.Generator().manual_seed(1)
     kv_dtype = shape.kv_dtype or shape.dtype
@@ -154,6 +166,8 @@ def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str |
             return f"as a decode at position {p}"
         if not torch.equal(together[i], whole[p]):
             return f"as a decode at position {p} in a batch"
+    if not grouped:
+        return None
     # Groups: prefixes past one and two tile boundaries, one within the first
     # tile (nothing to share at a boundary), one that is all of a member's
     # context (128 keys: nothing after the shared state), and a loner.

@@ -110,10 +110,19 @@ class ModelRunner:
         # Batch-invariant arithmetic (batch_invariance.py): refused here, at
         # load, where this CPU or model cannot give it.
         self.deterministic = deterministic
+        # Why deterministic decodes are not grouped by shared prefix here (None:
+        # they are, or the mode is off).
+        self.ungrouped_why: str | None = None
         if deterministic:
-            check_deterministic(
+            self.ungrouped_why = check_deterministic(
                 self.model, self.use_kernel, layout.head_dim, self._attention_shapes()
             )
+            if self.ungrouped_why is not None:
+                log.warning(
+                    "--deterministic: decodes are not grouped by shared prefix on this CPU "
+                    "(each reads its prefix itself): %s",
+                    self.ungrouped_why,
+                )
         set_attention(self.model, ATTN_NAME)
         # Llama-code models with fused ops skip transformers' per-module Python
         # (lean_stack.py; same kernels, same results). lean=False: never.
@@ -350,8 +359,9 @@ class ModelRunner:
 
     def _decode_groups(self, dec: list[int], groups: Sequence[PrefixGroup]) -> DecodeGroups | None:
         """The batch's prefix groups as decode positions (None: nothing shared,
-        or a kernel that could not use them)."""
-        if not groups or not self.use_kernel:
+        a kernel that could not use them, or deterministic decodes that must
+        not be grouped on this CPU: ``ungrouped_why``)."""
+        if not groups or not self.use_kernel or self.ungrouped_why is not None:
             return None
         position = {seq: j for j, seq in enumerate(dec)}
         try:

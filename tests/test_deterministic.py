@@ -21,9 +21,10 @@ from torch import nn
 
 from bench.bench_deterministic import Answer, ask
 from bench.tiny_models import make_tiny_model_dir
+from radixmux import protocol
 from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
-from radixmux.model_runners import paged_decode
+from radixmux.model_runners import batch_invariance, paged_decode
 from radixmux.model_runners.batch_invariance import (
     AttentionShape,
     DeterminismUnsupported,
@@ -147,6 +148,7 @@ def test_runner_grouped_decodes_identical_to_ungrouped(kind, overrides):
     arena = KVArena.create(num_blocks=96, block_bytes=64 * 1024)
     try:
         runner = _runner(kind, arena, **overrides)
+        assert runner.ungrouped_why is None  # the load probe found grouped decodes exact
         vocab = runner.info.vocab_size
         pool = SlotPool(runner.num_slots)
         prompt = [(5 * i + 1) % vocab for i in range(150)]
@@ -169,6 +171,37 @@ def test_runner_grouped_decodes_identical_to_ungrouped(kind, overrides):
             plain = runner.logits(batch)  # writing a token's K/V twice stores the same values
             force_decode_groups(runner, groups)
             assert torch.equal(runner.logits(batch), plain), f"step {step}"
+    finally:
+        arena.destroy()
+
+
+@needs_tiles
+def test_grouped_decodes_that_vary_turn_groups_off_not_the_mode(monkeypatch):
+    """Where only grouped decodes give other bits (the resume path is built per
+    instruction set and cannot run on every CPU the suite does), the runner
+    keeps --deterministic and stops grouping; any other difference refuses it."""
+    probe = batch_invariance.attention_varies
+    where = "as a decode at position 50 in a group sharing a prefix"
+
+    def grouped_vary(shape, deterministic=True, grouped=True):
+        return where if grouped else probe(shape, deterministic, grouped=False)
+
+    arena = KVArena.create(num_blocks=8, block_bytes=64 * 1024)
+    try:
+        monkeypatch.setattr(batch_invariance, "attention_varies", grouped_vary)
+        runner = _runner("llama", arena)
+        assert runner.deterministic and where in (runner.ungrouped_why or "")
+        group = protocol.PrefixGroup(4, [0, 1])
+        assert runner._decode_groups([0, 1], [group]) is None
+        monkeypatch.setattr(batch_invariance, "attention_varies", probe)
+        assert _runner("llama", arena)._decode_groups([0, 1], [group]) is not None
+
+        def chunks_vary(shape, deterministic=True, grouped=True):
+            return "in prefill chunks of 7"
+
+        monkeypatch.setattr(batch_invariance, "attention_varies", chunks_vary)
+        with pytest.raises(DeterminismUnsupported, match="prefill chunks of 7"):
+            _runner("llama", arena)
     finally:
         arena.destroy()
 
