@@ -73,15 +73,14 @@ def check_deterministic(
         )
     no_groups = None
     for shape in attention:
-        where = attention_varies(shape, grouped=False)
-        if where is not None:
+        found = probe_attention(shape)
+        if found.ungrouped is not None:
             raise DeterminismUnsupported(
-                f"--deterministic: the attention kernel gives {shape} a different result {where} "
-                "on this CPU; serve without --deterministic"
+                f"--deterministic: the attention kernel gives {shape} a different result "
+                f"{found.ungrouped} on this CPU; serve without --deterministic"
             )
-        where = attention_varies(shape)
-        if where is not None and no_groups is None:
-            no_groups = f"the attention kernel gives {shape} a different result {where}"
+        if found.grouped is not None and no_groups is None:
+            no_groups = f"the attention kernel gives {shape} a different result {found.grouped}"
     for name, layer in distinct_linears(model):
         rows = varying_rows(layer)
         if rows is not None:
@@ -111,14 +110,29 @@ class AttentionShape:
 PROBE_CONTEXT = 300
 
 
-@torch.inference_mode()
-def attention_varies(
-    shape: AttentionShape, deterministic: bool = True, grouped: bool = True
-) -> str | None:
+@dataclass(frozen=True)
+class AttentionDifference:
+    """Where :func:`probe_attention` found a token with other bits than in one
+    whole prefill: ``ungrouped`` (in chunks, as a decode alone or in a batch)
+    and, probed only where those agree, ``grouped`` (in groups sharing a
+    prefix); None: nowhere."""
+
+    ungrouped: str | None
+    grouped: str | None = None
+
+
+def attention_varies(shape: AttentionShape, deterministic: bool = True) -> str | None:
     """Where the kernel's attention (deterministic, or the default arithmetic)
     gives a token other bits than in one whole prefill: in chunks, as a decode
-    alone, in a batch or (``grouped``) in groups sharing a prefix (None:
-    nowhere). Random queries and K/V over scattered slots; milliseconds."""
+    alone, in a batch or in groups sharing a prefix (None: nowhere)."""
+    found = probe_attention(shape, deterministic)
+    return found.ungrouped or found.grouped
+
+
+@torch.inference_mode()
+def probe_attention(shape: AttentionShape, deterministic: bool = True) -> AttentionDifference:
+    """:func:`attention_varies`, its grouped decodes told apart. Random
+    queries and K/V over scattered slots; milliseconds."""
     n, d = PROBE_CONTEXT, shape.head_dim
     gen = torch.Generator().manual_seed(1)
     kv_dtype = shape.kv_dtype or shape.dtype
@@ -158,25 +172,25 @@ def attention_varies(
     for chunk in (7, 100):
         pieces = torch.cat([extend(s, min(n, s + chunk)) for s in range(0, n, chunk)])
         if not torch.equal(pieces, whole):
-            return f"in prefill chunks of {chunk}"
+            return AttentionDifference(f"in prefill chunks of {chunk}")
     batch = [3, 127, 128, n - 1]
     together = decode(batch)
     for i, p in enumerate(batch):
         if not torch.equal(decode([p])[0], whole[p]):
-            return f"as a decode at position {p}"
+            return AttentionDifference(f"as a decode at position {p}")
         if not torch.equal(together[i], whole[p]):
-            return f"as a decode at position {p} in a batch"
-    if not grouped:
-        return None
+            return AttentionDifference(f"as a decode at position {p} in a batch")
     # Groups: prefixes past one and two tile boundaries, one within the first
     # tile (nothing to share at a boundary), one that is all of a member's
     # context (128 keys: nothing after the shared state), and a loner.
-    grouped = [n - 1, 260, 200, 140, 131, 90, 70, 127, 250, 50]
-    got = decode(grouped, [0, 0, 0, 1, 1, 2, 2, 3, 3, -1], [199, 131, 60, 128])
-    for i, p in enumerate(grouped):
+    members = [n - 1, 260, 200, 140, 131, 90, 70, 127, 250, 50]
+    got = decode(members, [0, 0, 0, 1, 1, 2, 2, 3, 3, -1], [199, 131, 60, 128])
+    for i, p in enumerate(members):
         if not torch.equal(got[i], whole[p]):
-            return f"as a decode at position {p} in a group sharing a prefix"
-    return None
+            return AttentionDifference(
+                None, f"as a decode at position {p} in a group sharing a prefix"
+            )
+    return AttentionDifference(None)
 
 
 def distinct_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -180,26 +180,27 @@ def test_grouped_decodes_that_vary_turn_groups_off_not_the_mode(monkeypatch):
     """Where only grouped decodes give other bits (the resume path is built per
     instruction set and cannot run on every CPU the suite does), the runner
     keeps --deterministic and stops grouping; any other difference refuses it."""
-    probe = batch_invariance.attention_varies
+    probe = batch_invariance.probe_attention
     where = "as a decode at position 50 in a group sharing a prefix"
 
-    def grouped_vary(shape, deterministic=True, grouped=True):
-        return where if grouped else probe(shape, deterministic, grouped=False)
+    def grouped_vary(shape, deterministic=True):
+        found = probe(shape, deterministic)
+        return batch_invariance.AttentionDifference(found.ungrouped, where)
 
     arena = KVArena.create(num_blocks=8, block_bytes=64 * 1024)
     try:
-        monkeypatch.setattr(batch_invariance, "attention_varies", grouped_vary)
+        monkeypatch.setattr(batch_invariance, "probe_attention", grouped_vary)
         runner = _runner("llama", arena)
         assert runner.deterministic and where in (runner.ungrouped_why or "")
         group = protocol.PrefixGroup(4, [0, 1])
         assert runner._decode_groups([0, 1], [group]) is None
-        monkeypatch.setattr(batch_invariance, "attention_varies", probe)
+        monkeypatch.setattr(batch_invariance, "probe_attention", probe)
         assert _runner("llama", arena)._decode_groups([0, 1], [group]) is not None
 
-        def chunks_vary(shape, deterministic=True, grouped=True):
-            return "in prefill chunks of 7"
+        def chunks_vary(shape, deterministic=True):
+            return batch_invariance.AttentionDifference("in prefill chunks of 7")
 
-        monkeypatch.setattr(batch_invariance, "attention_varies", chunks_vary)
+        monkeypatch.setattr(batch_invariance, "probe_attention", chunks_vary)
         with pytest.raises(DeterminismUnsupported, match="prefill chunks of 7"):
             _runner("llama", arena)
     finally:
