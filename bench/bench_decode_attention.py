@@ -9,7 +9,11 @@ nothing. Each step runs every layer once, and each layer has its own rows
 (as in the model), so K/V come from DRAM rather than from the CPU's caches
 (the tables are sized well beyond the L3). Compared per step: the plain
 kernel (``paged_decode``, which reads a shared prefix once per member) and
-the cascade kernel (``paged_decode_cascade``, once per group).
+the cascade kernel (``paged_decode_cascade``, once per group). K/V are laid
+out as the arena stores them (``--kv-order head``: each KV head's rows of a
+136-slot block together, memory/layout.py) or with every head of a token in
+one row (``slot``, the arena before 2026-12-07); ``--kv-order head slot``
+measures both per case, one after the other.
 
 **Extend.** One layer's attention call (``paged_attention_forward``, K/V
 write included) for prefill chunks, the SDPA path (gather the cached prefix,
@@ -110,10 +114,33 @@ class Case:
         return rows, group_of, prefixes
 
 
+# The arena's block for SmolLM2's bfloat16 K/V (3 MiB blocks, 23,040 bytes a token).
+BLOCK_SLOTS = 136
+
+
+def head_major(rows: torch.Tensor, spb: int) -> torch.Tensor:
+    """Slot-major ``[N, heads, dim]`` rows as the arena stores them: blocks of
+    ``spb`` slots, each KV head's rows of a block contiguous (memory/layout.py),
+    seen as the ``[rows, heads, dim]`` table ``KVStore.rows`` hands the kernels;
+    slot ``s`` is at address ``s // spb * heads * spb + s % spb``."""
+    n, heads, dim = rows.shape
+    blocks = -(-n // spb)
+    padded = torch.zeros(blocks * spb, heads, dim, dtype=rows.dtype)
+    padded[:n] = rows
+    stored = padded.view(blocks, spb, heads, dim).transpose(1, 2).contiguous()
+    n_rows = (blocks - 1) * heads * spb + spb
+    return torch.as_strided(stored, (n_rows, heads, dim), (dim, spb * dim, 1))
+
+
+def head_major_address(slots: torch.Tensor, spb: int) -> torch.Tensor:
+    return slots // spb * KV_HEADS * spb + slots % spb
+
+
 @dataclass
 class Figures:
     batch: int
     layout: str
+    kv_order: str  # "head": the arena's head-major blocks; "slot": every head of a row together
     layers_in_table: int
     kv_mb_per_layer_plain: float
     kv_mb_per_layer_cascade: float
@@ -124,18 +151,23 @@ class Figures:
     cascade_gbs: float
 
 
-def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Figures:
+def measure(
+    case: Case, dtype: torch.dtype, steps: int, det: bool = False, kv_order: str = "head"
+) -> Figures:
     rows, group_of, prefixes = case.contexts()
     per_layer = max(max(r) for r in rows) + 1
     row_bytes = KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
     # Distinct rows per layer, as many layers as it takes to overflow the caches.
     tables = max(1, min(LAYERS, math.ceil(MIN_TABLE_BYTES / (2 * per_layer * row_bytes))))
     g = torch.Generator().manual_seed(0)
-    shape = (tables * per_layer, KV_HEADS * HEAD_DIM)
+    shape = (tables * per_layer, KV_HEADS, HEAD_DIM)
     k_rows = torch.randn(shape, generator=g).to(dtype)
     v_rows = torch.randn(shape, generator=g).to(dtype)
     base = torch.tensor([r for rs in rows for r in rs])
     addrs = [base + (layer % tables) * per_layer for layer in range(LAYERS)]
+    if kv_order == "head":
+        k_rows, v_rows = head_major(k_rows, BLOCK_SLOTS), head_major(v_rows, BLOCK_SLOTS)
+        addrs = [head_major_address(a, BLOCK_SLOTS) for a in addrs]
     offsets = torch.tensor([0, *np.cumsum([len(r) for r in rows]).tolist()])
     group_t = torch.tensor(group_of, dtype=torch.int64)
     prefix_t = torch.tensor(prefixes, dtype=torch.int64)
@@ -171,6 +203,7 @@ def measure(case: Case, dtype: torch.dtype, steps: int, det: bool = False) -> Fi
     return Figures(
         case.batch,
         case.name,
+        kv_order,
         tables,
         round(plain_rows * mb, 2),
         round(cascade_rows * mb, 2),
@@ -195,6 +228,7 @@ EXTEND_CASES = {  # name: (cached, new) per chunk, all chunks in one call
 @dataclass
 class ExtendFigures:
     case: str
+    kv_order: str
     sdpa_ms: float  # one layer's attention call
     kernel_ms: float
     speedup: float
@@ -206,11 +240,16 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def measure_extend(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, steps: int):
+def measure_extend(
+    name: str, chunks: list[tuple[int, int]], dtype: torch.dtype, steps: int, kv_order: str
+):
     spb = 4096  # one layer's rows in blocks of 4,096 slots
     total = sum(c + n for c, n in chunks)
     blocks = -(-total // spb)
-    store = KVStore(torch.zeros(blocks, 1, 2, spb, KV_HEADS, HEAD_DIM, dtype=dtype))
+    # Head-major blocks, as the arena stores them (memory/layout.py).
+    stored = torch.zeros(blocks, 1, 2, KV_HEADS, spb, HEAD_DIM, dtype=dtype)
+    view = stored.transpose(3, 4)
+    store = KVStore(view if kv_order == "head" else view.contiguous())
     g = torch.Generator().manual_seed(1)
     extends, new_slots, next_slot, row = [], [], 0, 0
     for cached, new in chunks:
@@ -259,7 +298,7 @@ def measure_extend(name: str, chunks: list[tuple[int, int]], dtype: torch.dtype,
             call(path)
             times[path].append(time.perf_counter() - t0)
     s, k = _typical(times["sdpa"]), _typical(times["kernel"])
-    return ExtendFigures(name, round(s * 1e3, 2), round(k * 1e3, 2), round(s / k, 2))
+    return ExtendFigures(name, kv_order, round(s * 1e3, 2), round(k * 1e3, 2), round(s / k, 2))
 
 
 # Against vLLM CPU's own attention kernel (``--parts vllm``): B sequences of
@@ -392,6 +431,15 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2, help="--parts vllm: alternating rounds")
     parser.add_argument(
+        "--kv-order",
+        nargs="+",
+        default=["head"],
+        choices=["head", "slot"],
+        help="K/V as the arena stores them (head: each head's rows of a "
+        f"{BLOCK_SLOTS}-slot block together) or every head of a row together (slot), "
+        "measured one after the other per case",
+    )
+    parser.add_argument(
         "--cases",
         nargs="+",
         default=list(PEER_CASES),
@@ -429,28 +477,34 @@ def main() -> None:
         )
         report["stream_read_gbs"] = round(bw.read_gbs, 2)
         print(
-            f"{'batch':>5} {'layout':>13} {'K/V MB/layer plain':>19} {'cascade':>8} "
+            f"{'batch':>5} {'layout':>13} {'order':>5} {'K/V MB/layer plain':>19} {'cascade':>8} "
             f"{'plain ms/step':>14} {'cascade ms/step':>16} {'speed-up':>9} "
             f"{'plain GB/s':>11} {'cascade GB/s':>13}"
         )
         decode = []
         for case in cases:
-            f = measure(case, dtype, args.steps, args.deterministic)
-            decode.append(asdict(f))
-            print(
-                f"{f.batch:>5} {f.layout:>13} {f.kv_mb_per_layer_plain:>19.1f} "
-                f"{f.kv_mb_per_layer_cascade:>8.1f} {f.plain_ms:>14.1f} {f.cascade_ms:>16.1f} "
-                f"{f.speedup:>8.2f}x {f.plain_gbs:>11.1f} {f.cascade_gbs:>13.1f}"
-            )
+            for order in args.kv_order:
+                f = measure(case, dtype, args.steps, args.deterministic, order)
+                decode.append(asdict(f))
+                print(
+                    f"{f.batch:>5} {f.layout:>13} {f.kv_order:>5} {f.kv_mb_per_layer_plain:>19.1f} "
+                    f"{f.kv_mb_per_layer_cascade:>8.1f} {f.plain_ms:>14.1f} "
+                    f"{f.cascade_ms:>16.1f} {f.speedup:>8.2f}x {f.plain_gbs:>11.1f} "
+                    f"{f.cascade_gbs:>13.1f}"
+                )
         report["decode"] = decode
     if "extend" in args.parts:
         print("\nextend: one layer's attention call")
-        print(f"{'chunks':>28} {'SDPA ms':>9} {'kernel ms':>10} {'speed-up':>9}")
+        print(f"{'chunks':>28} {'order':>5} {'SDPA ms':>9} {'kernel ms':>10} {'speed-up':>9}")
         extend = []
         for name, chunks in EXTEND_CASES.items():
-            e = measure_extend(name, chunks, dtype, args.steps)
-            extend.append(asdict(e))
-            print(f"{e.case:>28} {e.sdpa_ms:>9.2f} {e.kernel_ms:>10.2f} {e.speedup:>8.2f}x")
+            for order in args.kv_order:
+                e = measure_extend(name, chunks, dtype, args.steps, order)
+                extend.append(asdict(e))
+                print(
+                    f"{e.case:>28} {e.kv_order:>5} {e.sdpa_ms:>9.2f} {e.kernel_ms:>10.2f} "
+                    f"{e.speedup:>8.2f}x"
+                )
         report["extend"] = extend
     if "vllm" in args.parts:
         if dtype != torch.bfloat16:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixmux.memory.layout import BlockGeometry
+from radixmux.memory.layout import BlockGeometry, slot_major
 
 if TYPE_CHECKING:
     import torch
@@ -131,9 +131,11 @@ class KVArena:
         """This arena seen with one model's layout.
 
         Shape ``[num_blocks, num_layers, 2, slots_per_block, num_kv_heads,
-        head_dim]``; a strided view into the shared bytes (writes land in the
-        arena). Blocks the model does not own are visible too: the scheduler,
-        not the view, decides which slots a model may touch.
+        head_dim]``: a strided view into the shared bytes (writes land in the
+        arena) of blocks stored head-major (``layout.py``), so a slot's heads
+        are ``slots_per_block * head_dim`` values apart. Blocks the model does
+        not own are visible too: the scheduler, not the view, decides which
+        slots a model may touch.
         """
         import torch
 
@@ -143,14 +145,7 @@ class KVArena:
         lay = geometry.layout
         used = geometry.slots_per_block * lay.bytes_per_token
         typed = self.bytes[:, :used].view(getattr(torch, lay.dtype))
-        return typed.view(
-            self.spec.num_blocks,
-            lay.num_layers,
-            2,
-            geometry.slots_per_block,
-            lay.num_kv_heads,
-            lay.head_dim,
-        )
+        return slot_major(typed.view(self.spec.num_blocks, *geometry.block_shape))
 
     def destroy(self) -> None:
         """Remove the backing file (owner only); live mappings stay valid until dropped."""

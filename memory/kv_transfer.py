@@ -8,9 +8,11 @@ before the load can overwrite them. Copies go straight between the arena's
 shared memory and the file (one gather into a buffer, one write; one read,
 one scatter); torch and file I/O release the GIL, so the loop keeps running.
 
-The arena is seen as bytes (``[blocks, layers, 2, slots_per_block, row]``
-with ``row = kv_heads x head_dim x itemsize``), so any KV dtype copies the
-same way and no tensor dtype crosses into numpy. On a CUDA arena the same jobs
+The arena is seen as bytes (``[blocks, layers, 2, slots_per_block, kv_heads,
+head]`` with ``head = head_dim x itemsize``, a view of the head-major blocks:
+``layout.py``), so any KV dtype copies the same way and no tensor dtype
+crosses into numpy. A chunk file holds its tokens slot-major (``[tokens,
+layers, 2, kv_heads, head]``), whatever the arena's order. On a CUDA arena the same jobs
 would stage through pinned host memory; the job interface does not change.
 
 Files are reached only through the store's ``StoreFiles`` (relative to the
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from radixmux.memory.kv_disk_store import FATAL_ERRNOS, ChunkRef, StoreFiles
-from radixmux.memory.layout import BlockGeometry
+from radixmux.memory.layout import BlockGeometry, slot_major
 
 if TYPE_CHECKING:
     # Imported where used: a scheduler without a disk tier never loads torch
@@ -97,17 +99,23 @@ class JobResult:
 
 
 def byte_view(arena_bytes: torch.Tensor, geometry: BlockGeometry) -> torch.Tensor:
-    """An arena's ``[blocks, slots]`` bytes seen as one pool's
-    ``[blocks, layers, 2, slots_per_block, row bytes]``."""
+    """An arena's ``[blocks, bytes]`` seen as one pool's ``[blocks, layers, 2,
+    slots_per_block, kv_heads, head bytes]`` (in words where they fit)."""
     import torch
 
     lay = geometry.layout
-    row = lay.num_kv_heads * lay.head_dim * lay.itemsize
+    head = lay.head_dim * lay.itemsize
     used = geometry.slots_per_block * lay.bytes_per_token
     # Wider elements make the gather and scatter several times faster.
-    word = torch.int64 if row % 8 == 0 else torch.uint8
+    word = torch.int64 if head % 8 == 0 else torch.uint8
     view = arena_bytes[:, :used].view(word)
-    return view.view(-1, lay.num_layers, 2, geometry.slots_per_block, row // view.element_size())
+    *shape, _ = geometry.block_shape
+    return slot_major(view.view(-1, *shape, head // view.element_size()))
+
+
+def _token_shape(view: torch.Tensor, n: int) -> tuple[int, ...]:
+    """``n`` tokens of a ``byte_view`` as a chunk holds them."""
+    return (n, view.shape[1], view.shape[2], *view.shape[4:])
 
 
 def _runs(slots: np.ndarray, spb: int) -> list[tuple[int, int, int, int]] | None:
@@ -123,8 +131,8 @@ def _runs(slots: np.ndarray, spb: int) -> list[tuple[int, int, int, int]] | None
 
 
 def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, row]`` tensor
-    (into ``out`` when given).
+    """KV bytes of ``slots`` as one contiguous ``[n, layers, 2, kv_heads, head]``
+    tensor (into ``out`` when given).
 
     Allocated slots mostly come in runs inside a block: a strided copy per run
     is 2-3x faster than an indexed gather of every row."""
@@ -138,15 +146,15 @@ def gather(view: torch.Tensor, slots: np.ndarray, out: torch.Tensor | None = Non
         rows = view[idx // spb, :, :, idx % spb]
         return rows if out is None else out.copy_(rows)
     if out is None:
-        shape = (len(slots), view.shape[1], view.shape[2], view.shape[4])
-        out = torch.empty(shape, dtype=view.dtype)
+        out = torch.empty(_token_shape(view, len(slots)), dtype=view.dtype)
     for block, offset, start, end in runs:
-        out[start:end].permute(1, 2, 0, 3).copy_(view[block, :, :, offset : offset + end - start])
+        run = view[block, :, :, offset : offset + end - start]  # [layers, 2, n, heads, head]
+        out[start:end].permute(1, 2, 0, 3, 4).copy_(run)
     return out
 
 
 def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
-    """Write ``[n, layers, 2, row]`` bytes into ``slots`` of the arena."""
+    """Write ``[n, layers, 2, kv_heads, head]`` bytes into ``slots`` of the arena."""
     import torch
 
     spb = view.shape[3]
@@ -157,7 +165,8 @@ def scatter(view: torch.Tensor, slots: np.ndarray, rows: torch.Tensor) -> None:
         view[idx // spb, :, :, idx % spb] = rows
         return
     for block, offset, start, end in runs:
-        view[block, :, :, offset : offset + end - start].copy_(rows[start:end].permute(1, 2, 0, 3))
+        run = view[block, :, :, offset : offset + end - start]
+        run.copy_(rows[start:end].permute(1, 2, 0, 3, 4))
 
 
 class KVTransfer:
@@ -291,11 +300,11 @@ class KVTransfer:
         result.tokens = done
 
     def _rows(self, view: torch.Tensor, n: int) -> torch.Tensor:
-        """The reused ``[n, layers, 2, row]`` staging buffer (a fresh one per
-        chunk would page-fault every byte)."""
+        """The reused ``[n, layers, 2, kv_heads, head]`` staging buffer (a
+        fresh one per chunk would page-fault every byte)."""
         import torch
 
-        shape = (n, view.shape[1], view.shape[2], view.shape[4])
+        shape = _token_shape(view, n)
         if (
             self._staging is None
             or self._staging.shape != shape

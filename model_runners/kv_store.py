@@ -1,16 +1,21 @@
 """Reading and writing one model's K/V in the arena by slot id.
 
 The arena view is ``[blocks, layers, 2, slots_per_block, kv_heads, head_dim]``
-with blocks a fixed byte stride apart. One slot's K (or V) in one layer is a
-contiguous row of ``kv_heads * head_dim`` elements. When the block size is a
-multiple of that row size, every such row of one (layer, K|V) pair sits on a
-single regular 2-D grid of rows, so gathering a sequence's context is one
-``index_select`` of whole rows (about 8x faster on CPU than indexing the 4-D
-view by ``(block, offset)`` pairs). Otherwise the store falls back to
-``(block, offset)`` indexing; both give identical results. Writes on the
-regular grid go through the kernel library's ``scatter_rows`` where it is
-loaded (one copy per token and head, straight from the attention's transposed
-K/V views, on every thread), else through ``index_copy_``: the same bytes.
+with blocks a fixed byte stride apart; the blocks are stored head-major
+(``memory/layout.py``), so one slot's K (or V) in one layer is ``kv_heads``
+contiguous pieces of ``head_dim`` values, ``slots_per_block * head_dim``
+apart. Every such piece of one (layer, K|V) pair sits on a single regular
+grid of ``head_dim``-wide rows, so the store sees each pair as one table
+``[rows, kv_heads, head_dim]`` (row stride ``head_dim``, head stride
+``slots_per_block * head_dim``) addressed by one number per slot: gathering a
+sequence's context is one ``index_select`` (about 8x faster on CPU than
+indexing the view by ``(block, offset)`` pairs), and the kernels read a head's
+keys from the same table. Where a block is not a whole number of rows the
+store falls back to ``(block, offset)`` indexing; both give identical
+results. Writes on the grid go through the kernel library's ``scatter_rows``
+where it is loaded (one copy per token and head, straight from the
+attention's transposed K/V views, on every thread), else through
+``index_copy_``: the same bytes.
 """
 
 from __future__ import annotations
@@ -54,24 +59,42 @@ class KVStore:
         self.num_slots = blocks * spb
         self.row = heads * dim
         self.head_shape = (heads, dim)
+        # One address step is one slot: head_dim values in head-major blocks
+        # (a whole row in slot-major ones, as views made by hand may be).
+        slot_step, head_step = kv.stride(3), kv.stride(4)
         block_elems = kv.stride(0)
-        self.fast = block_elems % self.row == 0 and kv.stride(3) == self.row
-        self.rows_per_block = block_elems // self.row if self.fast else 0
+        self.fast = (
+            kv.stride(5) == 1
+            and block_elems % slot_step == 0
+            and slot_step % dim == 0
+            and head_step % dim == 0
+        )
+        self.rows_per_block = block_elems // slot_step if self.fast else 0
+        # torch's index_select and index_copy_ move a strided [rows, heads,
+        # dim] table's rows an element at a time (9x slower than whole rows),
+        # so they get the same memory as head_dim-wide rows, head h of the
+        # slot at address a being row a * slot_step / dim + h * head_step / dim.
+        self._head_rows = (torch.arange(heads) * (head_step // dim)).to(kv.device)
+        self._slot_rows = slot_step // dim
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._flat: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in range(layers):
-            pair = []
+            pair, flat = [], []
             for c in (0, 1):
                 if self.fast:
                     base = kv[0, layer, c]
                     n_rows = (blocks - 1) * self.rows_per_block + spb
+                    at = base.storage_offset()
                     pair.append(
-                        torch.as_strided(
-                            base, (n_rows, self.row), (self.row, 1), base.storage_offset()
-                        )
+                        torch.as_strided(base, (n_rows, heads, dim), (slot_step, head_step, 1), at)
                     )
+                    last = (n_rows - 1) * self._slot_rows + int(self._head_rows[-1])
+                    flat.append(torch.as_strided(base, (last + 1, dim), (dim, 1), at))
                 else:
-                    pair.append(kv[:, layer, c].flatten(2))  # [blocks, spb, row]
+                    pair.append(kv[:, layer, c])  # [blocks, spb, heads, dim]
             self._views.append((pair[0], pair[1]))
+            if flat:
+                self._flat.append((flat[0], flat[1]))
 
     def address(self, slots: torch.Tensor) -> torch.Tensor:
         """Precomputed addresses of ``slots`` (any shape), reused by every layer."""
@@ -80,8 +103,13 @@ class KVStore:
             return blk * self.rows_per_block + off
         return torch.stack([blk, off])
 
+    def _head_index(self, addr: torch.Tensor) -> torch.Tensor:
+        """``[*addr.shape, kv_heads]`` rows of the head_dim-wide tables."""
+        return (addr * self._slot_rows).unsqueeze(-1) + self._head_rows
+
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K and V as ``[rows, kv_heads * head_dim]`` tables (fast layout only)."""
+        """One layer's K and V as ``[rows, kv_heads, head_dim]`` tables, a slot's
+        address selecting its row (fast layout only)."""
         if not self.fast:
             raise ValueError("this arena view has no regular row grid")
         return self._views[layer]
@@ -104,32 +132,31 @@ class KVStore:
             torch.ops.radixmux.scatter_rows(kc, addr, k)
             torch.ops.radixmux.scatter_rows(vc, addr, v)
             return
-        k = k.reshape(-1, self.row)
-        v = v.reshape(-1, self.row)
         if self.fast:
-            kc.index_copy_(0, addr, k)
-            vc.index_copy_(0, addr, v)
+            kf, vf = self._flat[layer]
+            if self.quantized:
+                kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
+            rows = self._head_index(addr).reshape(-1)
+            kf.index_copy_(0, rows, k.reshape(-1, self.head_shape[1]))
+            vf.index_copy_(0, rows, v.reshape(-1, self.head_shape[1]))
         else:
-            kc.index_put_((addr[0], addr[1]), k)
-            vc.index_put_((addr[0], addr[1]), v)
+            kc.index_put_((addr[0], addr[1]), k.reshape(-1, *self.head_shape))
+            vc.index_put_((addr[0], addr[1]), v.reshape(-1, *self.head_shape))
 
     def gather(self, layer: int, addr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at ``addr`` (shape ``S``), each ``[*S, kv_heads, head_dim]``, as
         stored (a float8 arena's: divided by ``k_scale``/``v_scale``, see ``dequantized``)."""
-        kc, vc = self._views[layer]
+        kc, vc = self._flat[layer] if self.fast else self._views[layer]
         dtype = kc.dtype
         if self.quantized:  # indexed as bytes (as in write)
             kc, vc = kc.view(torch.uint8), vc.view(torch.uint8)
         if self.fast:
-            shape = addr.shape
-            flat = addr.reshape(-1)
-            k = kc.index_select(0, flat).view(*shape, *self.head_shape)
-            v = vc.index_select(0, flat).view(*shape, *self.head_shape)
+            rows = self._head_index(addr).reshape(-1)
+            k = kc.index_select(0, rows).view(*addr.shape, *self.head_shape)
+            v = vc.index_select(0, rows).view(*addr.shape, *self.head_shape)
         else:
             k = kc[addr[0], addr[1]]
             v = vc[addr[0], addr[1]]
-            k = k.view(*k.shape[:-1], *self.head_shape)
-            v = v.view(*v.shape[:-1], *self.head_shape)
         return k.view(dtype), v.view(dtype)
 
     def dequantized(

@@ -208,8 +208,9 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of ``q [B, H, D]`` over each sequence's rows ``addr[offsets[b]:offsets[b+1]]``.
 
-    ``k_rows``/``v_rows`` are one layer's ``[N, kv_heads * head_dim]`` row
-    tables of the arena; the result is ``[B, H, D]`` in ``q``'s dtype.
+    ``k_rows``/``v_rows`` are one layer's ``[N, kv_heads, head_dim]`` tables
+    of the arena (``KVStore.rows``; ``[N, kv_heads * head_dim]`` rows too);
+    the result is ``[B, H, D]`` in ``q``'s dtype.
     ``deterministic``: the batch-invariant arithmetic (:data:`DETERMINISTIC`).
     """
     return torch.ops.radixmux.paged_decode(

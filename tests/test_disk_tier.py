@@ -450,7 +450,7 @@ def test_gather_and_scatter_copy_exactly_the_rows_of_their_slots(tmp_path, kind)
         scatter(view, dest, expect)
         assert torch.equal(gather(view, dest), expect)
         untouched = np.setdiff1d(np.arange(6 * spb), dest)
-        flat = lambda v: v.permute(0, 3, 1, 2, 4).reshape(6 * spb, -1)  # noqa: E731
+        flat = lambda v: v.permute(0, 3, 1, 2, 4, 5).reshape(6 * spb, -1)  # noqa: E731
         assert torch.equal(flat(view)[untouched], flat(before)[untouched])
     finally:
         arena.destroy()

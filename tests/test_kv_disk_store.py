@@ -160,10 +160,13 @@ class DiskStoreMachine(RuleBasedStateMachine):
 
     # ---- helpers ----------------------------------------------------------------------
     def _np(self) -> np.ndarray:
-        """The arena as ``[blocks, layers, 2, slots, row]`` bytes, by plain numpy."""
+        """The arena as ``[blocks, layers, 2, slots, kv_heads, head]`` bytes, by
+        plain numpy from its head-major blocks (``layout.py``)."""
         lay = self.layout
         a = self.arena.bytes.numpy()[:, : self.used]
-        return a.reshape(NUM_BLOCKS, lay.num_layers, 2, self.spb, self.row)
+        heads = lay.num_kv_heads
+        a = a.reshape(NUM_BLOCKS, lay.num_layers, 2, heads, self.spb, self.row // heads)
+        return a.transpose(0, 1, 2, 4, 3, 5)
 
     def _write_slots(self, slots: np.ndarray, payload: np.ndarray) -> None:
         self._np()[slots // self.spb, :, :, slots % self.spb] = payload
@@ -174,7 +177,8 @@ class DiskStoreMachine(RuleBasedStateMachine):
     def _random_payload(self, n_tokens: int, seed: int) -> np.ndarray:
         rng = np.random.default_rng(seed)
         lay = self.layout
-        return rng.integers(0, 256, (n_tokens, lay.num_layers, 2, self.row), dtype=np.uint8)
+        shape = (n_tokens, lay.num_layers, 2, lay.num_kv_heads, self.row // lay.num_kv_heads)
+        return rng.integers(0, 256, shape, dtype=np.uint8)
 
     def _path(self, key: bytes, ns: int) -> str:
         return self.store.path(self.spaces[ns].ns_dir, key)
@@ -284,7 +288,7 @@ class DiskStoreMachine(RuleBasedStateMachine):
         if tokens:
             want = b"".join(self.ref[k].payload for k in keys[:good])
             want_rows = np.frombuffer(want, dtype=np.uint8).reshape(
-                good * CHUNK, *before.shape[1:3], self.row
+                good * CHUNK, *before.shape[1:3], *before.shape[4:]
             )
             want_rows = want_rows[skip:]
             assert np.array_equal(self._read_slots(slots[:tokens]), want_rows)

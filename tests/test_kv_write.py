@@ -55,7 +55,7 @@ def test_scatter_rows_refuses_bad_rows_before_writing_any() -> None:
         assert not table.any()  # the good rows before the bad one were not written either
     with pytest.raises(RuntimeError, match="src is"):
         torch.ops.radixmux.scatter_rows(table, torch.tensor([0]), src[:1].float())
-    with pytest.raises(RuntimeError, match="rows of"):
+    with pytest.raises(RuntimeError, match="for 2 rows"):
         torch.ops.radixmux.scatter_rows(table, torch.tensor([0, 1]), src)
 
 
@@ -95,3 +95,50 @@ def test_store_writes_the_same_arena_with_and_without_the_kernel(dtype, monkeypa
     finally:
         for arena in arenas:
             arena.destroy()
+
+
+@pytest.mark.parametrize("src_rows", [False, True])
+def test_scatter_rows_fills_tables_whose_heads_are_apart(src_rows) -> None:
+    """A ``[N, HEADS, DIM]`` table whose heads are a block's slots apart (as
+    ``KVStore.rows`` hands over head-major blocks) gets each source head in its place."""
+    blocks, spb = 5, 7
+    g = torch.Generator().manual_seed(5)
+    storage = torch.zeros(blocks, HEADS, spb, DIM, dtype=torch.bfloat16)
+    rows_per_block = HEADS * spb
+    n_rows = (blocks - 1) * rows_per_block + spb
+    table = torch.as_strided(storage, (n_rows, HEADS, DIM), (DIM, spb * DIM, 1))
+    slots = torch.randperm(blocks * spb, generator=g)[:20]
+    src = _source(20, torch.bfloat16, g)
+    addr = slots // spb * rows_per_block + slots % spb
+    torch.ops.radixmux.scatter_rows(table, addr, src.reshape(20, -1) if src_rows else src)
+    expected = torch.zeros_like(storage)
+    for i, s in enumerate(slots.tolist()):
+        expected[s // spb, :, s % spb] = src[i]
+    assert torch.equal(storage, expected)
+
+
+def test_store_keeps_each_head_of_a_block_contiguous() -> None:
+    """The arena's blocks are head-major (memory/layout.py): a slot's head h of
+    layer l lies in [block, l, K|V, h, offset], read here from the raw bytes."""
+    layout = KVLayout(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
+    spb = 16
+    block = spb * layout.bytes_per_token
+    g = torch.Generator().manual_seed(2)
+    slots = torch.randperm(4 * spb, generator=g)[:30]
+    k, v = (_source(30, torch.float32, g).to(torch.bfloat16) for _ in range(2))
+    arena = KVArena.create(4, block)
+    try:
+        store = KVStore(arena.view(BlockGeometry(layout, block, 1)))
+        addr = store.address(slots)
+        store.write(1, addr, k, v)
+        raw = arena.bytes.view(torch.bfloat16).view(4, 2, 2, HEADS, spb, DIM)
+        blk, off = slots // spb, slots % spb
+        assert torch.equal(raw[blk, 1, 0, :, off], k)
+        assert torch.equal(raw[blk, 1, 1, :, off], v)
+        assert not raw[:, 0].any()  # layer 0 untouched
+        got_k, got_v = store.gather(1, addr)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        k_rows, _ = store.rows(1)
+        assert k_rows.stride() == (DIM, spb * DIM, 1)
+    finally:
+        arena.destroy()

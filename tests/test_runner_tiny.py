@@ -126,18 +126,19 @@ def test_malformed_slots_refuse_the_batch(arena):
 
 
 def test_fast_and_fallback_kv_store_agree():
-    """Row-grid gathers (block size a multiple of the K row) and (block, offset)
-    gathers give the same logits; both paths are exercised."""
+    """Row-grid gathers (block size a multiple of a head's K row) and (block,
+    offset) gathers give the same logits; both paths are exercised."""
     from radixmux.memory.arena import KVArena
 
-    loaded = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
-    row_bytes = 3 * 16 * 4
+    # head_dim 24: 96-byte head rows, which 64 KiB blocks do not divide.
+    loaded = tiny_model("llama", num_attention_heads=6, num_key_value_heads=3, hidden_size=144)
+    head_bytes = 24 * 4
     results = {}
     for block in (64 * 1024, 3 * 64 * 1024):
         with KVArena.create(num_blocks=16, block_bytes=block) as a:
             runner = make_runner(loaded, a)
             results[runner.store.fast] = Sequences(runner, seed=4)
-            assert runner.store.fast == (block % row_bytes == 0)
+            assert runner.store.fast == (block % head_bytes == 0)
     assert set(results) == {True, False}
     g = torch.Generator().manual_seed(5)
     work = {

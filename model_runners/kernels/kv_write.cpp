@@ -21,43 +21,62 @@
 
 namespace {
 
-// table[addr[i]] = src[i] for every i < n: `table` is [N, R] with unit column
-// stride; `src` is [n, R] or [n, H, D] (H * D = R) with unit last-dimension
-// stride and any other strides; both of one dtype.
+// The K/V rows of a table or a source: [N, H * D] rows, or [N, H, D] with any
+// head stride (the arena's head-major blocks: memory/layout.py); a row's
+// head h starts at row * row_stride + h * head_stride elements.
+struct Rows {
+  int64_t heads, dim, row_stride, head_stride;
+};
+
+// `t` as rows of `heads` x `dim`: 3-d must match them; 2-d must be heads * dim wide.
+Rows rows_of(const at::Tensor& t, int64_t heads, int64_t dim) {
+  TORCH_CHECK(t.stride(-1) == 1, "scatter_rows: rows must have a unit last stride, got strides ",
+              t.strides());
+  if (t.dim() == 3) {
+    TORCH_CHECK(t.size(1) == heads && t.size(2) == dim, "scatter_rows: ", t.sizes(), " is not ",
+                heads, " heads of ", dim);
+    return {heads, dim, t.stride(0), t.stride(1)};
+  }
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == heads * dim, "scatter_rows: ", t.sizes(), " is not ",
+              heads, " heads of ", dim);
+  return {heads, dim, t.stride(0), dim};
+}
+
+// table[addr[i]] = src[i] for every i < n: `table` and `src` are each 2-d
+// rows or 3-d heads (Rows), of one dtype; the heads of whichever is 3-d
+// split the other's rows.
 void scatter_rows(at::Tensor& table, const at::Tensor& addr, const at::Tensor& src) {
-  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1,
-              "scatter_rows: table must be [N, R] with contiguous rows, got ", table.sizes(),
-              " strides ", table.strides());
+  TORCH_CHECK(table.dim() == 2 || table.dim() == 3, "scatter_rows: table must be 2-d or 3-d, got ",
+              table.sizes());
+  TORCH_CHECK(src.dim() == 2 || src.dim() == 3, "scatter_rows: src must be 2-d or 3-d, got ",
+              src.sizes());
   TORCH_CHECK(src.scalar_type() == table.scalar_type(), "scatter_rows: src is ",
               src.scalar_type(), ", table ", table.scalar_type());
   TORCH_CHECK(addr.dim() == 1 && addr.scalar_type() == at::kLong && addr.is_contiguous(),
               "scatter_rows: addr must be a contiguous int64 vector");
-  TORCH_CHECK(src.dim() == 2 || src.dim() == 3, "scatter_rows: src must be 2-d or 3-d, got ",
-              src.sizes());
-  const int64_t n = addr.size(0), rows = table.size(0), row = table.size(1);
-  const int64_t heads = src.dim() == 3 ? src.size(1) : 1;
-  const int64_t dim = src.size(-1);
-  TORCH_CHECK(src.size(0) == n && heads * dim == row && src.stride(-1) == 1,
-              "scatter_rows: src ", src.sizes(), " (strides ", src.strides(), ") for ", n,
-              " rows of ", row);
+  const at::Tensor& shaped = table.dim() == 3 ? table : src;
+  const int64_t heads = shaped.dim() == 3 ? shaped.size(1) : 1;
+  const int64_t dim = shaped.size(-1);
+  const Rows to_rows = rows_of(table, heads, dim), from_rows = rows_of(src, heads, dim);
+  const int64_t n = addr.size(0), rows = table.size(0);
+  TORCH_CHECK(src.size(0) == n, "scatter_rows: src ", src.sizes(), " for ", n, " rows");
   const int64_t* a = addr.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(a[i] >= 0 && a[i] < rows, "scatter_rows: row ", a[i], " outside the table of ",
                 rows);
   const int64_t item = table.element_size();
-  const int64_t token_stride = src.stride(0) * item;
-  const int64_t head_stride = (src.dim() == 3 ? src.stride(1) : dim) * item;
-  const int64_t table_stride = table.stride(0) * item;
   const int64_t slice = dim * item;
   const auto* from = static_cast<const char*>(src.data_ptr());
   auto* to = static_cast<char*>(table.data_ptr());
   // Rows per task: a decode step's few rows stay on the calling thread.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row * item, 1));
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(heads * slice, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      char* dst = to + a[i] * table_stride;
-      const char* s = from + i * token_stride;
-      for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * slice, s + h * head_stride, slice);
+      char* dst = to + a[i] * to_rows.row_stride * item;
+      const char* s = from + i * from_rows.row_stride * item;
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(dst + h * to_rows.head_stride * item, s + h * from_rows.head_stride * item,
+                    slice);
     }
   });
 }

@@ -66,18 +66,21 @@ at::Tensor dispatch_types(const at::Tensor& q, const at::Tensor& k_rows, F&& fn)
   return direct ? out : out.to(qt);
 }
 
-// Shapes every entry needs: q [*, H, D], row tables [N, KVH * D], addr int64.
+// Shapes every entry needs: q [*, H, D], tables [N, KVH * D] or [N, KVH, D]
+// (KVTable), addr int64.
 void check_rows(const at::Tensor& q, const at::Tensor& k_rows, const at::Tensor& v_rows,
                 const at::Tensor& addr) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_decode: q must be contiguous [B, H, D]");
-  TORCH_CHECK(k_rows.dim() == 2 && k_rows.stride(1) == 1, "paged_decode: k_rows must be [N, row]");
+  TORCH_CHECK((k_rows.dim() == 2 || k_rows.dim() == 3) && k_rows.stride(-1) == 1,
+              "paged_decode: k_rows must be [N, row] or [N, kv_heads, head_dim]");
   TORCH_CHECK(v_rows.sizes() == k_rows.sizes() && v_rows.strides() == k_rows.strides(),
               "paged_decode: k_rows and v_rows differ in shape");
   TORCH_CHECK(k_rows.scalar_type() == v_rows.scalar_type(), "paged_decode: K/V dtypes differ");
   TORCH_CHECK(addr.scalar_type() == at::kLong && addr.is_contiguous(), "paged_decode: addr int64");
   const int64_t dim = q.size(2);
-  TORCH_CHECK(k_rows.size(1) % dim == 0, "paged_decode: row width not a multiple of head_dim");
-  const int64_t kv_heads = k_rows.size(1) / dim;
+  TORCH_CHECK(k_rows.dim() == 3 ? k_rows.size(2) == dim : k_rows.size(1) % dim == 0,
+              "paged_decode: K/V rows do not hold whole heads of ", dim);
+  const int64_t kv_heads = kv_table(k_rows, dim).kv_heads;
   TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0,
               "paged_decode: query heads not a multiple of KV heads");
 }

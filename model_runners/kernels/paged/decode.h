@@ -81,8 +81,9 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
          const at::Tensor& v_rows, const at::Tensor& addr, const at::Tensor& offsets,
          const Groups& groups, double scale, double softcap, int64_t window, bool det) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
-  const int64_t row_stride = k_rows.stride(0);
+  const KVTable table = kv_table(k_rows, dim);
+  const int64_t kv_heads = table.kv_heads, qpk = heads / kv_heads;
+  const int64_t row_stride = table.row, head_stride = table.head;
   const Q* qp = q.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
   const T* kp = k_rows.data_ptr<T>();
@@ -287,7 +288,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                          std::clamp<int64_t>(lo[b] - p.begin, 0, len), len - 1};
     };
     dispatch_dim(dim, [&](auto nv) {
-      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + h * dim, vp + h * dim, row_stride,
+      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + h * head_stride,
+                                             vp + h * head_stride, row_stride,
                                              ap + offs[mem[0]] + p.begin, len, dim, sc, cap, s,
                                              m, sum, acc, /*amx_any=*/false, det,
                                              PackedKV{}, j.resume_job >= 0);

@@ -81,7 +81,7 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
     if (buffer.size() < static_cast<size_t>(words)) buffer.resize(static_cast<size_t>(words));
     const auto* kp = reinterpret_cast<const c10::BFloat16*>(k_rows.data_ptr());
     const auto* vp = reinterpret_cast<const c10::BFloat16*>(v_rows.data_ptr());
-    const int64_t row_stride = k_rows.stride(0);
+    const KVTable table = kv_table(k_rows, dim);
     run_tasks(static_cast<int64_t>(items.size()), [&](int64_t i, Scratch& s) {
       const Item& it = items[i];
       const int64_t len = offs[it.seq + 1] - offs[it.seq];
@@ -93,9 +93,9 @@ std::vector<int64_t> pack_extend_kv(const at::Tensor& k_rows, const at::Tensor& 
       dispatch_dim(dim, [&](auto nv) {
         constexpr int NV = decltype(nv)::value;
         if constexpr (NV > 0 && NV % 2 == 0) {
-          gather_k_step<NV>(kp + it.head * dim, row_stride, a, j0, n,
+          gather_k_step<NV>(kp + it.head * table.head, table.row, a, j0, n,
                             reinterpret_cast<uint16_t*>(head + layout.k_step(it.step)));
-          pack_v_step<NV>(vp + it.head * dim, row_stride, a, j0, n,
+          pack_v_step<NV>(vp + it.head * table.head, table.row, a, j0, n,
                           reinterpret_cast<uint32_t*>(s.vf.data()),
                           head + layout.vt_step(it.step));
         }
@@ -128,8 +128,9 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                 const at::Tensor& q_offsets, double scale, double softcap, int64_t window,
                 bool det) {
   const int64_t seqs = offsets.numel() - 1, heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_rows.size(1) / dim, qpk = heads / kv_heads;
-  const int64_t row_stride = k_rows.stride(0);
+  const KVTable table = kv_table(k_rows, dim);
+  const int64_t kv_heads = table.kv_heads, qpk = heads / kv_heads;
+  const int64_t row_stride = table.row, head_stride = table.head;
   const Q* qp = q.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
   const T* kp = k_rows.data_ptr<T>();
@@ -177,7 +178,8 @@ void run_extend(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
                          oldest(c) - begin, c - begin};
     };
     dispatch_dim(dim, [&](auto nv) {
-      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * dim, vp + t.head * dim,
+      attend_rows<T, Q, decltype(nv)::value>(row, rows, kp + t.head * head_stride,
+                                             vp + t.head * head_stride,
                                              row_stride, ap + offs[t.seq] + begin,
                                              end - begin, dim, sc, cap, s, m, sum, acc,
                                              /*amx_any=*/true, det,
