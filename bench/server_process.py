@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,35 @@ STOP_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 10.0  # one /health request
 
 
+# Where ports are drawn from: below the kernel's ephemeral range (Linux's
+# default starts at 32768), so no process's outgoing connection takes a port
+# between free_port and the server's bind. A port the OS handed out from the
+# ephemeral range was taken that way in a full test run (two workers, each
+# with clients connecting out): the server then could not listen.
+PORT_FLOOR = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
+    """A TCP port free on 127.0.0.1 now, outside the ephemeral range where it is known."""
+    low = _ephemeral_low()
+    if low > PORT_FLOOR + 1000:
+        draw = random.SystemRandom()
+        for _ in range(100):
+            port = draw.randrange(PORT_FLOOR, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # in use (or lingering): draw again
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

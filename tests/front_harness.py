@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ import httpx
 import msgspec
 import zmq
 
+from bench.server_process import free_port
 from radixmux import protocol
 from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir
 from radixmux.common.process import ProcessContext, spawn
@@ -258,12 +258,6 @@ def tokenizer_reply(
         return protocol.TokenizerReply(req.req_id, text=" ".join(f"w{t}" for t in req.tokens))
     text = req.prompt or " ".join(m.content for m in req.messages or [])
     return protocol.TokenizerReply(req.req_id, tokens=[100 + i for i, _ in enumerate(text.split())])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RunningFront:
