@@ -155,7 +155,8 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
                                                 const int64_t* addr, int64_t len,
                                                 const int32_t* first, const int32_t* last,
                                                 float scale, float softcap, Scratch& sc, float* m,
-                                                float* s, float* acc, PackedKV packed = {}) {
+                                                float* s, float* acc, PackedKV packed = {},
+                                                bool resume = false) {
   static_assert(NV % 2 == 0, "head_dim must be a multiple of 32 (one tile's k)");
   constexpr int64_t dim = NV * 16, KT = kAmxKeys, pairs = KT / 2;
   const int64_t groups = rp / 16;
@@ -172,6 +173,16 @@ __attribute__((noinline)) void attend_state_amx(const uint32_t* qt, int64_t rows
   float *mr = sc.rowstate.data(), *sr = mr + rp, *rescale = sr + rp;
   std::fill(mr, mr + rp, -FLT_MAX);
   std::fill(sr, sr + rp, 0.f);
+  if (resume) {
+    // The rows' state over earlier keys (this path's own output, ending at a
+    // step boundary: decode.h cuts group prefixes at kAlignKeys = kAmxKeys),
+    // taken back into the accumulators' transposed layout exactly, so the
+    // steps below go on as one pass over both key runs would.
+    std::copy(m, m + rows, mr);
+    std::copy(s, s + rows, sr);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < dim; ++d) acc_t[d * rp + r] = acc[r * dim + d];
+  }
   const int32_t first_all = *std::max_element(first, first + rows);
   const int32_t last_all = *std::min_element(last, last + rows);
   constexpr int64_t bytes = dim * static_cast<int64_t>(sizeof(c10::BFloat16));

@@ -65,14 +65,14 @@ void run_tasks(int64_t n, F&& task) {
 }
 
 // Whether a deterministic decode can resume a softmax state (attend_rows'
-// `resume`): the tiled path takes every row there, not the AMX one.
+// `resume`): the tiled path, or the AMX one where it takes the rows instead,
+// takes every row there; the per-key path has no tiles to go on from.
+static_assert(kAlignKeys % kAmxKeys == 0, "a group prefix must end at an AMX step boundary");
+
 template <typename T, typename Q>
 bool can_resume(int64_t dim) {
   bool ok = false;
-  dispatch_dim(dim, [&](auto nv) {
-    using P = RowPaths<T, Q, decltype(nv)::value>;
-    ok = P::tiled && !P::amx();
-  });
+  dispatch_dim(dim, [&](auto nv) { ok = RowPaths<T, Q, decltype(nv)::value>::tiled; });
   return ok;
 }
 

@@ -74,8 +74,8 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
                  Scratch& s, float* m, float* sum, float* acc, bool amx_any = false,
                  bool det = false, PackedKV packed = {}, bool resume = false) {
   using Paths = RowPaths<T, Q, NV>;
-  TORCH_CHECK(!resume || (det && Paths::tiled && !Paths::amx()),
-              "paged_decode: a softmax state resumes on the tiled path only");
+  TORCH_CHECK(!resume || (det && Paths::tiled),
+              "paged_decode: a softmax state resumes on the tiled and AMX paths only");
 #ifdef RADIXMUX_KEY_VECTORS
   if constexpr (Paths::tiled) {
     constexpr bool fp8 = Paths::fp8, dp = Paths::dp;
@@ -112,7 +112,7 @@ void attend_rows(RowFn&& row, int64_t rows, const T* kh, const T* vh, int64_t ro
       if constexpr (dp && !fp8 && NV % 2 == 0) {
         if (amx) {
           attend_state_amx<NV>(pairs, rows, rp, kh, vh, row_stride, addr, len, s.first32.data(),
-                               s.last32.data(), scale, softcap, s, m, sum, acc, packed);
+                               s.last32.data(), scale, softcap, s, m, sum, acc, packed, resume);
           return;
         }
       }
