@@ -342,13 +342,15 @@ def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
     addr = torch.cat(
         [(row[:, None] * PEER_RUN + torch.arange(PEER_RUN)).flatten()[:total] for row in order]
     )
+    # Each layer's K and V in head-major blocks, as the arena stores them.
     layers = [
-        (
-            torch.randn(table, KV_HEADS * HEAD_DIM, generator=g).to(dtype),
-            torch.randn(table, KV_HEADS * HEAD_DIM, generator=g).to(dtype),
+        tuple(
+            head_major(torch.randn(table, KV_HEADS, HEAD_DIM, generator=g).to(dtype), BLOCK_SLOTS)
+            for _ in range(2)
         )
         for _ in range(LAYERS)
     ]
+    addr = head_major_address(addr, BLOCK_SLOTS)
     q = torch.randn(seqs * new, HEADS, HEAD_DIM, generator=g).to(dtype)
     offsets = torch.arange(seqs + 1) * total
     q_offsets = torch.arange(seqs + 1) * new
