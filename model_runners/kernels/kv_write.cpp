@@ -15,35 +15,29 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_table.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-// The K/V rows of a table or a source: [N, H * D] rows, or [N, H, D] with any
-// head stride (the arena's head-major blocks: memory/layout.py); a row's
-// head h starts at row * row_stride + h * head_stride elements.
-struct Rows {
-  int64_t heads, dim, row_stride, head_stride;
-};
+using radixmux::KVTable;
 
-// `t` as rows of `heads` x `dim`: 3-d must match them; 2-d must be heads * dim wide.
-Rows rows_of(const at::Tensor& t, int64_t heads, int64_t dim) {
+// `t` (a table or a source: KVTable's two forms) as rows of `heads` x `dim`:
+// 3-d must match them; 2-d must be heads * dim wide.
+KVTable rows_of(const at::Tensor& t, int64_t heads, int64_t dim) {
   TORCH_CHECK(t.stride(-1) == 1, "scatter_rows: rows must have a unit last stride, got strides ",
               t.strides());
-  if (t.dim() == 3) {
-    TORCH_CHECK(t.size(1) == heads && t.size(2) == dim, "scatter_rows: ", t.sizes(), " is not ",
-                heads, " heads of ", dim);
-    return {heads, dim, t.stride(0), t.stride(1)};
-  }
-  TORCH_CHECK(t.dim() == 2 && t.size(1) == heads * dim, "scatter_rows: ", t.sizes(), " is not ",
-              heads, " heads of ", dim);
-  return {heads, dim, t.stride(0), dim};
+  TORCH_CHECK(t.dim() == 3 ? t.size(1) == heads && t.size(2) == dim
+                           : t.dim() == 2 && t.size(1) == heads * dim,
+              "scatter_rows: ", t.sizes(), " is not ", heads, " heads of ", dim);
+  return radixmux::kv_table(t, dim);
 }
 
 // table[addr[i]] = src[i] for every i < n: `table` and `src` are each 2-d
-// rows or 3-d heads (Rows), of one dtype; the heads of whichever is 3-d
+// rows or 3-d heads (KVTable), of one dtype; the heads of whichever is 3-d
 // split the other's rows.
 void scatter_rows(at::Tensor& table, const at::Tensor& addr, const at::Tensor& src) {
   TORCH_CHECK(table.dim() == 2 || table.dim() == 3, "scatter_rows: table must be 2-d or 3-d, got ",
@@ -57,7 +51,7 @@ void scatter_rows(at::Tensor& table, const at::Tensor& addr, const at::Tensor& s
   const at::Tensor& shaped = table.dim() == 3 ? table : src;
   const int64_t heads = shaped.dim() == 3 ? shaped.size(1) : 1;
   const int64_t dim = shaped.size(-1);
-  const Rows to_rows = rows_of(table, heads, dim), from_rows = rows_of(src, heads, dim);
+  const KVTable to_rows = rows_of(table, heads, dim), from_rows = rows_of(src, heads, dim);
   const int64_t n = addr.size(0), rows = table.size(0);
   TORCH_CHECK(src.size(0) == n, "scatter_rows: src ", src.sizes(), " for ", n, " rows");
   const int64_t* a = addr.data_ptr<int64_t>();
@@ -72,10 +66,10 @@ void scatter_rows(at::Tensor& table, const at::Tensor& addr, const at::Tensor& s
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(heads * slice, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      char* dst = to + a[i] * to_rows.row_stride * item;
-      const char* s = from + i * from_rows.row_stride * item;
+      char* dst = to + a[i] * to_rows.row * item;
+      const char* s = from + i * from_rows.row * item;
       for (int64_t h = 0; h < heads; ++h)
-        std::memcpy(dst + h * to_rows.head_stride * item, s + h * from_rows.head_stride * item,
+        std::memcpy(dst + h * to_rows.head * item, s + h * from_rows.head * item,
                     slice);
     }
   });

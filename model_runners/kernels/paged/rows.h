@@ -5,23 +5,13 @@
 // unnamed namespace gives its code the internal linkage it had as one file.
 #pragma once
 
+#include "../kv_table.h"
 #include "amx_tiles.h"
 
 namespace {
 
-// A K (or V) table the ops get: [N, KVH * D] rows, or [N, KVH, D] with any
-// head stride (the arena's head-major blocks, memory/layout.py, where a
-// row's heads are a block's worth of rows apart). Key `a` of KV head h starts
-// at base + a * row + h * head elements; only the head's start differs
-// between the two, so every path below reads a head as base + a * row.
-struct KVTable {
-  int64_t kv_heads, row, head;
-};
-
-inline KVTable kv_table(const at::Tensor& t, int64_t dim) {
-  if (t.dim() == 3) return {t.size(1), t.stride(0), t.stride(1)};
-  return {t.size(1) / dim, t.stride(0), dim};
-}
+using radixmux::KVTable;
+using radixmux::kv_table;
 
 // One query row of a task: its head_dim values (unscaled) and the keys it
 // sees, first..last, as indices into the task's key run.
