@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from bench.roofline import stream_bandwidth
+from radixmux.memory.layout import slot_major
 from radixmux.model_runners import paged_decode as kernel
 from radixmux.model_runners.kv_store import KVStore
 from radixmux.model_runners.paged_attention import (
@@ -118,22 +119,20 @@ class Case:
 BLOCK_SLOTS = 136
 
 
-def head_major(rows: torch.Tensor, spb: int) -> torch.Tensor:
-    """Slot-major ``[N, heads, dim]`` rows as the arena stores them: blocks of
-    ``spb`` slots, each KV head's rows of a block contiguous (memory/layout.py),
-    seen as the ``[rows, heads, dim]`` table ``KVStore.rows`` hands the kernels;
-    slot ``s`` is at address ``s // spb * heads * spb + s % spb``."""
-    n, heads, dim = rows.shape
+def arena_tables(
+    k: torch.Tensor, v: torch.Tensor, spb: int = BLOCK_SLOTS
+) -> tuple[torch.Tensor, torch.Tensor, KVStore]:
+    """Slot-major ``[N, heads, dim]`` K and V written into blocks of ``spb``
+    slots as the arena stores them (memory/layout.py), through a ``KVStore``
+    over one layer: the ``[rows, heads, dim]`` tables it hands the kernels, and
+    the store (``address`` maps slot ids to their rows)."""
+    n, heads, dim = k.shape
     blocks = -(-n // spb)
-    padded = torch.zeros(blocks * spb, heads, dim, dtype=rows.dtype)
-    padded[:n] = rows
-    stored = padded.view(blocks, spb, heads, dim).transpose(1, 2).contiguous()
-    n_rows = (blocks - 1) * heads * spb + spb
-    return torch.as_strided(stored, (n_rows, heads, dim), (dim, spb * dim, 1))
-
-
-def head_major_address(slots: torch.Tensor, spb: int) -> torch.Tensor:
-    return slots // spb * KV_HEADS * spb + slots % spb
+    stored = torch.zeros(blocks, 1, 2, heads, spb, dim, dtype=k.dtype)
+    store = KVStore(slot_major(stored))
+    store.write(0, store.address(torch.arange(n)), k, v)
+    k_rows, v_rows = store.rows(0)
+    return k_rows, v_rows, store
 
 
 @dataclass
@@ -166,8 +165,8 @@ def measure(
     base = torch.tensor([r for rs in rows for r in rs])
     addrs = [base + (layer % tables) * per_layer for layer in range(LAYERS)]
     if kv_order == "head":
-        k_rows, v_rows = head_major(k_rows, BLOCK_SLOTS), head_major(v_rows, BLOCK_SLOTS)
-        addrs = [head_major_address(a, BLOCK_SLOTS) for a in addrs]
+        k_rows, v_rows, store = arena_tables(k_rows, v_rows)
+        addrs = [store.address(a) for a in addrs]
     offsets = torch.tensor([0, *np.cumsum([len(r) for r in rows]).tolist()])
     group_t = torch.tensor(group_of, dtype=torch.int64)
     prefix_t = torch.tensor(prefixes, dtype=torch.int64)
@@ -247,8 +246,7 @@ def measure_extend(
     total = sum(c + n for c, n in chunks)
     blocks = -(-total // spb)
     # Head-major blocks, as the arena stores them (memory/layout.py).
-    stored = torch.zeros(blocks, 1, 2, KV_HEADS, spb, HEAD_DIM, dtype=dtype)
-    view = stored.transpose(3, 4)
+    view = slot_major(torch.zeros(blocks, 1, 2, KV_HEADS, spb, HEAD_DIM, dtype=dtype))
     store = KVStore(view if kv_order == "head" else view.contiguous())
     g = torch.Generator().manual_seed(1)
     extends, new_slots, next_slot, row = [], [], 0, 0
@@ -343,14 +341,12 @@ def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
         [(row[:, None] * PEER_RUN + torch.arange(PEER_RUN)).flatten()[:total] for row in order]
     )
     # Each layer's K and V in head-major blocks, as the arena stores them.
-    layers = [
-        tuple(
-            head_major(torch.randn(table, KV_HEADS, HEAD_DIM, generator=g).to(dtype), BLOCK_SLOTS)
-            for _ in range(2)
-        )
-        for _ in range(LAYERS)
-    ]
-    addr = head_major_address(addr, BLOCK_SLOTS)
+    layers = []
+    for _ in range(LAYERS):
+        k, v = (torch.randn(table, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+        k_rows, v_rows, store = arena_tables(k, v)
+        layers.append((k_rows, v_rows))
+    addr = store.address(addr)
     q = torch.randn(seqs * new, HEADS, HEAD_DIM, generator=g).to(dtype)
     offsets = torch.arange(seqs + 1) * total
     q_offsets = torch.arange(seqs + 1) * new
