@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_model
+from tokenizers import Tokenizer
 
 from radixmux.model_runners import fetch
 from radixmux.model_runners.fingerprint import tokenizer_fingerprint
@@ -148,5 +151,22 @@ def test_fingerprints_are_stable_and_sensitive(real_models):
     assert tokenizer_fingerprint(again) == tokenizer_fingerprint(tok)
     again.add_special_tokens({"additional_special_tokens": ["<|radixmux|>"]})
     assert tokenizer_fingerprint(again) != tokenizer_fingerprint(tok)
+    # One merge fewer (the vocab and merges are hashed as the serialiser wrote them).
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec["model"]["merges"] = spec["model"]["merges"][1:]
+    fewer = SimpleNamespace(
+        backend_tokenizer=Tokenizer.from_str(json.dumps(spec, indent=1)),
+        special_tokens_map=tok.special_tokens_map,
+        all_special_ids=tok.all_special_ids,
+    )
+    assert tokenizer_fingerprint(fewer) != tokenizer_fingerprint(tok)
+    # The same in another process (the server's processes compare them).
+    code = (
+        "from radixmux.model_runners.fingerprint import tokenizer_fingerprint;"
+        "from transformers import AutoTokenizer;"
+        f"print(tokenizer_fingerprint(AutoTokenizer.from_pretrained({str(fetch.model_dir('smollm2'))!r})))"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert other.stdout.strip() == tokenizer_fingerprint(tok), other.stderr[-2000:]
     a, b, c = tiny_model("llama", seed=1), tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     assert a.info.kv_share_key == b.info.kv_share_key != c.info.kv_share_key

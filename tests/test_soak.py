@@ -45,7 +45,7 @@ from bench.soak.records import Outage, ProcessSeries, RequestRecord, RunState
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Start (~40 s), the hostile clients alone (~40 s), 60 s of load, end phase,
+# Start, the hostile clients alone (12 s), 60 s of load, end phase,
 # a restart on the same disk store, stop; slow when the machine is shared.
 RUN_TIMEOUT_S = 1500
 
