@@ -179,6 +179,16 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     int64_t n = (len * (rows + kKeyCost) + target - 1) / target;
     n = std::min(n, (len + kMinPiece - 1) / kMinPiece);
     n = std::max({n, (rows * len + kMaxScores - 1) / kMaxScores, int64_t{1}});
+    // A group's prefix on the tiled (or AMX) path is cut into at most one
+    // piece per thread: each piece pays the queries' transposition, the tile
+    // set-up and a merge per member row, which pieces of a few hundred keys
+    // do not earn back (SmolLM2's shapes over 1,000 shared + 100 own keys,
+    // 30 layers, the AMX host: 16 sequences in one group 8.7-9.5 -> 7.1-7.2
+    // ms a step, 8 in one 4.6-5.3 -> 3.5-3.8, 4 in one 3.4-3.5 -> 2.6-3.0;
+    // groups already in two pieces unchanged). Own runs keep their pieces:
+    // cutting every job into one piece per thread cost random prompts 5% of
+    // their throughput served (a descheduled thread's share waits for it).
+    if (static_cast<int64_t>(i) < own_jobs0 && rows >= kTiledRows) n = std::min(n, threads);
     if (det) n = 1;  // pieces merge by log-sum-exp: another rounding
     // A sequence's own job, whole, needs no merge unless a prefix state joins it
     // (in deterministic mode, it resumes that state instead).
@@ -304,10 +314,12 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     for (const int64_t i : users[piece])
       if (awaiting[i * kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i, h, s);
   };
-  // A thread takes a piece's KV heads together: a K or V row holds every
-  // head, so the first head's reads bring the others' bytes into this core's
-  // L2 (a head per thread made both cores pull every line from memory). With
-  // fewer pieces than threads (deterministic mode never cuts a job: one
+  // A thread takes a piece's KV heads together. (Written when a K or V row
+  // held every head, so one head's reads brought the others' bytes into the
+  // core's L2; the arena's blocks are head-major since 2026-12-07, and a task
+  // per (piece, KV head) there measured no faster on the AMX host: 16
+  // sequences in groups of 4, 12.6 -> 13.7 ms a step; distinct, 29.5 ->
+  // 30.7.) With fewer pieces than threads (deterministic mode never cuts a job: one
   // decode, or one group's prefix, is one piece) a task per KV head instead,
   // or cores would idle.
   auto run_pieces = [&](int64_t from, int64_t to) {
