@@ -188,7 +188,9 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     // groups already in two pieces unchanged). Own runs keep their pieces:
     // cutting every job into one piece per thread cost random prompts 5% of
     // their throughput served (a descheduled thread's share waits for it).
+#ifdef RADIXMUX_KEY_VECTORS  // (without vector paths every row goes per key)
     if (static_cast<int64_t>(i) < own_jobs0 && rows >= kTiledRows) n = std::min(n, threads);
+#endif
     if (det) n = 1;  // pieces merge by log-sum-exp: another rounding
     // A sequence's own job, whole, needs no merge unless a prefix state joins it
     // (in deterministic mode, it resumes that state instead).
