@@ -346,7 +346,7 @@ def measure_case(case: str, dtype: torch.dtype, steps: int) -> float:
         k, v = (torch.randn(table, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
         k_rows, v_rows, store = arena_tables(k, v)
         layers.append((k_rows, v_rows))
-    addr = store.address(addr)
+    addr = store.address(addr)  # every layer's store has the same blocks
     q = torch.randn(seqs * new, HEADS, HEAD_DIM, generator=g).to(dtype)
     offsets = torch.arange(seqs + 1) * total
     q_offsets = torch.arange(seqs + 1) * new

@@ -316,14 +316,12 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_rows,
     for (const int64_t i : users[piece])
       if (awaiting[i * kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(i, h, s);
   };
-  // A thread takes a piece's KV heads together. (Written when a K or V row
-  // held every head, so one head's reads brought the others' bytes into the
-  // core's L2; the arena's blocks are head-major since 2026-12-07, and a task
-  // per (piece, KV head) there measured no faster on the AMX host: 16
-  // sequences in groups of 4, 12.6 -> 13.7 ms a step; distinct, 29.5 ->
-  // 30.7.) With fewer pieces than threads (deterministic mode never cuts a job: one
-  // decode, or one group's prefix, is one piece) a task per KV head instead,
-  // or cores would idle.
+  // A thread takes a piece's KV heads together: fewer tasks, and a task per
+  // (piece, KV head) measured no faster over the head-major blocks (AMX host,
+  // 16 sequences in groups of 4: 12.6 -> 13.7 ms a step; distinct, 29.5 ->
+  // 30.7). With fewer pieces than threads (deterministic mode never cuts a
+  // job: one decode, or one group's prefix, is one piece) a task per KV head
+  // instead, or cores would idle.
   auto run_pieces = [&](int64_t from, int64_t to) {
     if (to - from >= threads) {
       run_tasks(to - from, [&](int64_t i, Scratch& s) {
