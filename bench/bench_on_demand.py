@@ -36,6 +36,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -212,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--configs", nargs="+", choices=("on_demand", "static"), default=None)
+    p.add_argument(
+        "--server-args", default="", help='extra radixmux flags, one string: "--runner-start spawn"'
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes beside it")
     args = p.parse_args(argv)
     if not 1 <= args.max_loaded < args.models:
@@ -219,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [f"m{i}" for i in range(args.models)]
     out = args.out or RESULTS_DIR / f"on_demand-{time.strftime('%Y%m%dT%H%M%S')}.json"
     logs = out.with_name(out.stem + "-logs")
-    flags = ("--kv-cache-bytes", str(1 << 30))
+    flags = ("--kv-cache-bytes", str(1 << 30), *shlex.split(args.server_args))
     static = [f"{args.model},name={n}" for n in names]
     on_demand = [static[0], *(f"{args.model},name={n},load=on_demand" for n in names[1:])]
     results: list[ConfigResult] = []

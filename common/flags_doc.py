@@ -26,6 +26,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "--attention-backend",
             "--disable-fused-ops",
             "--runner-threads",
+            "--runner-start",
             "--tokenizer-workers",
             "--seed",
         ),

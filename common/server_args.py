@@ -21,6 +21,7 @@ from radixmux.protocol import ModelArg
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")  # scheduler/policy.py
 # Decode attention: auto = the C++ kernel where it builds, else torch (gather + SDPA).
 ATTENTION_BACKENDS = ("auto", "cpp", "torch")
+RUNNER_STARTS = ("zygote", "spawn")
 KV_PARTITIONS = ("unified", "static")
 # --kv-cache-dtype (vLLM's and SGLang's names): the arena's K/V dtype, None for
 # the model's own.
@@ -73,6 +74,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
     chat_template: str | None = None
     max_request_bytes: int = 1 << 20
     runner_threads: int = 0
+    runner_start: str = "zygote"
     zmq_endpoint: str | None = None
     runtime_dir: str | None = None
     check_invariants: bool = False
@@ -107,6 +109,7 @@ class ServerArgs(msgspec.Struct, kw_only=True):
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _one_of("runner_start", self.runner_start, RUNNER_STARTS)
         _one_of("device", self.device, DEVICES)
         if self.device != "cpu":
             # The arena is host shared memory and no CUDA path has been tested:
@@ -260,6 +263,12 @@ _FLAGS: list[tuple[str, type, str]] = [
     ("chat-template", str, "Jinja chat template file for models that have none"),
     ("max-request-bytes", int, "largest HTTP body accepted (413 above)"),
     ("runner-threads", int, "torch threads per runner (0: cores divided among runners with work)"),
+    (
+        "runner-start",
+        str,
+        f"{RUNNER_STARTS}: fork runners from one process that imported torch and transformers "
+        "once (a runner starts in a fraction of the CPU time), or start each as a new process",
+    ),
     ("zmq-endpoint", str, "ZeroMQ endpoint for the Python client (default: in the runtime dir)"),
     (
         "runtime-dir",

@@ -19,6 +19,7 @@ or start with :func:`spawn_runner`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ import msgspec
 from radixmux.common.cpu import cpu_cores
 from radixmux.common.heap import trim_heap
 from radixmux.common.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
+from radixmux.common.zygote import Zygote, ZygoteChild, ZygoteUnavailable
 from radixmux.memory.arena import ArenaSpec
 from radixmux.memory.layout import BlockGeometry
 
@@ -40,6 +42,9 @@ if TYPE_CHECKING:
 
     from radixmux.memory.arena import KVArena
 
+log = logging.getLogger("radixmux.runner")
+
+RUNNER_MODULE = "radixmux.model_runners.runner_process"
 PARENT_CHECK_MS = 1000
 
 
@@ -197,12 +202,19 @@ def _loop(sock, runner, parent: int) -> int:
         sock.send(encoder.encode(result))
 
 
-def spawn_runner(config: RunnerConfig, **popen: object) -> subprocess.Popen:
-    """Start a runner process for ``config`` (its parent is the caller, and it
-    dies with it from its first instruction on)."""
+def spawn_runner(
+    config: RunnerConfig, zygote: Zygote | None = None, **popen: object
+) -> subprocess.Popen | ZygoteChild:
+    """Start a runner process for ``config``: forked from ``zygote`` when one
+    is given and can fork, else a new process, the caller's child. Either way
+    it dies with its parent from its first instruction on."""
     payload = msgspec.json.encode(config).decode()
-    cmd = child_command("radixmux.model_runners.runner_process", payload)
-    return subprocess.Popen(cmd, **popen)
+    if zygote is not None:
+        try:
+            return zygote.fork(RUNNER_MODULE, [payload], config.runner_id)
+        except ZygoteUnavailable as exc:
+            log.warning("%s; runner %s starts as a new process", exc, config.runner_id)
+    return subprocess.Popen(child_command(RUNNER_MODULE, payload), **popen)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from radixmux.common.ipc import Endpoints, make_runtime_dir, remove_runtime_dir,
 from radixmux.common.owner import arena_file_name, remove_stale_arenas
 from radixmux.common.process import TOKENIZER_ENV, ProcessContext, spawn
 from radixmux.common.server_args import KV_CACHE_DTYPES, ServerArgs
+from radixmux.common.zygote import Zygote, ZygoteChild
 from radixmux.memory.arena import ArenaSpec, KVArena
 from radixmux.protocol import ModelArg
 from radixmux.runtime import admission
@@ -85,7 +86,7 @@ class Child:
     """One started process."""
 
     name: str  # "scheduler", "runner smollm2#0", "tokenizer-0", ...
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ZygoteChild
     runner_id: str | None = None  # set for runners: their death is not fatal
 
 
@@ -116,6 +117,8 @@ class Launcher:
         self._models_pub: zmq.Socket | None = None
         self.lifecycle: ModelLifecycle | None = None
         self._runner_configs: dict[str, RunnerConfig] = {}
+        # Runners fork from it (common/zygote.py), unless --runner-start spawn.
+        self.zygote = Zygote() if args.runner_start == "zygote" else None
         self._restarts: dict[str, list[float]] = {}  # runner id -> restart times
         self._due: dict[str, float] = {}  # runner id -> when to start it again
         self._ready: dict[str, protocol.ProcessReady] = {}
@@ -134,6 +137,13 @@ class Launcher:
 
     def _start(self) -> None:
         t0 = time.monotonic()
+        if self.zygote is not None:  # its imports overlap everything up to the runners
+            try:
+                with _children_ignore_sigint():
+                    self.zygote.start()
+            except OSError as exc:
+                log.warning("zygote: %s; runners start as new processes", exc)
+                self.zygote = None
         args = resolve_models(self.args)
         for warning in admission.startup_warnings(args):
             log.warning("%s", warning)
@@ -263,7 +273,7 @@ class Launcher:
 
         config = self._runner_configs[rid]
         with _children_ignore_sigint():
-            proc = spawn_runner(config)
+            proc = spawn_runner(config, self.zygote)
         self.children.append(Child(f"runner {rid}", proc, runner_id=rid))
         log.info("started runner %s (pid %d) for %s", rid, proc.pid, config.model)
 
@@ -485,6 +495,8 @@ class Launcher:
                 stop_them(alive)
                 codes = ", ".join(f"{c.name}={c.proc.returncode}" for c in alive)
                 log.info("stopped %s in %.1fs", codes, time.monotonic() - t_stage)
+        if self.zygote is not None:  # after the runners: they would die with it
+            self.zygote.close()
         self._cleanup()
         log.info("stopped in %.1fs", time.monotonic() - t0)
 

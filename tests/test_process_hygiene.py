@@ -91,6 +91,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def has_torch(pid: int) -> bool:
     try:
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
@@ -185,7 +192,12 @@ def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Pat
         banner = live.stdout.readline()
         assert banner.startswith("radixmux serving"), (base / "launcher.log").read_text()
         kids = children_of(live.pid)
-        assert len(kids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
+        assert len(kids) == 5  # scheduler, zygote, detokenizer, tokenizer-0, front
+        # The runner is the zygote's child (common/zygote.py), named by its id.
+        zygote = [k for k in kids if comm(k) == "zygote"]
+        assert len(zygote) == 1 and has_torch(zygote[0])
+        runners = children_of(zygote[0])
+        assert [comm(r) for r in runners] == ["tiny#0"] and has_torch(runners[0])
         # The processes that only tokenize never load torch (~2 CPU-s each a start),
         # and allocate through the C heap, which gives a dropped tokenizer's memory
         # back (process.TOKENIZER_ENV); the others keep Python's own allocator.
@@ -193,6 +205,7 @@ def test_children_die_with_a_launcher_killed_while_serving(tiny: Path, base: Pat
         assert len(tokenizing) == 2 and not any(has_torch(k) for k in tokenizing)
         assert all(c_heap(k) for k in tokenizing)
         assert not any(c_heap(k) for k in kids if k not in tokenizing)
+        kids += runners
         live.kill()
         live.wait(30)
         wait_until(lambda: not any(alive(k) for k in kids), f"orphans: {kids}", 30)

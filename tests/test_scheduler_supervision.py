@@ -301,11 +301,11 @@ def test_a_restart_that_cannot_start_a_process_is_retried(model, monkeypatch) ->
     real = runner_process.spawn_runner
     refused: list[str] = []
 
-    def spawn_refused_once(cfg: RunnerConfig) -> subprocess.Popen:
+    def spawn_refused_once(cfg: RunnerConfig, *args: object) -> subprocess.Popen:
         if not refused:
             refused.append(cfg.runner_id)
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
-        return real(cfg)
+        return real(cfg, *args)
 
     engine = Engine(model=[f"{model},name=a"], runner_threads=1, **ARENA)
     try:

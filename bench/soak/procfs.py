@@ -39,6 +39,9 @@ def process_role(pid: int) -> str:
         config = json.loads(argv[-1])
     if module.endswith("runner_process"):
         return f"runner {config.get('runner_id', '?')}"
+    if module.endswith(".zygote"):  # the zygote, or a runner forked from it (named by its id)
+        comm = (read_proc_file(f"/proc/{pid}/comm") or "").strip()
+        return "zygote" if comm in ("zygote", "") else f"runner {comm}"
     if isinstance(config, dict) and config.get("name"):
         return str(config["name"])
     return module.rsplit(".", 1)[-1] or f"pid {pid}"

@@ -21,13 +21,13 @@ class SoakServer(ServerProcess):
         self._roles: dict[int, str] = {}
 
     def processes(self) -> dict[int, str]:
-        """The launcher and its live children, pid -> role (``runner a#0``, ``front``, ...)."""
+        """The launcher and its live children, and the runners its zygote forked,
+        pid -> role (``runner a#0``, ``front``, ...)."""
         found = {self.pid: "launcher"} if is_alive(self.pid) else {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            pid = int(entry)
-            if parent_pid(pid) != self.pid:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+        parents = {pid: parent_pid(pid) for pid in pids}
+        for pid, parent in sorted(parents.items(), key=lambda p: p[1] != self.pid):
+            if parent != self.pid and found.get(parent) != "zygote":
                 continue
             if pid not in self._roles:
                 self._roles[pid] = process_role(pid)
