@@ -100,6 +100,48 @@ def out(
     return protocol.RequestOutput(rid, "m", ids, 7, n, 3, finish_reason=finish, **kw)
 
 
+def served(folder: Path, instance: str) -> protocol.ServedModel:
+    """``folder``'s tokenizer served as ``instance`` (``name`` or ``name@vN``)."""
+    name, _, version = instance.partition("@v")
+    info = ModelInfo(
+        name,
+        "LlamaForCausalLM",
+        KVLayout(2, 2, 16),
+        2048,
+        [None, None],
+        49152,
+        [2],
+        "",
+        "",
+        True,
+        "float32",
+        "cpu",
+    )
+    return protocol.ServedModel(name, str(folder), info, version=int(version or 1))
+
+
+def test_a_table_applied_after_an_instance_was_removed_does_not_bring_it_back(folder):
+    # Tables are applied on their own thread behind the loop: a resend of the
+    # table that listed an instance, still queued when the instance's
+    # ModelRemoved arrives, must not load its tokenizer again (nothing would
+    # drop it: a leaked tokenizer per such race).
+    detok = Detokenizer({})
+    h, h2 = served(folder, "h"), served(folder, "h@v2")
+    assert h2.instance == "h@v2"
+    detok.newest_table = 3
+    detok.add_models([h, h2], 3)
+    assert set(detok.tokenizers) == {"h", "h@v2"}
+    detok.newest_table = 4  # the table without h, queued behind the resend below
+    detok.remove_model("h")
+    detok.remove_model("h@v2")
+    detok.add_models([h, h2], 3)  # the resend
+    assert detok.tokenizers == {}
+    detok.add_models([], 4)  # the launcher's table after the unload
+    assert detok.removed == {}
+    detok.add_models([h], 6)  # a later load of the same name is a new instance
+    assert set(detok.tokenizers) == {"h"}
+
+
 def test_state_ends_with_request(tok):
     detok = Detokenizer({"m": tok})
     ids = tok("x y z END w").input_ids
@@ -148,24 +190,10 @@ class Peers:
         self.launcher = self._sock(zmq.PULL, self.eps.launcher, bind=True)
         self.front = self._sock(zmq.PULL, self.eps.front, bind=True)
         self.push = self._sock(zmq.PUSH, self.eps.detokenizer, bind=False)
-        info = ModelInfo(
-            "m",
-            "LlamaForCausalLM",
-            KVLayout(2, 2, 16),
-            2048,
-            [None, None],
-            49152,
-            [2],
-            "",
-            "",
-            True,
-            "float32",
-            "cpu",
-        )
-        served = [protocol.ServedModel("m", str(folder), info)]
         args = ServerArgs(models=[ModelArg(str(folder), "m")])
+        table = [served(folder, "m")]
         self.proc = spawn(
-            "radixmux.runtime.detokenizer", ProcessContext("detokenizer", args, self.eps, served)
+            "radixmux.runtime.detokenizer", ProcessContext("detokenizer", args, self.eps, table)
         )
 
     def _sock(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
