@@ -61,13 +61,22 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/linear*.json")
     p.add_argument("--widen", action="store_true", help="float32: torch vs the widening kernel")
+    p.add_argument(
+        "--gate-up-act",
+        action="store_true",
+        help="bfloat16: a gated MLP's projection then act_and_mul vs amx_gate_up_act's one pass",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     name = "linear-widen.json" if args.widen else "linear.json"
+    name = "linear-gate-up-act.json" if args.gate_up_act else name
     args.out = args.out or ROOT / "bench" / "results" / name
     if args.widen:
         widen_main(args)
+        return
+    if args.gate_up_act:
+        gate_up_act_main(args)
         return
     limits = small_kernel_limits()
     if limits is None:
@@ -117,9 +126,13 @@ LAYER_CALLS = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 3072), (153
 LAYERS = 30
 
 
-def time_step(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], rows: int) -> float:
+def time_step(
+    calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]],
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """Median of 7 timed passes over ``calls`` (each after 2 untimed), ms per pass."""
-    inputs = {k: torch.randn(rows, k) for k in {k for _, k in calls}}
+    inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in calls}}
     times = []
     for i in range(9):
         t0 = time.perf_counter()
@@ -128,6 +141,39 @@ def time_step(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], r
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def gate_up_act_main(args: argparse.Namespace) -> None:
+    """SmolLM2's 30 merged gate/up weights cycled (cold in cache, as a step
+    reads them): the projection, then ``act_and_mul``, against the one pass."""
+    from radixmux.model_runners.fused_ops import act_table
+
+    if small_kernel_limits() is None:
+        sys.exit("no small-batch kernel on this CPU (needs AMX or AVX512-BF16) or no compiler")
+    ops = torch.ops.radixmux
+    k, inter = 576, 1536
+    table = act_table(nn.SiLU())
+    torch.manual_seed(0)
+    weights = [
+        ops.amx_pack((torch.randn(2 * inter, k) * 0.05).to(torch.bfloat16)) for _ in range(LAYERS)
+    ]
+    unfused = [
+        (lambda x, w=w: ops.act_and_mul(ops.amx_linear(x, w, None, 2 * inter), 0, table), k)
+        for w in weights
+    ]
+    fused = [(lambda x, w=w: ops.amx_gate_up_act(x, w, None, 2 * inter, table), k) for w in weights]
+    print(f"gate/up + SiLU, {LAYERS} layers, {torch.get_num_threads()} threads, ms per step")
+    print(f"{'rows':>5} {'unfused':>9} {'one pass':>9} {'ratio':>6}")
+    results = []
+    for rows in args.rows:
+        t_un = time_step(unfused, rows, torch.bfloat16)
+        t_fu = time_step(fused, rows, torch.bfloat16)
+        print(f"{rows:>5} {t_un:>9.2f} {t_fu:>9.2f} {t_fu / t_un:>6.2f}")
+        results.append({"rows": rows, "unfused_ms": t_un, "one_pass_ms": t_fu})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}))
+    print(f"wrote {args.out}")
 
 
 def grid_valued(n: int, k: int, bits: int) -> torch.Tensor:

@@ -323,10 +323,11 @@ def gated_activation(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A gated MLP's ``act(gate(x)) * up(x)`` from its merged gate/up projection
     ``linear`` and its activation ``act`` (kind, bf16 table: fused_ops.py).
-    Where the projection keeps AMX tiles, calls of up to ``AMX_MAX_ROWS`` rows
-    take one pass that never writes the merged product (``amx_gate_up_act``:
-    the bits of the tiles' projection then ``act_and_mul``); others the
-    projection, then ``act_and_mul``."""
+    Where the projection keeps packed tiles (AMX, or AVX512-BF16 dot products),
+    calls of up to ``AMX_MAX_ROWS`` rows (every call on dot products) take one
+    pass that never writes the merged product (``amx_gate_up_act``: the bits
+    of the tiles' projection then ``act_and_mul``); others the projection,
+    then ``act_and_mul``."""
     kind, table = act
     project = linear.forward  # bound: no nn.Module.__call__ per call
     act_and_mul = torch.ops.radixmux.act_and_mul
@@ -335,7 +336,7 @@ def gated_activation(
         return act_and_mul(project(x), kind, table)
 
     tiles = isinstance(linear, PackedLinear) and linear.amx is not None
-    if table is None or not tiles or linear.out_features % 64 or not amx_available():
+    if table is None or not tiles or linear.out_features % 64 or small_kernel_limits() is None:
         return unfused
     fused = torch.ops.radixmux.amx_gate_up_act
     # Past the projection's own limit too: without the merged product to write
@@ -343,6 +344,9 @@ def gated_activation(
     # then act_and_mul) at every row count to 2,048 (SmolLM2, the 30 layers
     # cycled: 1,024 rows 1,697 vs 1,930 us, 2,048 3,321 vs 3,561; whole steps,
     # 1,024 rows 259.8-293.9 -> 254.5-262.1 ms, 1,908 519-566 -> 483-536).
+    # On dot products (AVX512-BF16, no AMX), every call: a 512-token prefill
+    # step of SmolLM2 wrote and re-read the merged product for 8.7 of 172 ms
+    # (act_and_mul, the Zen 5 host).
     limit = max(linear.amx_max_rows, AMX_MAX_ROWS)
     packed, bias, width = linear.amx, linear.bias, linear.out_features
 

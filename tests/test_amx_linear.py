@@ -144,20 +144,22 @@ def test_a_wide_projection_keeps_the_kernel_longer_without_a_onednn_copy():
     assert AMX_MAX_ROWS_WIDE_COPY < AMX_MAX_ROWS_WIDE <= AMX_MAX_ROWS
 
 
-@pytest.mark.skipif(not amx_available(), reason="AMX tiles only")
+@pytest.mark.skipif(LIMITS is None, reason="AMX tiles or AVX512-BF16 dot products only")
 @pytest.mark.parametrize(
     ("k", "inter", "bias"), [(576, 1536, False), (64, 128, True), (100, 96, True)]
 )
 def test_gate_up_act_has_the_bits_of_the_projection_then_act_and_mul(k, inter, bias):
     """amx_gate_up_act (the merged gate/up projection and the activation in one
-    pass) gives act_and_mul(amx_linear(x))'s bits at every row count, with a
-    bias, with an input width the tiles pad, and with no rows."""
+    pass, on AMX tiles or AVX512-BF16 dot products, as amx_linear) gives
+    act_and_mul(amx_linear(x))'s bits at every row count (whole and partial
+    row groups and panels), with a bias, with an input width the tiles pad,
+    and with no rows."""
     g = torch.Generator().manual_seed(k)
     table = act_table(torch.nn.SiLU())
     w = (torch.randn(2 * inter, k, generator=g) * 0.05).to(torch.bfloat16)
     b = (torch.randn(2 * inter, generator=g) * 0.1).to(torch.bfloat16) if bias else None
     tiles = torch.ops.radixmux.amx_pack(w)
-    for rows in (0, 1, 16, 17, 33, 100, 300):
+    for rows in (0, 1, 2, 3, 16, 17, 33, 100, 300):
         x = torch.randn(1, rows, k, generator=g).to(torch.bfloat16)
         merged = torch.ops.radixmux.amx_linear(x, tiles, b, 2 * inter)
         expected = torch.ops.radixmux.act_and_mul(merged, 0, table)

@@ -10,7 +10,7 @@ from radixmux.memory.arena import KVArena
 from radixmux.memory.layout import BlockGeometry
 from radixmux.model_runners.lean_stack import LeanStack
 from radixmux.model_runners.model_runner import ModelRunner
-from radixmux.model_runners.packed_linear import amx_available, pack_linear_weights
+from radixmux.model_runners.packed_linear import pack_linear_weights, small_kernel_limits
 
 
 def _served(kind: str, dtype: str):
@@ -33,9 +33,10 @@ def test_lean_stack_gives_the_model_forwards_logits_bit_for_bit(dtype):
             geometry = BlockGeometry(loaded.info.layout, arena.spec.block_bytes, 1)
             runners.append(ModelRunner(loaded, arena.view(geometry), lean=lean))
         assert runners[0].lean is not None and runners[1].lean is None
-        # bf16 on AMX tiles: the MLP takes the one-pass gate/up + activation
-        # kernel (whose bits this test holds to transformers' forward).
-        fused = dtype == "bfloat16" and amx_available()
+        # bf16 on AMX tiles or AVX512-BF16 dot products: the MLP takes the
+        # one-pass gate/up + activation kernel (whose bits this test holds to
+        # transformers' forward).
+        fused = dtype == "bfloat16" and small_kernel_limits() is not None
         assert all(
             (lay.gate_up_act.__name__ == "gate_up_act") == fused for lay in runners[0].lean.layers
         )

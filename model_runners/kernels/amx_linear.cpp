@@ -72,9 +72,7 @@ inline void store_row(__m512 v, __m512 bias, uint16_t* out, int64_t cols) {
 // path saves, and its deeper blocking wins again at larger row counts
 // (packed_linear.py picks by rows).
 template <int R, int NB>
-void dot_tile(const uint16_t* x, int64_t kp, const uint16_t* w, const float* bias, uint16_t* y,
-              int64_t n, int64_t n0) {
-  __m512 acc[R][NB];
+inline void dot_products(const uint16_t* x, int64_t kp, const uint16_t* w, __m512 (&acc)[R][NB]) {
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t w_block = kp * 32;  // elements per packed N-block
@@ -88,6 +86,13 @@ void dot_tile(const uint16_t* x, int64_t kp, const uint16_t* w, const float* bia
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
+}
+
+template <int R, int NB>
+void dot_tile(const uint16_t* x, int64_t kp, const uint16_t* w, const float* bias, uint16_t* y,
+              int64_t n, int64_t n0) {
+  __m512 acc[R][NB];
+  dot_products<R, NB>(x, kp, w, acc);
   for (int b = 0; b < NB; ++b) {
     const int64_t c0 = n0 + b * kBlockN;
     const int64_t cols = std::min<int64_t>(kBlockN, n - c0);
@@ -109,6 +114,74 @@ void dot_rows(int64_t rows, const uint16_t* x, int64_t kp, const uint16_t* w, co
 
 constexpr int64_t kDotRows = 4;    // activation rows per pass over a panel
 constexpr int64_t kDotBlocks = 4;  // N-blocks per panel (16 accumulators at 4 rows)
+
+// The gated MLP's act(gate) * up for R rows and NB blocks of 16 outputs from
+// `c0` (of `inter`): the gate's products rounded to bfloat16 as dot_tile stores
+// them, then the up projection's, combined as act_and_mul's table path
+// combines them (bf16_round.h), so the bits are act_and_mul(amx_linear(x))'s
+// while the merged 2 x inter product never leaves the core.
+template <int R, int NB>
+void dot_gate_up_tile(const uint16_t* x, int64_t kp, const uint16_t* w, int64_t inter,
+                      const float* bias, const uint16_t* table, uint16_t* y, int64_t c0) {
+  const int64_t up = inter / kBlockN * kp * 32;  // the up half's first block
+  alignas(32) uint16_t gate[R][NB][16];
+  __m512 acc[R][NB];
+  dot_products<R, NB>(x, kp, w, acc);
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bv = bias_block(bias ? bias + c0 + b * kBlockN : nullptr, kBlockN);
+    for (int r = 0; r < R; ++r)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(gate[r][b]), round_out(acc[r][b], bv));
+  }
+  dot_products<R, NB>(x, kp, w + up, acc);
+  for (int b = 0; b < NB; ++b) {
+    const __m512 bv = bias_block(bias ? bias + inter + c0 + b * kBlockN : nullptr, kBlockN);
+    for (int r = 0; r < R; ++r) {
+      const __m256i u16 = round_out(acc[r][b], bv);
+      const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(u16), 16));
+      const __m512i idx = _mm512_cvtepu16_epi32(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(gate[r][b])));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * inter + c0 + b * kBlockN),
+                          radixmux::table_act_mul(idx, u, table));
+    }
+  }
+}
+
+template <int NB>
+void dot_gate_up_rows(int64_t rows, const uint16_t* x, int64_t kp, const uint16_t* w,
+                      int64_t inter, const float* bias, const uint16_t* table, uint16_t* y,
+                      int64_t c0) {
+  switch (rows) {
+    case 1: return dot_gate_up_tile<1, NB>(x, kp, w, inter, bias, table, y, c0);
+    case 2: return dot_gate_up_tile<2, NB>(x, kp, w, inter, bias, table, y, c0);
+    case 3: return dot_gate_up_tile<3, NB>(x, kp, w, inter, bias, table, y, c0);
+    default: return dot_gate_up_tile<4, NB>(x, kp, w, inter, bias, table, y, c0);
+  }
+}
+
+// dot_gemm's split (panels of the gate half across threads, rows inside) with
+// dot_gate_up_tile's epilogue; a panel of the gate and its up panel stay in L2.
+void dot_gate_up(const uint16_t* x, int64_t m_rows, int64_t kp, const uint16_t* w, int64_t inter,
+                 const float* bias, const uint16_t* table, uint16_t* y, int64_t threads) {
+  const int64_t blocks = inter / kBlockN;
+  const int64_t panels = (blocks + kDotBlocks - 1) / kDotBlocks;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t nb = p * kDotBlocks;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kDotRows) {
+      const int64_t rows = std::min(kDotRows, m_rows - m0);
+      const uint16_t* xm = x + m0 * kp * 2;
+      uint16_t* ym = y + m0 * inter;
+      if (nb + kDotBlocks <= blocks) {
+        dot_gate_up_rows<kDotBlocks>(rows, xm, kp, w + nb * kp * 32, inter, bias, table, ym,
+                                     nb * kBlockN);
+      } else {
+        for (int64_t b = nb; b < blocks; ++b)
+          dot_gate_up_rows<1>(rows, xm, kp, w + b * kp * 32, inter, bias, table, ym,
+                              b * kBlockN);
+      }
+    }
+  }
+}
 
 void dot_gemm(const uint16_t* x, int64_t m_rows, int64_t kp, const uint16_t* w, int64_t n_blocks,
               const float* bias, uint16_t* y, int64_t n, int64_t threads) {
@@ -474,15 +547,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 }
 
 // act(x @ gate.T) * (x @ up.T) for a merged gate/up weight of `out_features`
-// = 2I outputs packed by amx_pack, on AMX tiles: the bits of
-// act_and_mul(amx_linear(x, ...), act, table) (gate_up_act_block). `table`:
+// = 2I outputs packed by amx_pack, on AMX tiles where this process may use
+// them, else with AVX512-BF16 dot products: the bits of
+// act_and_mul(amx_linear(x, ...), act, table) (gate_up_act_block,
+// dot_gate_up_tile). `table`:
 // act_and_mul's 65,537 int16 (the activation of every bfloat16). I must be a
 // multiple of 32 (whole tile pairs in each half).
 at::Tensor amx_gate_up_act(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, int64_t out_features,
                            const at::Tensor& table) {
-#ifdef RADIXMUX_AMX
-  TORCH_CHECK(request_amx(), "amx_gate_up_act: this process may not use AMX tiles");
+#ifdef __AVX512BF16__
   TORCH_CHECK(out_features % 64 == 0, "amx_gate_up_act: ", out_features,
               " outputs are not two halves of whole tile pairs");
   TORCH_CHECK(table.scalar_type() == at::kShort && table.is_contiguous() &&
@@ -492,17 +566,24 @@ at::Tensor amx_gate_up_act(const at::Tensor& x, const at::Tensor& packed,
   const int64_t inter = c.n / 2;
   at::Tensor y = at::empty(c.shape(x, inter), x.options());
   if (c.m == 0) return y;
-  const AmxBlocks g = c.blocks(packed, nullptr);
   const auto* tp = reinterpret_cast<const uint16_t*>(table.data_ptr<int16_t>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Split as amx_linear splits the merged product.
-  amx_gemm(inter / 32, c.m, c.threads, c.split_rows(),
-           [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
-             gate_up_act_block(g, p, m0, mend, cur, acc, tp, yp);
-           });
+#ifdef RADIXMUX_AMX
+  if (request_amx()) {
+    const AmxBlocks g = c.blocks(packed, nullptr);
+    // Split as amx_linear splits the merged product.
+    amx_gemm(inter / 32, c.m, c.threads, c.split_rows(),
+             [&](int64_t p, int64_t m0, int64_t mend, int (&cur)[2], float (&acc)[4][256]) {
+               gate_up_act_block(g, p, m0, mend, cur, acc, tp, yp);
+             });
+    return y;
+  }
+#endif
+  dot_gate_up(c.xp(), c.m, c.kp, reinterpret_cast<const uint16_t*>(packed.data_ptr()), inter,
+              c.bp(), tp, yp, c.threads);
   return y;
 #else
-  TORCH_CHECK(false, "amx_gate_up_act: this build has no AMX");
+  TORCH_CHECK(false, "amx_gate_up_act: this build has neither AMX nor AVX512-BF16");
 #endif
 }
 
