@@ -118,6 +118,11 @@ def end(
         sched.kv.release(req, keep=error is None)
     sched.requests.pop(req.rid, None)
     if error is None:
+        if req.aborted is not None and req.announced:
+            # Given up after outputs reached the detokenizer: a final output
+            # ends its state there (held otherwise for the server's life,
+            # with its model's tokenizer; the front drops this late output).
+            sched.send_outputs([request_output(req, [], "abort")])
         return None
     return request_output(req, [], "error", error=error, status=status)
 
@@ -164,14 +169,13 @@ def abort(sched: Scheduler, rid: str, reason: str, early: bool = False) -> None:
         if early:
             _remember_early_abort(sched, rid)
         return  # else already finished
+    req.aborted = reason
     if sched.disk is not None and sched.disk.is_loading(req):
-        req.aborted = reason  # its slots are being filled: ended after the load
-        return
+        return  # its slots are being filled: ended after the load
     if req.runner is not None:
         inflight = sched.runners[req.runner].inflight
         if inflight is not None and req in inflight.reqs:
-            req.aborted = reason  # its slots are being written: ended after the batch
-            return
+            return  # its slots are being written: ended after the batch
     end(sched, req)
     log.info("rid=%s aborted: %s", rid, reason)
 

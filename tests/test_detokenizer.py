@@ -140,6 +140,12 @@ def test_a_table_applied_after_an_instance_was_removed_does_not_bring_it_back(fo
     assert detok.removed == {}
     detok.add_models([h], 6)  # a later load of the same name is a new instance
     assert set(detok.tokenizers) == {"h"}
+    # A request of h that never gets a final output (its model went first) does
+    # not keep h's tokenizer: the removal drops its state too.
+    detok.process(protocol.TokenBatch([protocol.RequestOutput("r", "h", [5, 6], 7, 2, 3)]))
+    assert set(detok.live) == {"r"}
+    detok.remove_model("h")
+    assert detok.live == {} and detok.tokenizers == {}
 
 
 def test_state_ends_with_request(tok):

@@ -56,17 +56,30 @@ def config(folder: Path, arena, endpoint: str, rid: str) -> RunnerConfig:
     return RunnerConfig(str(folder), arena.spec, endpoint, rid, name="tiny", threads=1)
 
 
+@pytest.fixture
+def start(zygote: Zygote, tiny_folder: Path, arena, router):  # noqa: F811
+    """Start runner ``rid`` through ``zygote``; returns it once it said Ready, and its identity."""
+    sock, endpoint = router
+
+    def started(rid: str) -> tuple[ZygoteChild, bytes]:
+        proc = spawn_runner(config(tiny_folder, arena, endpoint, rid), zygote)
+        assert isinstance(proc, ZygoteChild)
+        ident, ready = recv(sock)
+        assert isinstance(ready, protocol.Ready) and ready.pid == proc.pid
+        return proc, ident
+
+    return started
+
+
 def test_a_forked_runner_serves_and_its_end_is_reported(
     zygote: Zygote,
-    tiny_folder: Path,  # noqa: F811
+    start,
     arena,
     router,  # noqa: F811
 ) -> None:
-    sock, endpoint = router
-    proc = spawn_runner(config(tiny_folder, arena, endpoint, "tiny0"), zygote)
-    assert isinstance(proc, ZygoteChild) and zygote.forks == 1
-    ident, ready = recv(sock)
-    assert isinstance(ready, protocol.Ready) and ready.pid == proc.pid
+    sock, _ = router
+    proc, ident = start("tiny0")
+    assert zygote.forks == 1
     # Its zygote's child, named by its runner id (its command line is the zygote's).
     assert parent_of(proc.pid) == zygote.pid
     assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "tiny0"
@@ -84,8 +97,7 @@ def test_a_forked_runner_serves_and_its_end_is_reported(
     assert proc.wait(timeout=30) == 0 and not alive(proc.pid)
 
     # Killed: the signal's code, as Popen reports it.
-    second = spawn_runner(config(tiny_folder, arena, endpoint, "tiny1"), zygote)
-    assert isinstance(recv(sock)[1], protocol.Ready)
+    second, _ = start("tiny1")
     second.kill()
     assert second.wait(timeout=30) == -signal.SIGKILL
     # A child whose main returns: its exit code (a bad config: 2).
@@ -95,14 +107,9 @@ def test_a_forked_runner_serves_and_its_end_is_reported(
 
 
 def test_a_dead_zygote_takes_its_runners_and_the_next_fork_starts_another(
-    zygote: Zygote,
-    tiny_folder: Path,  # noqa: F811
-    arena,
-    router,  # noqa: F811
+    zygote: Zygote, start
 ) -> None:
-    sock, endpoint = router
-    proc = spawn_runner(config(tiny_folder, arena, endpoint, "tiny0"), zygote)
-    assert isinstance(recv(sock)[1], protocol.Ready)
+    proc, _ = start("tiny0")
     first = zygote.pid
     assert first is not None
     os.kill(first, signal.SIGKILL)
@@ -112,10 +119,8 @@ def test_a_dead_zygote_takes_its_runners_and_the_next_fork_starts_another(
         assert time.monotonic() < deadline, "the runner outlived its zygote"
         time.sleep(0.05)
 
-    again = spawn_runner(config(tiny_folder, arena, endpoint, "tiny1"), zygote)
-    assert isinstance(again, ZygoteChild) and zygote.pid not in (None, first)
-    assert parent_of(again.pid) == zygote.pid
-    assert isinstance(recv(sock)[1], protocol.Ready)
+    again, _ = start("tiny1")
+    assert zygote.pid not in (None, first) and parent_of(again.pid) == zygote.pid
     again.kill()
     assert again.wait(timeout=30) == -signal.SIGKILL
 
