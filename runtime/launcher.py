@@ -117,7 +117,7 @@ class Launcher:
         self._models_pub: zmq.Socket | None = None
         self.lifecycle: ModelLifecycle | None = None
         self._runner_configs: dict[str, RunnerConfig] = {}
-        # Runners fork from it (common/zygote.py), unless --runner-start spawn.
+        # Runners fork from it (common/zygote.py) with --runner-start zygote.
         self.zygote = Zygote() if args.runner_start == "zygote" else None
         self._restarts: dict[str, list[float]] = {}  # runner id -> restart times
         self._due: dict[str, float] = {}  # runner id -> when to start it again

@@ -199,7 +199,7 @@ def _launch_py_serves_and_stops_on_sigint(tiny, tmp_path: Path, runtime: Path) -
             if proc.poll() is None:
                 proc.kill()
     pids = [int(p) for p in re.findall(r"started .* \(pid (\d+)\)", log.read_text())]
-    assert len(pids) == 6  # zygote, scheduler, runner, detokenizer, tokenizer-0, front
+    assert len(pids) == 5  # scheduler, runner, detokenizer, tokenizer-0, front
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
     assert not runtime.exists()

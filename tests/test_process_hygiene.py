@@ -121,7 +121,7 @@ def wait_until(check, what: str, timeout: float) -> None:
 def launch(tiny: Path, runtime_dir: Path, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "launch.py"), "--model", f"{tiny},name=tiny"]
     cmd += ["--kv-cache-bytes", str(8 << 20), "--kv-block-bytes", str(64 << 10), "--port", "0"]
-    cmd += ["--runner-threads", "1", "--runtime-dir", str(runtime_dir)]
+    cmd += ["--runner-threads", "1", "--runtime-dir", str(runtime_dir), "--runner-start", "zygote"]
     with open(log, "w") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
 
