@@ -50,6 +50,14 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def tie_to_parent(parent: int) -> None:
+    """Ask for the parent-death signal, then exit at once if ``parent`` is no
+    longer our parent (it died before the kernel could be asked)."""
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(PARENT_GONE)
+
+
 _RUN_CHILD = "from radixmux.common.os_process import run_child; run_child()"
 
 
@@ -62,9 +70,7 @@ def child_command(module: str, *args: str) -> list[str]:
 def run_child() -> None:
     """``child_command``'s other end: ``sys.argv`` is ``["-c", module, parent pid, args...]``."""
     module, parent = sys.argv[1], int(sys.argv[2])
-    die_with_parent()
-    if os.getppid() != parent:  # it died before the kernel could be asked
-        os._exit(PARENT_GONE)
+    tie_to_parent(parent)
     sys.argv = [module, *sys.argv[3:]]  # runpy puts the module's path in argv[0]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -46,7 +46,7 @@ import traceback
 
 import msgspec
 
-from radixmux.common.os_process import PARENT_GONE, child_command, die_with_parent, exit_now
+from radixmux.common.os_process import child_command, exit_now, tie_to_parent
 
 log = logging.getLogger("radixmux.zygote")
 
@@ -348,9 +348,7 @@ def _fork(msg: Fork, sel: selectors.BaseSelector) -> Forked:
         return Forked(pid)
     code = 1
     try:
-        die_with_parent()
-        if os.getppid() != parent:
-            os._exit(PARENT_GONE)
+        tie_to_parent(parent)
         for key in list(sel.get_map().values()):  # the zygote's socket and pidfds
             os.close(key.fd)
         _become(msg.name)
